@@ -1,0 +1,97 @@
+"""All configuration in one place, read from `TRAJGATE_*` environment variables (and an optional `.env`).
+
+One object so every process (gateway, trainer, CLI) agrees on what a setting means and a typo fails at start,
+naming the variable, instead of surfacing as odd behaviour later.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "TRAJGATE_"
+
+
+class ConfigError(Exception):
+    """A setting is invalid; the message is one line that names the environment variable."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=".env", extra="ignore")
+
+    database_url: str = Field(
+        "sqlite:///trajgate.db",
+        description="SQLAlchemy URL; SQLite file in the working directory by default, postgresql://... for Postgres.",
+    )
+    upstream_url: str = Field("http://127.0.0.1:8001/v1", description="vLLM's OpenAI base URL (ends in /v1).")
+    base_model: str | None = Field(None, description="Name vLLM serves the base model under.")
+    agent_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Comma-separated keys agents may use; empty means no agent auth."
+    )
+    admin_key: SecretStr | None = Field(None, description="Key for admin and read endpoints; unset means no auth.")
+    spool_dir: Path = Field(Path("spool"), description="Where records go when the database is unavailable.")
+    checkpoint_dir: Path = Field(Path("checkpoints"), description="Adapters and optimizer state, per run and step.")
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalise_database_url(cls, url: str) -> str:
+        """Accept the URLs people paste (postgres://, postgresql://) and pin the psycopg 3 driver."""
+        url = url.strip()
+        for prefix in ("postgres://", "postgresql://"):
+            if url.startswith(prefix):
+                return "postgresql+psycopg://" + url[len(prefix) :]
+        if url.startswith(("postgresql+psycopg://", "sqlite://")):
+            return url
+        raise ValueError("must start with sqlite:/// or postgresql://")
+
+    @field_validator("upstream_url")
+    @classmethod
+    def _check_upstream_url(cls, url: str) -> str:
+        url = url.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("must be an http(s) URL such as http://vllm:8000/v1")
+        return url
+
+    @field_validator("agent_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    @field_validator("agent_keys")
+    @classmethod
+    def _check_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        # '#' separates a real key from attribution in the api-key form, so a key may not contain it.
+        if any("#" in key.get_secret_value() for key in keys):
+            raise ValueError("a key may not contain '#'")
+        return keys
+
+    @field_validator("admin_key", "base_model", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build settings, turning pydantic's multi-line report into one line naming the variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "?"
+        raise ConfigError(f"invalid {ENV_PREFIX}{field.upper()}: {first['msg']}") from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Process-wide settings, read once."""
+    return load_settings()

@@ -1,0 +1,161 @@
+"""The schema as SQLAlchemy 2 models; the Alembic migrations must agree with it (a test checks).
+
+Portable across Postgres and SQLite: JSON becomes JSONB on Postgres, token arrays are bytes everywhere.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+ID_LENGTH = 128
+
+JsonType = JSON().with_variant(JSONB(), "postgresql")
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Run(Base):
+    """A named training run; agents name it in the request's `model` field."""
+
+    __tablename__ = "runs"
+
+    name: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    # What the trainer loads: the same weights vLLM serves as base_model, or the IS ratio is meaningless.
+    base_weights: Mapped[str | None] = mapped_column(String(1024))
+    config: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+
+
+class PolicyVersion(Base):
+    """Step k of a run as vLLM serves it: step 0 is the base model, later steps are adapters `run@k`."""
+
+    __tablename__ = "policy_versions"
+
+    run: Mapped[str] = mapped_column(ForeignKey("runs.name", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    served_name: Mapped[str] = mapped_column(String(512))
+    adapter_path: Mapped[str | None] = mapped_column(String(1024))
+    status: Mapped[str] = mapped_column(String(16), default="loaded")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Group(Base):
+    """Trajectories scored against each other; the unit the trainer claims.
+
+    state: open -> ready -> claimed -> trained | dropped (a claim whose lease expires goes back to ready).
+    """
+
+    __tablename__ = "groups"
+
+    group_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    run: Mapped[str] = mapped_column(ForeignKey("runs.name", ondelete="CASCADE"))
+    mode: Mapped[str] = mapped_column(String(8), default="train")
+    expected_size: Mapped[int | None] = mapped_column(Integer)
+    closed: Mapped[bool] = mapped_column(Boolean, default=False)
+    state: Mapped[str] = mapped_column(String(16), default="open")
+    claimed_by: Mapped[str | None] = mapped_column(String(256))
+    lease_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    trained_step: Mapped[int | None] = mapped_column(Integer)
+    drop_reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    ready_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index(None, "run", "state", "ready_at"),)
+
+
+class Trajectory(Base):
+    """One agent episode: the calls it made and the reward it earned."""
+
+    __tablename__ = "trajectories"
+
+    trajectory_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    run: Mapped[str] = mapped_column(ForeignKey("runs.name", ondelete="CASCADE"))
+    group_id: Mapped[str] = mapped_column(ForeignKey("groups.group_id", ondelete="CASCADE"))
+    mode: Mapped[str] = mapped_column(String(8), default="train")
+    reward: Mapped[float | None] = mapped_column(Float)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JsonType)
+    untrainable_calls: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    rewarded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (Index(None, "group_id"), Index(None, "run", "created_at"))
+
+
+class Call(Base):
+    """One upstream call (one row per choice when n > 1), with the exact ids and logprobs vLLM produced."""
+
+    __tablename__ = "calls"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    trajectory_id: Mapped[str] = mapped_column(ForeignKey("trajectories.trajectory_id", ondelete="CASCADE"))
+    # Order within the trajectory; a retried call reuses the seq of the attempt it replaces.
+    seq: Mapped[int] = mapped_column(BigInteger)
+    choice_index: Mapped[int] = mapped_column(Integer, default=0)
+    run: Mapped[str] = mapped_column(String(ID_LENGTH))
+    policy_version: Mapped[int] = mapped_column(Integer, default=0)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    stream: Mapped[bool] = mapped_column(Boolean, default=False)
+    request: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
+    response: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
+    prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    completion_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    completion_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    usage: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    trainable: Mapped[bool] = mapped_column(Boolean, default=False)
+    untrainable_reason: Mapped[str | None] = mapped_column(Text)
+    latency_ms: Mapped[float | None] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    retry_count: Mapped[int] = mapped_column(Integer, default=0)
+    idempotency_key: Mapped[str | None] = mapped_column(String(256))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (UniqueConstraint("trajectory_id", "seq", "choice_index"),)
+
+
+class TrainStep(Base):
+    """What one optimizer step did, for the read API and the live progress stream."""
+
+    __tablename__ = "train_steps"
+
+    run: Mapped[str] = mapped_column(ForeignKey("runs.name", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,0 +1,1 @@
+"""Alembic migrations: the single source of the schema for Postgres and SQLite."""

@@ -1,0 +1,50 @@
+"""Database fixtures: a real Postgres (TEST_DATABASE_URL, or a throwaway cluster) and SQLite.
+
+Tests that matter take `db_url`, which runs them once on each backend.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.pgcluster import PgCluster, create_database, drop_database
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> Iterator[str]:
+    """A Postgres server URL (its maintenance database); started for the session unless TEST_DATABASE_URL is set."""
+    given = os.environ.get("TEST_DATABASE_URL")
+    if given:
+        yield given.replace("postgresql://", "postgresql+psycopg://", 1)
+        return
+    cluster = PgCluster()
+    cluster.start()
+    try:
+        yield cluster.url()
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def pg_url(pg_server_url: str) -> Iterator[str]:
+    """A fresh, empty Postgres database for one test."""
+    url = create_database(pg_server_url)
+    try:
+        yield url
+    finally:
+        drop_database(url)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'trajgate.db'}"
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def db_url(request: pytest.FixtureRequest) -> str:
+    """An empty database on each backend in turn."""
+    return request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url")
