@@ -1,0 +1,354 @@
+"""Record what a real vLLM answers to the requests the gateway sends upstream.
+
+The fake upstream in the fast tests replays these files, so it can only be as faithful as they are:
+every request here is shaped the way the gateway forwards it (chat: `"logprobs": true`, completions:
+`"logprobs": 0`, always `"return_token_ids": true`), sampling is greedy or seeded so a re-record
+gives the same tokens, and streams are kept as the raw SSE payloads in arrival order.
+
+One JSON file per scenario in tests/fixtures/vllm/<name>.json:
+
+    {
+      "name": str,                       # also the file name
+      "method": "POST" | "GET",
+      "path": "/v1/chat/completions",    # path on the vLLM server
+      "request": {...} | null,           # the body exactly as sent (null for GET)
+      "status": int,                     # HTTP status vLLM answered
+      "headers": {"content-type": str | null},
+      "stream": bool,                    # true when the answer was an SSE stream
+      "response": <parsed JSON body, or the raw text if not JSON> | null,  # null for streams
+      "raw_body": str | null,            # the body text byte-for-byte; null for streams
+      "chunks": [str, ...] | null,       # each SSE `data:` payload as received; last "[DONE]"
+      "vllm_version": str
+    }
+
+Multi-turn scenarios (conversation_*) build each request from the previous answers the way an
+OpenAI SDK agent does: the assistant message is echoed back with its content and tool_calls.
+
+Run from the repo root: `python scripts/record_fixtures.py` (starts SmolLM2 via trainer.vllm_cpu)
+or `python scripts/record_fixtures.py --base-url http://127.0.0.1:PORT/v1` for a running server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from trainer.vllm_cpu import smollm2_server  # noqa: E402
+
+MODEL = "smollm2"
+DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "vllm"
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "City name, e.g. Paris"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+TOOL_SYSTEM = (
+    "You are a helpful assistant. Use the get_weather tool for any question about weather."
+)
+# SmolLM2's chat template does not render `tools`, so the 135M model never calls one unprompted; one
+# worked example in the history (hermes markup, as the parser expects) makes it call get_weather.
+TOOL_EXAMPLE = [
+    {"role": "system", "content": TOOL_SYSTEM},
+    {"role": "user", "content": "What is the weather in London?"},
+    {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "London"}}\n'
+        "</tool_call>",
+    },
+]
+WEATHER_QUESTION = "What is the weather in Paris?"
+WEATHER_RESULT = json.dumps({"city": "Paris", "temperature": 18, "unit": "celsius", "sky": "sunny"})
+
+
+def chat(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """A chat body as the gateway forwards it: logprobs and token ids on, greedy by default."""
+    return {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 24,
+        "temperature": 0,
+        "logprobs": True,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def completion(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 16,
+        "temperature": 0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+class Recorder:
+    def __init__(self, base_url: str, out_dir: Path) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.root_url = self.base_url.removesuffix("/v1")
+        self.out_dir = out_dir
+        self.vllm_version = json.loads(self._raw("GET", "/version", None)[2])["version"]
+        self.recorded: dict[str, dict[str, Any]] = {}
+
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None
+    ) -> urllib.request.Request:
+        return urllib.request.Request(
+            f"{self.root_url}{path}",
+            data=None if body is None else json.dumps(body).encode(),
+            headers={} if body is None else {"Content-Type": "application/json"},
+            method=method,
+        )
+
+    def _raw(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any, str]:
+        try:
+            with urllib.request.urlopen(self._request(method, path, body), timeout=300) as response:
+                return response.status, response.headers, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.headers, error.read().decode()
+
+    def record(
+        self, name: str, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        started = time.monotonic()
+        stream = bool(body and body.get("stream"))
+        fixture: dict[str, Any] = {
+            "name": name,
+            "method": method,
+            "path": path,
+            "request": body,
+        }
+        if stream:
+            status, headers, chunks = self._stream(path, body)
+            fixture.update(status=status, headers={"content-type": headers.get("content-type")})
+            if isinstance(chunks, str):  # an error answered as a plain body, not as SSE
+                fixture.update(
+                    stream=False, response=_parse(headers, chunks), raw_body=chunks, chunks=None
+                )
+            else:
+                fixture.update(stream=True, response=None, raw_body=None, chunks=chunks)
+        else:
+            status, headers, text = self._raw(method, path, body)
+            fixture.update(
+                status=status,
+                headers={"content-type": headers.get("content-type")},
+                stream=False,
+                response=_parse(headers, text),
+                raw_body=text,
+                chunks=None,
+            )
+        fixture["vllm_version"] = self.vllm_version
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / f"{name}.json").write_text(json.dumps(fixture, indent=1) + "\n")
+        self.recorded[name] = fixture
+        print(f"{name}: {fixture['status']} in {time.monotonic() - started:.1f}s", flush=True)
+        return fixture
+
+    def _stream(self, path: str, body: dict[str, Any] | None) -> tuple[int, Any, list[str] | str]:
+        try:
+            response = urllib.request.urlopen(self._request("POST", path, body), timeout=300)
+        except urllib.error.HTTPError as error:
+            return error.code, error.headers, error.read().decode()
+        with response:
+            if not (response.headers.get("content-type") or "").startswith("text/event-stream"):
+                return response.status, response.headers, response.read().decode()
+            chunks: list[str] = []
+            for raw_line in response:
+                line = raw_line.decode().rstrip("\r\n")
+                if not line:
+                    continue
+                if not line.startswith("data: "):
+                    raise ValueError(f"unexpected SSE line from vLLM: {line!r}")
+                chunks.append(line[len("data: ") :])
+            return response.status, response.headers, chunks
+
+
+def _parse(headers: Any, text: str) -> Any:
+    if "json" in (headers.get("content-type") or ""):
+        return json.loads(text)
+    return text
+
+
+def assistant_message(fixture: dict[str, Any]) -> dict[str, Any]:
+    """Echo an answer back the way the OpenAI SDK serialises it into the next request."""
+    message = fixture["response"]["choices"][0]["message"]
+    echoed: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        echoed["tool_calls"] = [
+            {"id": call["id"], "type": call["type"], "function": call["function"]}
+            for call in message["tool_calls"]
+        ]
+    return echoed
+
+
+def record_conversation(rec: Recorder) -> None:
+    """Three turns of an agent that sends its tools every time, with a tool round-trip in turn 2."""
+    messages: list[dict[str, Any]] = [
+        *TOOL_EXAMPLE,
+        {"role": "user", "content": "Hello, I am Ada. How are you?"},
+    ]
+    path = "/v1/chat/completions"
+    turn1 = rec.record("conversation_turn1", "POST", path, chat(messages, tools=[WEATHER_TOOL]))
+    messages += [assistant_message(turn1), {"role": "user", "content": WEATHER_QUESTION}]
+    call = rec.record(
+        "conversation_turn2_tool_call",
+        "POST",
+        path,
+        chat(messages, tools=[WEATHER_TOOL], max_tokens=48),
+    )
+    tool_calls = call["response"]["choices"][0]["message"].get("tool_calls")
+    if not tool_calls:
+        raise RuntimeError("SmolLM2 did not call get_weather in turn 2; the conversation needs it")
+    messages += [
+        assistant_message(call),
+        {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": WEATHER_RESULT},
+    ]
+    result = rec.record(
+        "conversation_turn2_tool_result", "POST", path, chat(messages, tools=[WEATHER_TOOL])
+    )
+    messages += [assistant_message(result), {"role": "user", "content": "Thanks! What is my name?"}]
+    rec.record("conversation_turn3", "POST", path, chat(messages, tools=[WEATHER_TOOL]))
+
+
+def record_all(rec: Recorder) -> None:
+    path = "/v1/chat/completions"
+    question = [
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+    ]
+    weather = [*TOOL_EXAMPLE, {"role": "user", "content": WEATHER_QUESTION}]
+    include_usage = {"stream_options": {"include_usage": True}}
+
+    rec.record("chat", "POST", path, chat(question))
+    rec.record("chat_stream", "POST", path, chat(question, stream=True, **include_usage))
+    rec.record("chat_top_logprobs", "POST", path, chat(question, top_logprobs=2))
+    # An open-ended prompt, so the seeded samples of one group differ (a factual one gives twins).
+    poem = [{"role": "user", "content": "Write a short poem about the sea."}]
+    rec.record(
+        "chat_n2_seeded", "POST", path, chat(poem, n=2, temperature=0.8, seed=1234, max_tokens=16)
+    )
+    tools = {"tools": [WEATHER_TOOL], "tool_choice": "auto", "max_tokens": 48}
+    rec.record("chat_tools", "POST", path, chat(weather, **tools))
+    rec.record(
+        "chat_tools_stream", "POST", path, chat(weather, stream=True, **include_usage, **tools)
+    )
+    record_conversation(rec)
+    rec.record("completions", "POST", "/v1/completions", completion("The capital of France is"))
+    rec.record(
+        "completions_stream",
+        "POST",
+        "/v1/completions",
+        completion("The capital of France is", stream=True, **include_usage),
+    )
+    rec.record("error_n2_temperature0", "POST", path, chat(question, n=2, temperature=0))
+    rec.record("error_stream_options_without_stream", "POST", path, chat(question, **include_usage))
+    rec.record("models", "GET", "/v1/models")
+    rec.record(
+        "load_lora_adapter_bad_path",
+        "POST",
+        "/v1/load_lora_adapter",
+        {"lora_name": "missing@1", "lora_path": "/nonexistent/trajgate/adapter"},
+    )
+
+
+def _stream_facts(chunks: list[str]) -> str:
+    events = [json.loads(c) for c in chunks if c != "[DONE]"]
+    # Chat puts prompt_token_ids at the top level, completions in each choice.
+    with_prompt = [
+        i
+        for i, e in enumerate(events)
+        if e.get("prompt_token_ids") or any(c.get("prompt_token_ids") for c in e.get("choices", []))
+    ]
+    empty_delta_with_ids = [
+        i
+        for i, e in enumerate(events)
+        for choice in e.get("choices", [])
+        if choice.get("delta") == {} and choice.get("token_ids")
+    ]
+    fingerprint = [i for i, e in enumerate(events) if e.get("system_fingerprint")]
+    return (
+        f"{len(events)} events; prompt_token_ids in {with_prompt}; "
+        f"empty delta with token_ids in {empty_delta_with_ids}; system_fingerprint in {fingerprint}"
+    )
+
+
+def _extends(previous: dict[str, Any], following: dict[str, Any]) -> bool:
+    before = (
+        previous["response"]["prompt_token_ids"] + previous["response"]["choices"][0]["token_ids"]
+    )
+    return bool(following["response"]["prompt_token_ids"][: len(before)] == before)
+
+
+def summarise(recorded: dict[str, dict[str, Any]]) -> None:
+    """Print the facts DESIGN §3 relies on, so a re-record against a new vLLM shows what moved."""
+    checks: list[tuple[str, Callable[[], object]]] = [
+        ("chat_stream", lambda: _stream_facts(recorded["chat_stream"]["chunks"])),
+        ("chat_tools_stream", lambda: _stream_facts(recorded["chat_tools_stream"]["chunks"])),
+        ("completions_stream", lambda: _stream_facts(recorded["completions_stream"]["chunks"])),
+        (
+            "turn1 -> turn2 (plain turn) extends",
+            lambda: _extends(
+                recorded["conversation_turn1"], recorded["conversation_turn2_tool_call"]
+            ),
+        ),
+        (
+            "turn2 tool call -> tool result extends",
+            lambda: _extends(
+                recorded["conversation_turn2_tool_call"], recorded["conversation_turn2_tool_result"]
+            ),
+        ),
+        (
+            "tool result -> turn3 (plain turn) extends",
+            lambda: _extends(
+                recorded["conversation_turn2_tool_result"], recorded["conversation_turn3"]
+            ),
+        ),
+    ]
+    for label, check in checks:
+        print(f"  {label}: {check()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--base-url", help="a running vLLM's /v1 URL serving SmolLM2 as `smollm2` with tools"
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    if args.base_url:
+        recorder = Recorder(args.base_url, args.out)
+        record_all(recorder)
+    else:
+        with smollm2_server() as server:
+            recorder = Recorder(server.base_url, args.out)
+            record_all(recorder)
+    summarise(recorder.recorded)
+
+
+if __name__ == "__main__":
+    main()
