@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,33 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(settings: Settings, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    if args.host:
+        settings.host = args.host
+    if args.port:
+        settings.port = args.port
+    _setup_logging(args.log_level)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=args.access_log,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.graceful_timeout,
+    )
+    return 0
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trajgate", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -46,6 +74,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     migrate.add_argument("--revision", default="head", help="target Alembic revision (default: head)")
     migrate.set_defaults(handler=_migrate)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the gateway: the OpenAI-compatible proxy that records every call, plus the rewards/read API",
+        description="Run the gateway (uvicorn). Point your agent's base_url at http://HOST:PORT/v1. "
+        "On SIGTERM it stops accepting, finishes in-flight calls and flushes every record.",
+    )
+    serve.add_argument("--host", help="listen address (default: TRAJGATE_HOST or 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="listen port (default: TRAJGATE_PORT or 8000)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--access-log", action="store_true", help="log every request (costs throughput)")
+    serve.add_argument(
+        "--graceful-timeout", type=int, default=60, help="seconds to let in-flight calls finish on shutdown"
+    )
+    serve.set_defaults(handler=_serve)
     return parser
 
 

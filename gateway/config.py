@@ -36,6 +36,14 @@ class Settings(BaseSettings):
     spool_dir: Path = Field(Path("spool"), description="Where records go when the database is unavailable.")
     checkpoint_dir: Path = Field(Path("checkpoints"), description="Adapters and optimizer state, per run and step.")
 
+    host: str = Field("127.0.0.1", description="Address `trajgate serve` listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port `trajgate serve` listens on.")
+    upstream_api_key: SecretStr | None = Field(None, description="Key vLLM expects (its --api-key), if any.")
+    upstream_timeout_s: float = Field(600.0, gt=0, description="Longest wait for vLLM between bytes of a response.")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
+    writer_queue_size: int = Field(10_000, ge=1, description="Records held in memory before spilling to the spool.")
+    writer_batch_size: int = Field(256, ge=1, description="Records per database transaction.")
+
     @field_validator("database_url")
     @classmethod
     def _normalise_database_url(cls, url: str) -> str:
@@ -71,7 +79,7 @@ class Settings(BaseSettings):
             raise ValueError("a key may not contain '#'")
         return keys
 
-    @field_validator("admin_key", "base_model", mode="before")
+    @field_validator("admin_key", "base_model", "upstream_api_key", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value

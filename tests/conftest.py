@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fake_upstream import FakeUpstream
+from tests.gateway_harness import RunningGateway, running_gateway
 from tests.pgcluster import PgCluster, create_database, drop_database
 
 
@@ -48,3 +50,29 @@ def sqlite_url(tmp_path: Path) -> str:
 def db_url(request: pytest.FixtureRequest) -> str:
     """An empty database on each backend in turn."""
     return request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url")
+
+
+@pytest.fixture(scope="session")
+def upstream() -> Iterator[FakeUpstream]:
+    """A vLLM-shaped upstream replaying responses recorded from real vLLM (tests/fixtures/vllm)."""
+    fake = FakeUpstream().start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def gateway_settings(upstream: FakeUpstream, db_url: str, tmp_path: Path) -> dict[str, object]:
+    """Settings for a gateway in front of the fake upstream, on each database backend."""
+    upstream.mode = "replay"
+    return {
+        "database_url": db_url,
+        "upstream_url": upstream.base_url,
+        "base_model": "smollm2",
+        "spool_dir": tmp_path / "spool",
+    }
+
+
+@pytest.fixture
+def gateway(gateway_settings: dict[str, object]) -> Iterator[RunningGateway]:
+    with running_gateway(**gateway_settings) as gw:
+        yield gw

@@ -1,0 +1,116 @@
+"""The gateway as one ASGI app: model calls go straight to the proxy's hot path, everything else to FastAPI.
+
+Attribution path prefixes (`/g/{group}/t/{trajectory}/v1/...`) are taken off here, so `/v1/models` and friends
+also work under a base_url that carries them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from sqlalchemy import Engine
+
+from gateway.attribution import split_path
+from gateway.auth import Auth
+from gateway.config import Settings
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+from gateway.proxy import ENDPOINTS, Proxy, send_json
+from gateway.routes import install_error_handlers, router
+from gateway.routing import PolicyRouter
+from gateway.store.db import make_engine
+from gateway.writer import RecordWriter
+
+log = logging.getLogger("trajgate.gateway")
+
+
+@dataclass
+class GatewayState:
+    settings: Settings
+    engine: Engine
+    writer: RecordWriter
+    router: PolicyRouter
+    auth: Auth
+    metrics: GatewayMetrics
+    proxy: Proxy
+
+
+def build_state(settings: Settings) -> GatewayState:
+    engine = make_engine(settings.database_url)
+    writer = RecordWriter(
+        engine,
+        settings.spool_dir,
+        queue_size=settings.writer_queue_size,
+        batch_size=settings.writer_batch_size,
+    )
+    policy_router = PolicyRouter(settings.base_model)
+    auth = Auth(settings.agent_keys, settings.admin_key)
+    metrics = GatewayMetrics()
+    metrics.watch_writer(
+        lambda: {
+            "queue_depth": writer.queue_depth,
+            "spool_bytes": writer.spool_bytes,
+            "db_up": 1.0 if writer.db_up else 0.0,
+            "written": writer.records_written,
+            "spooled": writer.records_spooled,
+        }
+    )
+    proxy = Proxy(
+        upstream_url=settings.upstream_url,
+        upstream_api_key=settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None,
+        upstream_timeout_s=settings.upstream_timeout_s,
+        max_body_bytes=settings.max_body_bytes,
+        auth=auth,
+        router=policy_router,
+        writer=writer,
+        metrics=metrics,
+    )
+    return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy)
+
+
+class Gateway:
+    """The ASGI entry point: a dispatcher in front of the hot path and the FastAPI app."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.state = build_state(settings)
+        self.api = FastAPI(title="trajgate", lifespan=self._lifespan, docs_url="/docs", redoc_url=None)
+        self.api.state.gateway = self.state
+        self.api.include_router(router)
+        install_error_handlers(self.api)
+
+    @asynccontextmanager
+    async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        self.state.auth.warn_if_open()
+        self.state.writer.start()
+        await self.state.proxy.start()
+        log.info("gateway ready: upstream %s", self.state.settings.upstream_url)
+        try:
+            yield
+        finally:
+            await self.state.proxy.close()
+            self.state.writer.close()
+            self.state.engine.dispose()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            prefix = split_path(scope["path"])
+            path = prefix.rest if prefix else scope["path"]
+            if path in ENDPOINTS:
+                if scope["method"] == "POST":
+                    await self.state.proxy.handle(scope, receive, send, prefix)
+                else:
+                    error = GatewayError(405, f"{scope['method']} is not allowed here; use POST", code="method_not_allowed")
+                    await send_json(send, 405, error.body(), [(b"allow", b"POST")])
+                return
+            if prefix is not None:
+                scope = {**scope, "path": path, "raw_path": path.encode()}
+        await self.api(scope, receive, send)
+
+
+def create_app(settings: Settings) -> Gateway:
+    return Gateway(settings)

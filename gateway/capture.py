@@ -1,0 +1,234 @@
+"""What the gateway adds to upstream requests and takes back out of responses, and how a call becomes a record.
+
+The gateway always asks vLLM for logprobs and token ids (training needs them), then strips them from what the
+client receives unless the client asked for them itself, so the agent sees exactly what it would have seen
+without us. Streams are assembled on the side into the equivalent non-stream response.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+
+# Per-token arrays live in their own binary columns; the stored response JSON leaves them out.
+_BULK_CHOICE_KEYS = ("token_ids", "logprobs", "prompt_logprobs", "prompt_token_ids")
+_BULK_TOP_KEYS = ("prompt_token_ids", "prompt_logprobs")
+
+
+@dataclass(slots=True)
+class ClientAsks:
+    """Which of the fields the gateway injects the client asked for itself (those pass through untouched)."""
+
+    logprobs: bool
+    token_ids: bool
+
+
+@dataclass(slots=True)
+class ChoiceCapture:
+    index: int
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[int] | None
+    logprobs: list[float] | None
+    finish_reason: str | None
+
+
+def prepare_upstream(body: dict[str, Any], endpoint: str, served_model: str) -> tuple[dict[str, Any], ClientAsks]:
+    """The body vLLM receives: the client's, with `model` routed and capture fields injected."""
+    if endpoint == CHAT:
+        asks_logprobs = body.get("logprobs") is True
+    else:
+        asks_logprobs = body.get("logprobs") is not None
+    asks = ClientAsks(logprobs=asks_logprobs, token_ids=body.get("return_token_ids") is True)
+    upstream = dict(body)
+    upstream["model"] = served_model
+    if not asks.logprobs:
+        upstream["logprobs"] = True if endpoint == CHAT else 0
+    upstream["return_token_ids"] = True
+    return upstream, asks
+
+
+def strip_for_client(payload: dict[str, Any], asks: ClientAsks) -> None:
+    """Remove (in place) what the gateway injected and the client didn't ask for; works on responses and chunks."""
+    if asks.logprobs and asks.token_ids:
+        return
+    if not asks.token_ids and "prompt_token_ids" in payload:
+        payload["prompt_token_ids"] = None
+    for choice in payload.get("choices") or ():
+        if not asks.token_ids:
+            if "token_ids" in choice:
+                choice["token_ids"] = None
+            if "prompt_token_ids" in choice:  # completions put the prompt ids on each choice
+                choice["prompt_token_ids"] = None
+        if not asks.logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+
+
+def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[float] | None:
+    logprobs = choice.get("logprobs")
+    if not logprobs:
+        return None
+    if endpoint == CHAT:
+        content = logprobs.get("content")
+        return None if content is None else [entry["logprob"] for entry in content]
+    values = logprobs.get("token_logprobs")
+    return None if values is None else list(values)
+
+
+def choices_from_response(response: dict[str, Any], endpoint: str) -> list[ChoiceCapture]:
+    """Per-choice ids and logprobs of a complete (non-stream or assembled) response.
+
+    Chat responses carry the prompt ids once at the top level, completions on every choice.
+    """
+    shared_prompt = response.get("prompt_token_ids")
+    return [
+        ChoiceCapture(
+            index=choice.get("index", position),
+            prompt_token_ids=choice.get("prompt_token_ids") or shared_prompt,
+            completion_token_ids=choice.get("token_ids"),
+            logprobs=_choice_logprobs(choice, endpoint),
+            finish_reason=choice.get("finish_reason"),
+        )
+        for position, choice in enumerate(response.get("choices") or ())
+    ]
+
+
+def check_trainable(
+    prompt_ids: list[int] | None, completion_ids: list[int] | None, logprobs: list[float] | None
+) -> tuple[bool, str | None]:
+    """A call trains only with exact ids and one logprob per completion token; otherwise say why."""
+    if not prompt_ids:
+        return False, "missing prompt_token_ids"
+    if not completion_ids:
+        return False, "missing completion token_ids"
+    if not logprobs:
+        return False, "missing logprobs"
+    if len(completion_ids) != len(logprobs):
+        return False, f"{len(completion_ids)} token ids but {len(logprobs)} logprobs"
+    return True, None
+
+
+def slim_response(response: dict[str, Any]) -> dict[str, Any]:
+    """The response as stored: everything but the per-token arrays, which have their own columns."""
+    slim = {k: v for k, v in response.items() if k not in _BULK_TOP_KEYS}
+    if "choices" in slim:
+        slim["choices"] = [
+            {k: v for k, v in choice.items() if k not in _BULK_CHOICE_KEYS} for choice in slim["choices"]
+        ]
+    return slim
+
+
+@dataclass(slots=True)
+class _ChoiceParts:
+    role: str | None = None
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    logprob_entries: list[Any] = field(default_factory=list)
+    has_logprobs: bool = False
+    prompt_token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+class StreamAssembler:
+    """Builds the equivalent non-stream response from stream chunks, as they pass through.
+
+    Ids and logprobs are taken from every chunk, including those whose `delta` is empty (vLLM sends tool-call
+    markup and the final EOS that way).
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.head: dict[str, Any] = {}
+        self.prompt_token_ids: list[int] | None = None
+        self.usage: dict[str, Any] | None = None
+        self.chunks = 0
+        self._choices: dict[int, _ChoiceParts] = {}
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        self.chunks += 1
+        if not self.head:
+            self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
+        if chunk.get("system_fingerprint") is not None:
+            self.head["system_fingerprint"] = chunk["system_fingerprint"]
+        if chunk.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = chunk["prompt_token_ids"]
+        if chunk.get("usage") is not None:
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            parts = self._choices.setdefault(choice.get("index", 0), _ChoiceParts())
+            if choice.get("prompt_token_ids") is not None:
+                parts.prompt_token_ids = choice["prompt_token_ids"]
+            if choice.get("token_ids"):
+                parts.token_ids.extend(choice["token_ids"])
+            logprobs = choice.get("logprobs")
+            if logprobs:
+                parts.has_logprobs = True
+                key = "content" if self.endpoint == CHAT else "token_logprobs"
+                parts.logprob_entries.extend(logprobs.get(key) or ())
+            if choice.get("finish_reason") is not None:
+                parts.finish_reason = choice["finish_reason"]
+            if choice.get("stop_reason") is not None:
+                parts.stop_reason = choice["stop_reason"]
+            if self.endpoint == CHAT:
+                self._feed_delta(parts, choice.get("delta") or {})
+            elif choice.get("text"):
+                parts.text.append(choice["text"])
+
+    @staticmethod
+    def _feed_delta(parts: _ChoiceParts, delta: dict[str, Any]) -> None:
+        if delta.get("role"):
+            parts.role = delta["role"]
+        if delta.get("content"):
+            parts.text.append(delta["content"])
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if reasoning:
+            parts.reasoning.append(reasoning)
+        for call in delta.get("tool_calls") or ():
+            slot = parts.tool_calls.setdefault(
+                call.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            if call.get("id"):
+                slot["id"] = call["id"]
+            if call.get("type"):
+                slot["type"] = call["type"]
+            function = call.get("function") or {}
+            if function.get("name"):
+                slot["function"]["name"] += function["name"]
+            if function.get("arguments"):
+                slot["function"]["arguments"] += function["arguments"]
+
+    def response(self) -> dict[str, Any]:
+        """The assembled response, shaped like vLLM's non-stream one (bulk arrays included)."""
+        choices = []
+        for index in sorted(self._choices):
+            parts = self._choices[index]
+            choice: dict[str, Any] = {"index": index}
+            if self.endpoint == CHAT:
+                message: dict[str, Any] = {"role": parts.role or "assistant", "content": "".join(parts.text) or None}
+                if parts.reasoning:
+                    message["reasoning_content"] = "".join(parts.reasoning)
+                if parts.tool_calls:
+                    message["tool_calls"] = [parts.tool_calls[i] for i in sorted(parts.tool_calls)]
+                choice["message"] = message
+                choice["logprobs"] = {"content": parts.logprob_entries} if parts.has_logprobs else None
+            else:
+                choice["text"] = "".join(parts.text)
+                choice["prompt_token_ids"] = parts.prompt_token_ids
+                choice["logprobs"] = {"token_logprobs": parts.logprob_entries} if parts.has_logprobs else None
+            choice["finish_reason"] = parts.finish_reason
+            choice["stop_reason"] = parts.stop_reason
+            choice["token_ids"] = parts.token_ids or None
+            choices.append(choice)
+        kind = "chat.completion" if self.endpoint == CHAT else "text_completion"
+        return {
+            **self.head,
+            "object": kind,
+            "choices": choices,
+            "usage": self.usage,
+            "prompt_token_ids": self.prompt_token_ids,
+        }

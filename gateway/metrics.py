@@ -1,0 +1,55 @@
+"""Prometheus metrics for `GET /metrics`: traffic, latency the gateway adds, and the writer's health."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1)
+
+
+class _WriterCollector(Collector):
+    """Reads the writer's counters at scrape time, so the hot path doesn't update gauges per record."""
+
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._stats()
+        yield GaugeMetricFamily("trajgate_writer_queue_depth", "Records waiting in memory", stats["queue_depth"])
+        yield GaugeMetricFamily("trajgate_spool_bytes", "Bytes of records spooled to disk", stats["spool_bytes"])
+        yield GaugeMetricFamily("trajgate_db_up", "1 if the writer can reach the database", stats["db_up"])
+        yield CounterMetricFamily("trajgate_records_written", "Records written to the database", stats["written"])
+        yield CounterMetricFamily("trajgate_records_spooled", "Records that went to the spool", stats["spooled"])
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "trajgate_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=self.registry
+        )
+        self.upstream_latency = Histogram(
+            "trajgate_upstream_latency_seconds",
+            "Time vLLM took (to the full body, or to the first chunk for streams)",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.added_latency = Histogram(
+            "trajgate_added_latency_seconds",
+            "Time the gateway itself added to a non-stream call",
+            ["endpoint"],
+            buckets=OVERHEAD_BUCKETS,
+            registry=self.registry,
+        )
+
+    def watch_writer(self, stats: Callable[[], dict[str, float]]) -> None:
+        self.registry.register(_WriterCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,425 @@
+"""The hot path: receive -> attribute -> forward -> stream back -> enqueue the record.
+
+Written as a raw ASGI handler (no framework routing or validation on the way) because it sits in front of
+every model call; everything it records goes to the writer's queue and it never awaits the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gateway import capture
+from gateway.attribution import Attribution, PathPrefix, attribute, check_run, split_api_key
+from gateway.auth import Auth, presented_key
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+from gateway.records import CallRecord
+from gateway.routing import PolicyRouter, Route
+from gateway.turns import TurnCounter
+from gateway.writer import RecordWriter
+
+log = logging.getLogger("trajgate.proxy")
+
+ENDPOINTS = {"/v1/chat/completions": capture.CHAT, "/v1/completions": capture.COMPLETIONS}
+_SSE_DATA = b"data:"
+
+
+@dataclass(slots=True)
+class Call:
+    """Everything known about one call while it is in flight; becomes one record per choice."""
+
+    request_id: str
+    endpoint: str
+    received: float
+    created_at: float
+    request: dict[str, Any]
+    attribution: Attribution
+    route: Route
+    seq: int
+    retry_count: int
+    idempotency_key: str | None
+    stream: bool
+    status: int | None = None
+    error: str | None = None
+    upstream_started: float = 0.0
+    first_chunk: float | None = None
+    finished: float = 0.0
+
+
+class Proxy:
+    def __init__(
+        self,
+        upstream_url: str,
+        upstream_api_key: str | None,
+        upstream_timeout_s: float,
+        max_body_bytes: int,
+        auth: Auth,
+        router: PolicyRouter,
+        writer: RecordWriter,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.upstream_url = upstream_url
+        self.max_body_bytes = max_body_bytes
+        self.auth = auth
+        self.router = router
+        self.writer = writer
+        self.metrics = metrics
+        self.turns = TurnCounter()
+        self._upstream_headers = {"content-type": "application/json"}
+        if upstream_api_key:
+            self._upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=upstream_timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=True)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def base_model(self) -> str:
+        """TRAJGATE_BASE_MODEL, or else the first model vLLM lists (asked once)."""
+        if self.router.base_model is None:
+            models = await self.upstream_models()
+            if not models:
+                raise GatewayError(502, "TRAJGATE_BASE_MODEL is unset and vLLM lists no model", "upstream_error")
+            self.router.base_model = models[0]["id"]
+        return self.router.base_model
+
+    async def upstream_models(self) -> list[dict[str, Any]]:
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                self.upstream_url + "/models", headers=self._upstream_headers, timeout=aiohttp.ClientTimeout(total=10)
+            ) as response:
+                if response.status != 200:
+                    raise GatewayError(502, f"vLLM /models answered {response.status}", "upstream_error")
+                return orjson.loads(await response.read()).get("data") or []
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            raise GatewayError(502, f"vLLM unreachable: {type(exc).__name__}", "upstream_error") from None
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
+        received = time.perf_counter()
+        created_at = time.time()
+        request_id = "req-" + uuid.uuid4().hex
+        path = prefix.rest if prefix else scope["path"]
+        endpoint = ENDPOINTS[path]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            body = await self._read_body(receive, headers)
+            request = _parse_json(body)
+            key, key_group, key_trajectory = split_api_key(presented_key(headers))
+            self.auth.check_agent(key)
+            attribution = attribute(headers, prefix, key_group, key_trajectory)
+            run = check_run(headers.get("x-run") or request.get("model"))
+            route = self.router.resolve(run, await self.base_model())
+        except GatewayError as exc:
+            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+            await send_json(send, exc.status, exc.body(), [(b"x-request-id", request_id.encode())])
+            return
+
+        retry_count = _int_header(headers.get("x-stainless-retry-count"))
+        idempotency_key = headers.get("idempotency-key")
+        call = Call(
+            request_id=request_id,
+            endpoint=endpoint,
+            received=received,
+            created_at=created_at,
+            request=request,
+            attribution=attribution,
+            route=route,
+            seq=self.turns.assign(attribution.trajectory_id, retry_count > 0, idempotency_key),
+            retry_count=retry_count,
+            idempotency_key=idempotency_key,
+            stream=request.get("stream") is True,
+        )
+        upstream_body, asks = capture.prepare_upstream(request, endpoint, route.served_name)
+        out_headers = [
+            (b"x-request-id", request_id.encode()),
+            (b"x-trajectory-id", attribution.trajectory_id.encode()),
+            (b"x-group-id", attribution.group_id.encode()),
+            (b"x-policy-version", str(route.version).encode()),
+        ]
+
+        assert self.session is not None
+        call.upstream_started = time.perf_counter()
+        try:
+            upstream = await self.session.post(
+                self.upstream_url + path.removeprefix("/v1"), data=orjson.dumps(upstream_body), headers=self._upstream_headers
+            )
+        except asyncio.TimeoutError:
+            await self._fail(send, call, out_headers, GatewayError(504, "vLLM timed out", "upstream_error", "timeout"))
+            return
+        except aiohttp.ClientError as exc:
+            message = f"vLLM unreachable: {type(exc).__name__}: {exc}"
+            await self._fail(send, call, out_headers, GatewayError(502, message, "upstream_error", "upstream_error"))
+            return
+
+        try:
+            is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+            if call.stream and upstream.status == 200 and is_sse:
+                await self._relay_stream(upstream, call, asks, receive, send, out_headers)
+            else:
+                await self._relay_whole(upstream, call, asks, send, out_headers)
+        finally:
+            upstream.release()
+
+    async def _relay_whole(
+        self,
+        upstream: aiohttp.ClientResponse,
+        call: Call,
+        asks: capture.ClientAsks,
+        send: Any,
+        out_headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        """Non-stream responses, and any upstream error: read the body, record, answer."""
+        try:
+            raw = await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            status, message = (504, "vLLM timed out") if isinstance(exc, asyncio.TimeoutError) else (502, str(exc))
+            await self._fail(send, call, out_headers, GatewayError(status, message, "upstream_error"))
+            return
+        call.finished = time.perf_counter()
+        call.status = upstream.status
+        content_type = upstream.headers.get("content-type", "application/json").encode()
+        response: dict[str, Any] | None = None
+        if upstream.status == 200:
+            try:
+                response = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                call.error = "upstream sent a body that is not JSON"
+            else:
+                self._submit(call, response)
+                capture.strip_for_client(response, asks)
+                raw = orjson.dumps(response)
+        else:
+            call.error = raw[:4000].decode("utf-8", "replace")
+        if response is None:
+            self._submit(call, None)
+        await _send_bytes(send, upstream.status, raw, [(b"content-type", content_type), *out_headers])
+        done = time.perf_counter()
+        self.metrics.requests.labels(call.endpoint, str(upstream.status)).inc()
+        self.metrics.upstream_latency.labels(call.endpoint).observe(call.finished - call.upstream_started)
+        self.metrics.added_latency.labels(call.endpoint).observe(
+            (call.upstream_started - call.received) + (done - call.finished)
+        )
+
+    async def _relay_stream(
+        self,
+        upstream: aiohttp.ClientResponse,
+        call: Call,
+        asks: capture.ClientAsks,
+        receive: Any,
+        send: Any,
+        out_headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        """Forward each SSE event as it arrives (no buffering); assemble the record on the side.
+
+        The record is written whatever happens to the writes to the client: the OpenAI SDK hangs up as soon as it
+        reads `data: [DONE]`, and a client that leaves early still leaves a partial call worth recording.
+        """
+        call.status = 200
+        assembler = capture.StreamAssembler(call.endpoint)
+        state = {"done": False, "recorded": False}
+
+        def record() -> None:
+            if state["recorded"]:
+                return
+            state["recorded"] = True
+            call.finished = time.perf_counter()
+            if not state["done"] and call.error is None:
+                call.error = "stream ended without [DONE]"
+            self._submit(call, assembler.response() if assembler.chunks else None)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *out_headers],
+            }
+        )
+
+        async def pump() -> None:
+            async for line in upstream.content:
+                if not line.startswith(_SSE_DATA):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    state["done"] = True
+                    record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
+                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                    continue
+                if call.first_chunk is None:
+                    call.first_chunk = time.perf_counter()
+                try:
+                    chunk = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    call.error = "upstream sent an SSE event that is not JSON"
+                    continue
+                if "error" in chunk and "choices" not in chunk:
+                    call.error = orjson.dumps(chunk["error"]).decode()
+                else:
+                    assembler.feed(chunk)
+                    capture.strip_for_client(chunk, asks)
+                    payload = orjson.dumps(chunk)
+                await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+            state["done"] = True
+
+        relay = asyncio.ensure_future(pump())
+        hangup = asyncio.ensure_future(_wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({relay, hangup}, return_when=asyncio.FIRST_COMPLETED)
+            if not relay.done():
+                relay.cancel()  # the client left: stop reading, which lets vLLM abort the generation
+                if not state["done"]:
+                    call.error = "client disconnected mid-stream"
+            try:
+                await relay
+            except asyncio.CancelledError:
+                pass
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                call.error = f"vLLM stream broke: {type(exc).__name__}: {exc}"
+                await _send_sse_error(send, "vLLM stream ended unexpectedly")
+            except OSError:  # a write to a client that already left (aiohttp's own OSErrors are caught above)
+                if not state["done"]:
+                    call.error = "client disconnected mid-stream"
+        finally:
+            hangup.cancel()
+            if not state["done"]:
+                upstream.close()  # drop the connection so vLLM sees the hang-up and stops generating
+            record()
+            self.metrics.requests.labels(call.endpoint, "200").inc()
+            if call.first_chunk is not None:
+                self.metrics.upstream_latency.labels(call.endpoint).observe(call.first_chunk - call.upstream_started)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _fail(
+        self, send: Any, call: Call, out_headers: list[tuple[bytes, bytes]], error: GatewayError
+    ) -> None:
+        call.finished = time.perf_counter()
+        call.status = error.status
+        call.error = error.message
+        self._submit(call, None)
+        self.metrics.requests.labels(call.endpoint, str(error.status)).inc()
+        await send_json(send, error.status, error.body(), out_headers)
+
+    def _submit(self, call: Call, response: dict[str, Any] | None) -> None:
+        """One record per choice (n > 1 gives several rows of the same turn); one error record if none."""
+        latency_ms = (call.finished - call.received) * 1000
+        ttft_ms = (call.first_chunk - call.received) * 1000 if call.first_chunk is not None else None
+        choices = capture.choices_from_response(response, call.endpoint) if response else []
+        stored_response = capture.slim_response(response) if response else None
+        if not choices:
+            choices = [capture.ChoiceCapture(0, None, None, None, None)]
+        for choice in choices:
+            if call.error is not None:
+                trainable, reason = False, call.error if call.status == 200 else f"upstream status {call.status}"
+            else:
+                trainable, reason = capture.check_trainable(
+                    choice.prompt_token_ids, choice.completion_token_ids, choice.logprobs
+                )
+            self.writer.submit(
+                CallRecord(
+                    id=call.request_id if choice.index == 0 else f"{call.request_id}-{choice.index}",
+                    run=call.route.run,
+                    base_model=self.router.base_model or call.route.served_name,
+                    trajectory_id=call.attribution.trajectory_id,
+                    group_id=call.attribution.group_id,
+                    group_size=call.attribution.group_size,
+                    mode=call.attribution.mode,
+                    seq=call.seq,
+                    choice_index=choice.index,
+                    policy_version=call.route.version,
+                    endpoint=call.endpoint,
+                    stream=call.stream,
+                    request=call.request,
+                    response=stored_response,
+                    prompt_token_ids=choice.prompt_token_ids,
+                    completion_token_ids=choice.completion_token_ids,
+                    completion_logprobs=choice.logprobs,
+                    finish_reason=choice.finish_reason,
+                    usage=response.get("usage") if response else None,
+                    status_code=call.status,
+                    error=call.error,
+                    trainable=trainable,
+                    untrainable_reason=reason,
+                    latency_ms=latency_ms,
+                    ttft_ms=ttft_ms,
+                    retry_count=call.retry_count,
+                    idempotency_key=call.idempotency_key,
+                    created_at=call.created_at,
+                )
+            )
+
+    async def _read_body(self, receive: Any, headers: dict[str, str]) -> bytes:
+        declared = _int_header(headers.get("content-length"))
+        if declared > self.max_body_bytes:
+            raise _too_large(self.max_body_bytes)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise GatewayError(400, "client disconnected before sending the body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise _too_large(self.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"request body larger than {limit} bytes", code="request_too_large")
+
+
+def _parse_json(body: bytes) -> dict[str, Any]:
+    try:
+        request = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(request, dict):
+        raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
+    return request
+
+
+def _int_header(value: str | None) -> int:
+    try:
+        return max(int(value), 0) if value else 0
+    except ValueError:
+        return 0
+
+
+async def _wait_for_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_bytes(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    await _send_bytes(send, status, body, [(b"content-type", b"application/json"), *headers])
+
+
+async def _send_sse_error(send: Any, message: str) -> None:
+    event = orjson.dumps({"error": {"message": message, "type": "upstream_error", "param": None, "code": None}})
+    await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True})

@@ -1,0 +1,50 @@
+"""Read back what the gateway stored, straight from the database, for assertions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select
+
+from gateway.store.arrays import decode_ids, decode_logprobs
+from gateway.store.db import make_engine
+from gateway.store.models import Call, Group, Trajectory
+
+
+def stored_calls(db_url: str, trajectory_id: str) -> list[dict[str, Any]]:
+    """The trajectory's calls in order, arrays decoded, with the group they landed in."""
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                select(
+                    Call.__table__,
+                    Group.group_id.label("g_id"),
+                    Group.expected_size.label("g_size"),
+                    Group.mode.label("g_mode"),
+                )
+                .join(Trajectory, Trajectory.trajectory_id == Call.trajectory_id)
+                .join(Group, Group.group_id == Trajectory.group_id)
+                .where(Call.trajectory_id == trajectory_id)
+                .order_by(Call.seq, Call.choice_index)
+            ).all()
+    finally:
+        engine.dispose()
+    out = []
+    for row in rows:
+        call = {column.name: row._mapping[column] for column in Call.__table__.columns}
+        call["prompt_token_ids"] = decode_ids(call["prompt_token_ids"])
+        call["completion_token_ids"] = decode_ids(call["completion_token_ids"])
+        call["completion_logprobs"] = decode_logprobs(call["completion_logprobs"])
+        call["group"] = {"group_id": row.g_id, "expected_size": row.g_size, "mode": row.g_mode}
+        out.append(call)
+    return out
+
+
+def count_calls(db_url: str) -> int:
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(Call)).scalar_one()
+    finally:
+        engine.dispose()

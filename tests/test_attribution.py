@@ -1,0 +1,85 @@
+"""Attribution: headers, then path prefix, then API-key suffix; ids validated; a call without ids gets one."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.attribution import attribute, check_run, split_api_key, split_path
+from gateway.errors import GatewayError
+from gateway.turns import TurnCounter
+
+
+def test_headers_win_over_path_and_key() -> None:
+    prefix = split_path("/g/pg/t/pt/v1/chat/completions")
+    got = attribute({"x-trajectory-id": "ht", "x-group-id": "hg", "x-group-size": "4"}, prefix, "kg", "kt")
+    assert (got.trajectory_id, got.group_id, got.group_size, got.generated) == ("ht", "hg", 4, False)
+
+
+def test_path_forms() -> None:
+    prefix = split_path("/g/grp-1/n/8/t/traj.1/v1/chat/completions")
+    assert prefix is not None and prefix.rest == "/v1/chat/completions"
+    got = attribute({}, prefix, "kg", "kt")
+    assert (got.trajectory_id, got.group_id, got.group_size, got.mode) == ("traj.1", "grp-1", 8, "train")
+    short = split_path("/t/only/v1/completions")
+    assert short is not None and attribute({}, short, None, None).group_id == "only"
+    evaluation = split_path("/eval/g/g1/t/t1/v1/chat/completions")
+    assert evaluation is not None and attribute({}, evaluation, None, None).mode == "eval"
+    assert split_path("/v1/chat/completions") is None
+
+
+def test_api_key_suffix() -> None:
+    assert split_api_key("sk-abc#g1/t1") == ("sk-abc", "g1", "t1")
+    assert split_api_key("sk-abc#t1") == ("sk-abc", None, "t1")
+    assert split_api_key("sk#with#hash#g/t") == ("sk#with#hash", "g", "t")
+    assert split_api_key("plain") == ("plain", None, None)
+    got = attribute({}, None, "g1", "t1")
+    assert (got.trajectory_id, got.group_id) == ("t1", "g1")
+
+
+def test_missing_ids_get_a_fresh_group_of_one() -> None:
+    got = attribute({}, None, None, None)
+    assert got.generated and got.trajectory_id == got.group_id and got.group_size == 1
+    assert attribute({}, None, None, None).trajectory_id != got.trajectory_id
+
+
+def test_trajectory_without_group_is_a_group_of_one() -> None:
+    got = attribute({"x-trajectory-id": "t9"}, None, None, None)
+    assert (got.group_id, got.group_size, got.generated) == ("t9", 1, False)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"x-trajectory-id": "has space"},
+        {"x-trajectory-id": "x" * 129},
+        {"x-trajectory-id": ""},
+        {"x-trajectory-id": "ok", "x-group-id": "bad/slash"},
+        {"x-trajectory-id": "ok", "x-group-id": "g", "x-group-size": "0"},
+        {"x-trajectory-id": "ok", "x-group-id": "g", "x-group-size": "four"},
+        {"x-trajectory-id": "ok", "x-mode": "test"},
+    ],
+)
+def test_invalid_attribution_is_a_400(headers: dict[str, str]) -> None:
+    with pytest.raises(GatewayError) as info:
+        attribute(headers, None, None, None)
+    assert info.value.status == 400
+
+
+def test_run_names() -> None:
+    assert check_run("email-agent") == "email-agent"
+    assert check_run("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for bad in (None, 3, "", "a b", "x" * 129):
+        with pytest.raises(GatewayError):
+            check_run(bad)
+
+
+def test_turn_counter_orders_and_replaces_retries() -> None:
+    turns = TurnCounter()
+    first = turns.assign("t", is_retry=False, idempotency_key=None)
+    second = turns.assign("t", is_retry=False, idempotency_key=None)
+    assert second > first
+    assert turns.assign("t", is_retry=True, idempotency_key=None) == second
+    keyed = turns.assign("t", is_retry=False, idempotency_key="k1")
+    turns.assign("t", is_retry=False, idempotency_key=None)
+    assert turns.assign("t", is_retry=False, idempotency_key="k1") == keyed
+    assert turns.assign("other", is_retry=True, idempotency_key=None) > 0

@@ -1,0 +1,150 @@
+"""write_calls: one transaction that upserts runs, groups, trajectories and calls, exactly once, on both backends."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, select
+
+from gateway.store import db
+from gateway.store.arrays import decode_ids, decode_logprobs
+from gateway.store.models import Call, Group, Run, Trajectory
+from gateway.store.records import count_calls, ping, write_calls
+from tests.factories import make_record
+from tests.pgcluster import free_port
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    db.upgrade(db_url)
+    engine = db.make_engine(db_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+def _calls(engine: Engine, trajectory_id: str) -> list[dict]:
+    with engine.connect() as conn:
+        rows = conn.execute(select(Call.__table__).where(Call.trajectory_id == trajectory_id).order_by(Call.seq))
+        return [dict(row._mapping) for row in rows]
+
+
+def _one(engine: Engine, table: type, key: str) -> dict:
+    with engine.connect() as conn:
+        pk = list(table.__table__.primary_key.columns)[0]
+        return dict(conn.execute(select(table.__table__).where(pk == key)).one()._mapping)
+
+
+def test_creates_parents_and_stores_arrays_exactly(engine: Engine) -> None:
+    record = make_record(prompt_tokens=1000, completion_tokens=200, seed=1, group_size=4, created_at=1_700_000_000.25)
+    write_calls(engine, [record])
+
+    run = _one(engine, Run, "run-a")
+    assert run["base_model"] == "base-model" and run["config"] == {}
+    group = _one(engine, Group, "group-1")
+    assert (group["run"], group["mode"], group["expected_size"], group["state"]) == ("run-a", "train", 4, "open")
+    trajectory = _one(engine, Trajectory, "traj-1")
+    assert (trajectory["run"], trajectory["group_id"], trajectory["untrainable_calls"]) == ("run-a", "group-1", 0)
+
+    [row] = _calls(engine, "traj-1")
+    assert row["id"] == record.id
+    assert decode_ids(row["prompt_token_ids"]) == record.prompt_token_ids
+    assert decode_ids(row["completion_token_ids"]) == record.completion_token_ids
+    logprobs = decode_logprobs(row["completion_logprobs"])
+    assert logprobs == record.completion_logprobs and logprobs[0] == -math.inf
+    assert row["request"] == record.request and row["usage"] == record.usage
+    assert row["created_at"].replace(tzinfo=None).isoformat() == "2023-11-14T22:13:20.250000"
+
+
+def test_missing_arrays_stay_null(engine: Engine) -> None:
+    record = make_record(
+        prompt_token_ids=None, completion_token_ids=None, completion_logprobs=None, status_code=500, error="boom"
+    )
+    write_calls(engine, [record])
+    [row] = _calls(engine, "traj-1")
+    assert row["prompt_token_ids"] is None and row["completion_logprobs"] is None and row["error"] == "boom"
+
+
+def test_group_size_is_filled_by_a_later_call_and_then_kept(engine: Engine) -> None:
+    write_calls(engine, [make_record("t1", 0, group_size=None)])
+    assert _one(engine, Group, "group-1")["expected_size"] is None
+    write_calls(engine, [make_record("t1", 1, group_size=4)])
+    assert _one(engine, Group, "group-1")["expected_size"] == 4
+    write_calls(engine, [make_record("t2", 0, group_size=8)])
+    assert _one(engine, Group, "group-1")["expected_size"] == 4
+
+
+def test_retry_replaces_the_earlier_attempt(engine: Engine) -> None:
+    first = make_record(seq=3, seed=1, finish_reason="length", created_at=100.0)
+    retry = make_record(seq=3, seed=2, finish_reason="stop", retry_count=1, created_at=101.0)
+    write_calls(engine, [first])
+    write_calls(engine, [retry])
+
+    assert count_calls(engine, "traj-1") == 1
+    [row] = _calls(engine, "traj-1")
+    assert (row["id"], row["finish_reason"], row["retry_count"]) == (retry.id, "stop", 1)
+    assert decode_ids(row["prompt_token_ids"]) == retry.prompt_token_ids
+
+
+def test_replaying_a_record_is_idempotent(engine: Engine) -> None:
+    record = make_record(seq=0, seed=5)
+    write_calls(engine, [record])
+    write_calls(engine, [record, make_record(seq=1)])
+    write_calls(engine, [record])
+    assert count_calls(engine) == 2
+    assert _calls(engine, "traj-1")[0]["id"] == record.id
+
+
+def test_a_stale_replay_does_not_roll_back_a_newer_attempt(engine: Engine) -> None:
+    """A record that spilled to the spool can reach the DB after the retry that replaced it."""
+    first = make_record(seq=0, created_at=100.0)
+    retry = make_record(seq=0, created_at=101.0)
+    write_calls(engine, [retry])
+    write_calls(engine, [first])
+    assert [row["id"] for row in _calls(engine, "traj-1")] == [retry.id]
+
+
+def test_duplicates_within_a_batch_keep_the_newest_record(engine: Engine) -> None:
+    first = make_record(seq=0, created_at=100.0)
+    second = make_record(seq=0, created_at=100.0)  # same time: the later in the batch wins
+    stale = make_record(seq=0, created_at=99.0)  # a late spool replay of an older attempt
+    other_choice = make_record(seq=0, choice_index=1)
+    write_calls(engine, [first, other_choice, second, stale])
+    rows = _calls(engine, "traj-1")
+    assert sorted((row["choice_index"], row["id"]) for row in rows) == [(0, second.id), (1, other_choice.id)]
+
+
+def test_untrainable_calls_are_counted_per_trajectory(engine: Engine) -> None:
+    write_calls(
+        engine,
+        [
+            make_record("t1", 0, trainable=False, untrainable_reason="no logprobs"),
+            make_record("t1", 1, trainable=True),
+            make_record("t1", 2, trainable=False, untrainable_reason="upstream status 500"),
+            make_record("t2", 0, trainable=False, untrainable_reason="no logprobs"),
+        ],
+    )
+    assert _one(engine, Trajectory, "t1")["untrainable_calls"] == 2
+    assert _one(engine, Trajectory, "t2")["untrainable_calls"] == 1
+
+    # A successful retry of seq 2 makes it trainable again; t2 is not in this batch and keeps its count.
+    write_calls(engine, [make_record("t1", 2, trainable=True, created_at=2e9)])
+    assert _one(engine, Trajectory, "t1")["untrainable_calls"] == 1
+    assert _one(engine, Trajectory, "t2")["untrainable_calls"] == 1
+
+
+def test_count_calls_and_ping(engine: Engine) -> None:
+    write_calls(engine, [make_record("t1", 0), make_record("t1", 1), make_record("t2", 0)])
+    assert (count_calls(engine), count_calls(engine, "t1"), count_calls(engine, "nope")) == (3, 2, 0)
+    assert ping(engine)
+
+
+def test_ping_is_false_when_nothing_listens() -> None:
+    engine = db.make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres")
+    try:
+        assert ping(engine) is False
+    finally:
+        engine.dispose()

@@ -1,0 +1,249 @@
+"""RecordWriter: every submitted record reaches the database exactly once, through outages, overload and restarts,
+and `submit` never waits on the database."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, select
+
+from gateway.records import CallRecord
+from gateway.store import db
+from gateway.store.arrays import decode_logprobs
+from gateway.store.models import Call
+from gateway.store.records import count_calls, write_calls
+from gateway.writer import RecordWriter, read_spool_line, spool_line
+from tests.factories import make_record
+from tests.pgcluster import PgCluster, free_port
+
+FAST = {"flush_interval_s": 0.01, "retry_interval_s": 0.1}
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    db.upgrade(db_url)
+    engine = db.make_engine(db_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def spool_dir(tmp_path: Path) -> Path:
+    return tmp_path / "spool"
+
+
+def _records(count: int) -> list[CallRecord]:
+    return [make_record(f"t{i // 10}", i % 10, group_id=f"g{i // 40}") for i in range(count)]
+
+
+def _ids(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(Call.id)).scalars())
+
+
+def _segments(spool_dir: Path) -> list[Path]:
+    return sorted(spool_dir.glob("spool-*.jsonl"))
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_spool_line_round_trips_exactly() -> None:
+    record = make_record(completion_tokens=50, seed=3, request={"logit_bias": {"50256": -100}})
+    record.completion_logprobs[1] = math.nan
+    back = read_spool_line(spool_line(record))
+    assert back.completion_logprobs[0] == -math.inf and math.isnan(back.completion_logprobs[1])
+    assert back.completion_logprobs[2:] == record.completion_logprobs[2:]
+    back.completion_logprobs = record.completion_logprobs = None
+    assert back == record
+    unpackable = make_record(prompt_token_ids=[2**40])  # kept as JSON, so the store can refuse it and keep it aside
+    assert read_spool_line(spool_line(unpackable)).prompt_token_ids == [2**40]
+
+
+async def test_records_submitted_from_an_event_loop_all_arrive_once(engine: Engine, spool_dir: Path) -> None:
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    records = _records(2000)
+    for i, record in enumerate(records):
+        writer.submit(record)
+        if i % 100 == 0:
+            await asyncio.sleep(0)
+    assert await asyncio.to_thread(writer.flush, 20)
+    try:
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+        assert writer.records_written == 2000 and writer.records_spooled == 0 and writer.db_up
+        assert writer.queue_depth == 0 and writer.spool_bytes == 0
+    finally:
+        writer.close()
+
+
+async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: Path) -> None:
+    cluster = PgCluster()
+    cluster.start()
+    engine = db.make_engine(cluster.url())
+    writer = RecordWriter(engine, tmp_path / "spool", **FAST)
+    try:
+        db.upgrade(cluster.url())
+        writer.start()
+        records = _records(3000)
+        slowest = 0.0
+        for i, record in enumerate(records):
+            if i == 800:
+                stopping = asyncio.create_task(asyncio.to_thread(cluster.stop))
+            if i == 1600:
+                await stopping
+                starting = asyncio.create_task(asyncio.to_thread(cluster.start))
+            started = time.perf_counter()
+            writer.submit(record)
+            slowest = max(slowest, time.perf_counter() - started)
+            if i % 20 == 0:
+                await asyncio.sleep(0.005)
+        await starting
+
+        def all_in() -> bool:
+            return writer.db_up and not _segments(tmp_path / "spool") and count_calls(engine) == len(records)
+
+        assert await asyncio.to_thread(_wait_until, all_in, 15)
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+        assert writer.records_spooled > 0 and writer.write_errors > 0  # the outage really was hit
+        assert slowest < 0.05, f"submit took {slowest * 1000:.1f} ms"
+    finally:
+        writer.close()
+        engine.dispose()
+        cluster.destroy()
+
+
+def test_full_queue_spills_to_the_spool_and_arrives_later(engine: Engine, spool_dir: Path) -> None:
+    writer = RecordWriter(engine, spool_dir, queue_size=10, **FAST)
+    records = _records(200)
+    for record in records:  # the writer is not started yet: a writer that cannot keep up
+        writer.submit(record)
+    assert writer.queue_depth == 10 and writer.records_spooled == 190 and writer.spool_bytes > 0
+    assert not writer.flush(0.05)  # ten records still wait in the queue
+    writer.start()
+    assert writer.flush(10)
+    try:
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+        assert _segments(spool_dir) == []
+    finally:
+        writer.close()
+
+
+def test_start_replays_what_a_previous_process_left(
+    engine: Engine, spool_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    records = _records(50)
+    # The previous process committed the first ten and crashed before deleting the segment, mid-append.
+    write_calls(engine, records[:10])
+    spool_dir.mkdir()
+    segment = spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl"
+    torn = spool_line(make_record("torn", 0))
+    segment.write_bytes(b"".join(spool_line(r) for r in records) + torn[: len(torn) // 2])
+
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    with caplog.at_level(logging.WARNING, logger="trajgate.writer"):
+        writer.start()
+        assert writer.flush(10)
+        writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    assert not segment.exists()
+    assert "line 51" in caplog.text
+    with engine.connect() as conn:
+        stored = conn.execute(select(Call.completion_logprobs).where(Call.id == records[20].id)).scalar_one()
+    assert decode_logprobs(stored) == records[20].completion_logprobs
+
+
+def test_a_database_down_from_the_start_spools_until_one_is_there(sqlite_url: str, spool_dir: Path) -> None:
+    """The gateway may come up before its database (compose ordering): records wait in the spool."""
+    nowhere = db.make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres")
+    writer = RecordWriter(nowhere, spool_dir, **FAST)
+    writer.start()
+    records = _records(50)
+    for record in records:
+        writer.submit(record)
+    assert writer.flush(5)  # spooled counts as safe while the database is down
+    writer.close()
+    nowhere.dispose()
+    assert not writer.db_up and writer.records_spooled == 50 and writer.records_written == 0
+    assert len(_segments(spool_dir)) == 1
+
+    db.upgrade(sqlite_url)
+    engine = db.make_engine(sqlite_url)
+    successor = RecordWriter(engine, spool_dir, **FAST)
+    successor.start()
+    successor.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records) and _segments(spool_dir) == []
+    engine.dispose()
+
+
+def test_close_drains_and_later_submits_wait_in_the_spool(engine: Engine, spool_dir: Path) -> None:
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    records = _records(500)
+    for record in records:
+        writer.submit(record)
+    writer.close()
+    assert count_calls(engine) == 500 and _segments(spool_dir) == []
+
+    writer.submit(make_record("late", 0))
+    writer.close()
+    assert writer.records_spooled == 1 and len(_segments(spool_dir)) == 1
+    successor = RecordWriter(engine, spool_dir, **FAST)
+    successor.start()
+    assert successor.flush(10)
+    successor.close()
+    assert count_calls(engine) == 501 and _segments(spool_dir) == []
+
+
+def test_a_segment_another_writer_still_appends_to_is_left_alone(sqlite_url: str, tmp_path: Path) -> None:
+    """Several gateway processes may share a spool directory; the flock keeps them off each other's segment."""
+    db.upgrade(sqlite_url)
+    engine = db.make_engine(sqlite_url)
+    spool_dir = tmp_path / "spool"
+    owner = RecordWriter(engine, spool_dir, queue_size=1, **FAST)  # never started: everything spills
+    for record in _records(20):
+        owner.submit(record)
+    [owned] = _segments(spool_dir)
+    # A dead process's segment, newer than the live one: once it is in, the replay pass has passed `owned` by.
+    (spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl").write_bytes(spool_line(make_record("dead", 0)))
+
+    other = RecordWriter(engine, spool_dir, **FAST)
+    other.start()
+    assert _wait_until(lambda: count_calls(engine) == 1, 5)
+    assert owned.exists() and _segments(spool_dir) == [owned]
+
+    owner.close()  # closes and unlocks its segment; the queued record is spooled too
+    other.close()  # its final replay pass now takes the segment
+    assert count_calls(engine) == 21 and _segments(spool_dir) == []
+    engine.dispose()
+
+
+def test_a_record_the_database_refuses_is_set_aside_without_blocking_the_rest(engine: Engine, spool_dir: Path) -> None:
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    good = _records(20)
+    bad = make_record("bad", 0, prompt_token_ids=[2**40])  # cannot be stored as int32
+    for record in [*good[:10], bad, *good[10:]]:
+        writer.submit(record)
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in good)
+    assert writer.records_rejected == 1 and writer.db_up
+    [rejected] = (spool_dir / "rejected").iterdir()
+    assert read_spool_line(rejected.read_bytes()).id == bad.id
+    assert _segments(spool_dir) == []
