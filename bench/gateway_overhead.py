@@ -1,0 +1,906 @@
+"""What the gateway adds to a call, with capture on, against calling the upstream directly: one run, one table.
+
+Everything is started here and measured in the same run (DESIGN §8):
+  * a throwaway Postgres (tests.pgcluster.PgCluster), migrated to head, pinned to CPU 0;
+  * bench/fast_upstream.py, a vLLM-shaped fake answering recorded vLLM responses, pinned to CPU 0;
+  * `trajgate serve` against both (capture on: every call is written to Postgres), pinned to CPU 1;
+  * the load clients, also on CPU 1.
+
+Scenarios, each run direct-to-upstream and through the gateway with the same client and the same request:
+  * non-stream chat, concurrency 1: latency p50/p99 (a keep-alive raw-socket client in a tight loop; direct and
+    gateway alternate in blocks so drift hits both alike);
+  * non-stream chat, concurrency 64: req/s and latency over a fixed duration (wrk with a Lua script; a Python
+    aiohttp client when wrk is not installed — the output says which);
+  * stream chat, concurrency 1: time to the first SSE event and to the end of the stream, p50/p99.
+Afterwards it checks through SQL that `calls` holds one row per successful gateway request.
+
+    .venv/bin/python bench/gateway_overhead.py            # full run, ~45 s
+    .venv/bin/python bench/gateway_overhead.py --quick    # ~15 s
+    .venv/bin/python bench/gateway_overhead.py --profile /tmp/gw-prof   # plus py-spy profiles at c=64 (+~35 s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.fast_upstream import FIXTURES, load_fixtures, pick_chat_fixture  # noqa: E402
+from tests.pgcluster import PgCluster, free_port  # noqa: E402
+
+UPSTREAM_CPU = 0
+GATEWAY_CPU = 1
+CHAT = "/v1/chat/completions"
+
+TARGET_ADDED_P50_MS = 0.5
+TARGET_ADDED_P99_MS = 1.0
+TARGET_RPS_C64 = 3000.0
+TARGET_STREAM_FIRST_ADDED_MS = 0.6
+
+
+@dataclass
+class Plan:
+    c1_requests: int  # per target
+    c1_block: int
+    c1_warmup: int
+    stream_requests: int
+    c64_seconds: float
+    c64_warmup_seconds: float
+    profile_seconds: float
+
+
+FULL = Plan(c1_requests=5000, c1_block=250, c1_warmup=300, stream_requests=2000, c64_seconds=10,
+            c64_warmup_seconds=2, profile_seconds=10)
+QUICK = Plan(c1_requests=600, c1_block=100, c1_warmup=100, stream_requests=300, c64_seconds=3,
+             c64_warmup_seconds=1, profile_seconds=5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Processes
+
+
+class Processes:
+    """Children started in their own sessions, stopped (by pid) on exit, Ctrl-C or error."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.children: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              cwd: Path | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.workdir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                start_new_session=True)
+        log.close()
+        self.children.append((name, proc))
+        return proc
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        path = self.workdir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+        if proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def stop_all(self) -> None:
+        for _, proc in reversed(self.children):
+            try:
+                self.stop(proc, grace_s=20)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == pid:
+            out.append(int(entry.name))
+    return out
+
+
+def pin_postgres(cluster: PgCluster, cpus: str) -> None:
+    """Pin the postmaster (new backends inherit it) and the processes it already forked."""
+    pid = int((cluster.data / "postmaster.pid").read_text().splitlines()[0])
+    for target in [pid, *_children_of(pid)]:
+        subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(target)], capture_output=True, check=False)
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the process exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not answering after {timeout_s:.0f}s")
+
+
+def process_ticks(pid: int) -> dict[str, int]:
+    """CPU clock ticks (user+system) per thread of a process: `main` and `thread <tid>` (writer, executor...)."""
+    ticks: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        fields_ = stat.rsplit(")", 1)[1].split()
+        ticks["main" if int(task.name) == pid else f"thread {task.name}"] = int(fields_[11]) + int(fields_[12])
+    return ticks
+
+
+def all_ticks() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, user+system ticks) for every process on the machine."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields_ = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(entry.name)] = (int(fields_[1]), int(fields_[11]) + int(fields_[12]))
+    return out
+
+
+def foreign_cpu_s(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]], ours: set[int]) -> float:
+    """CPU seconds that processes this run did not start used between two snapshots: the background noise."""
+
+    def mine(pid: int) -> bool:
+        seen = 0
+        while pid > 1 and seen < 64:
+            if pid in ours:
+                return True
+            pid = after.get(pid, before.get(pid, (0, 0)))[0]
+            seen += 1
+        return False
+
+    used = sum(t - before.get(pid, (0, 0))[1] for pid, (_, t) in after.items() if not mine(pid))
+    return used / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_availability(cpu: int, seconds: float = 0.5) -> tuple[float, float]:
+    """Spin on one CPU and see how much of the time this process actually ran: (fraction, longest gap ms).
+
+    Background processes, kernel work or the hypervisor taking the CPU away show up as gaps; they hit the direct
+    and the gateway measurements alike and dominate p99 on a busy machine."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        clock = time.perf_counter_ns
+        end = clock() + int(seconds * 1e9)
+        last = clock()
+        lost = longest = 0
+        while last < end:
+            now = clock()
+            gap = now - last
+            if gap > 50_000:
+                lost += gap
+                longest = max(longest, gap)
+            last = now
+        return 1 - lost / (seconds * 1e9), longest / 1e6
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def metrics_counter(base: str) -> dict[str, float]:
+    """`trajgate_requests_total` by status, from the gateway's /metrics."""
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    out: Counter[str] = Counter()
+    for match in re.finditer(r'^trajgate_requests_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
+        status = re.search(r'status="([^"]*)"', match[1])
+        out[status[1] if status else "?"] += float(match[2])
+    return dict(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Concurrency-1 client: keep-alive raw socket, a tight loop
+
+
+class RawConnection:
+    """One keep-alive HTTP/1.1 connection; `call` returns (status, ns to the first SSE event, ns to the end)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def request(self, path: str, body: bytes) -> bytes:
+        return (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
+
+    def call(self, request: bytes) -> tuple[int, int, int]:
+        sock = self.sock
+        perf = time.perf_counter_ns
+        started = perf()
+        sock.sendall(request)
+        buf = b""
+        while True:
+            data = sock.recv(262144)
+            if not data:
+                raise ConnectionError("server closed the connection")
+            buf += data
+            head_end = buf.find(b"\r\n\r\n")
+            if head_end >= 0:
+                break
+        status = int(buf[9:12])
+        head = buf[:head_end].lower()
+        body_start = head_end + 4
+        first = 0
+        if b"transfer-encoding: chunked" in head:
+            while True:
+                if not first and buf.find(b"data:", body_start) >= 0:
+                    first = perf()
+                if buf.endswith(b"\r\n0\r\n\r\n"):  # the last chunk (also right after an empty head)
+                    break
+                data = sock.recv(262144)
+                if not data:
+                    raise ConnectionError("server closed the connection mid-stream")
+                buf += data
+        else:
+            match = re.search(rb"\r\ncontent-length: *(\d+)", head)
+            length = int(match[1]) if match else 0
+            while len(buf) - body_start < length:
+                data = sock.recv(262144)
+                if not data:
+                    raise ConnectionError("server closed the connection mid-body")
+                buf += data
+        end = perf()
+        return status, (first - started) if first else 0, end - started
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@dataclass
+class Samples:
+    latency_ns: list[int] = field(default_factory=list)
+    first_ns: list[int] = field(default_factory=list)
+    ok: int = 0
+    failed: Counter[int] = field(default_factory=Counter)
+    elapsed_ns: int = 0
+
+
+def run_c1(targets: dict[str, tuple[RawConnection, bytes]], per_target: int, block: int, warmup: int,
+           stream: bool) -> dict[str, Samples]:
+    """Alternate blocks of requests between targets (ABBA order); warm-up requests are not sampled."""
+    samples = {name: Samples() for name in targets}
+    for name, (conn, request) in targets.items():
+        for _ in range(warmup):
+            status, _, _ = conn.call(request)
+            samples[name].ok += status == 200  # warm-up counts for the capture check, not for latency
+    names = list(targets)
+    done = 0
+    round_ = 0
+    while done < per_target:
+        size = min(block, per_target - done)
+        order = names if round_ % 2 == 0 else names[::-1]
+        for name in order:
+            conn, request = targets[name]
+            s = samples[name]
+            block_started = time.perf_counter_ns()
+            for _ in range(size):
+                status, first, total = conn.call(request)
+                if status == 200:
+                    s.ok += 1
+                    s.latency_ns.append(total)
+                    if stream:
+                        s.first_ns.append(first)
+                else:
+                    s.failed[status] += 1
+            s.elapsed_ns += time.perf_counter_ns() - block_started
+        done += size
+        round_ += 1
+    return samples
+
+
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Concurrency-64 load: wrk (or aiohttp when wrk is missing)
+
+WRK_SCRIPT = r"""
+threads = {}
+sent = 0
+local req
+
+function setup(thread)
+  table.insert(threads, thread)
+end
+
+function init(args)
+  local f = assert(io.open("%(body_path)s", "rb"))
+  local body = f:read("*a")
+  f:close()
+  req = wrk.format("POST", "%(path)s", {["Content-Type"] = "application/json"}, body)
+end
+
+function request()
+  sent = sent + 1
+  return req
+end
+
+function done(summary, latency, requests)
+  local total_sent = 0
+  for _, t in ipairs(threads) do
+    total_sent = total_sent + t:get("sent")
+  end
+  local e = summary.errors
+  io.write(string.format(
+    'WRK_RESULT {"requests": %%d, "duration_us": %%d, "sent": %%d, "status": %%d, "connect": %%d, ' ..
+    '"read": %%d, "write": %%d, "timeout": %%d, "p50_us": %%d, "p99_us": %%d, "mean_us": %%f}\n',
+    summary.requests, summary.duration, total_sent, e.status, e.connect, e.read, e.write, e.timeout,
+    latency:percentile(50), latency:percentile(99), latency.mean))
+end
+"""
+
+
+@dataclass
+class LoadResult:
+    tool: str
+    requests: int  # completed
+    ok: int  # completed with 2xx
+    in_flight: int  # sent but not completed when the load stopped (the gateway still answers and records them)
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    errors: dict[str, int]
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+
+def run_wrk(wrk: str, port: int, body_path: Path, workdir: Path, connections: int, seconds: float,
+            tag: str) -> LoadResult:
+    script = workdir / f"wrk_{tag}.lua"
+    script.write_text(WRK_SCRIPT % {"body_path": str(body_path), "path": CHAT})
+    argv = ["taskset", "-c", str(GATEWAY_CPU), wrk, "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s",
+            "--timeout", "10s", "-s", str(script), f"http://127.0.0.1:{port}{CHAT}"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60)
+    match = re.search(r"^WRK_RESULT (\{.*\})$", proc.stdout, re.M)
+    if proc.returncode != 0 or match is None:
+        raise RuntimeError(f"wrk failed ({proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}")
+    r = json.loads(match[1])
+    errors = {k: r[k] for k in ("status", "connect", "read", "write", "timeout") if r[k]}
+    return LoadResult(
+        tool="wrk",
+        requests=r["requests"],
+        ok=r["requests"] - r["status"],
+        in_flight=max(0, r["sent"] - r["requests"]),
+        seconds=r["duration_us"] / 1e6,
+        p50_ms=r["p50_us"] / 1000,
+        p99_ms=r["p99_us"] / 1000,
+        errors=errors,
+    )
+
+
+def run_aiohttp(port: int, body: bytes, connections: int, seconds: float) -> LoadResult:
+    import aiohttp
+
+    async def load() -> LoadResult:
+        latencies: list[int] = []
+        statuses: Counter[int] = Counter()
+        url = f"http://127.0.0.1:{port}{CHAT}"
+        headers = {"content-type": "application/json"}
+        connector = aiohttp.TCPConnector(limit=connections)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            deadline = time.perf_counter() + seconds
+
+            async def worker() -> None:
+                while time.perf_counter() < deadline:
+                    started = time.perf_counter_ns()
+                    async with session.post(url, data=body, headers=headers) as response:
+                        await response.read()
+                    latencies.append(time.perf_counter_ns() - started)
+                    statuses[response.status] += 1
+
+            started = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(connections)))
+            elapsed = time.perf_counter() - started
+        ok = sum(n for status, n in statuses.items() if 200 <= status < 300)
+        ms = [v / 1e6 for v in latencies]
+        return LoadResult("aiohttp client (no wrk)", len(latencies), ok, 0, elapsed, pct(ms, 50), pct(ms, 99),
+                          {f"status {s}": n for s, n in statuses.items() if not 200 <= s < 300})
+
+    try:
+        import uvloop
+
+        return uvloop.run(load())
+    except ImportError:
+        return asyncio.run(load())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Profile (py-spy) of the gateway under c=64
+
+
+def summarise_profile(raw: Path, title: str, top: int = 20) -> str:
+    """Self and inclusive time per function from py-spy's collapsed stacks (`--format raw`)."""
+    own: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    by_thread: Counter[str] = Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack:
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        total += count
+        if frames[0].startswith("thread ("):
+            by_thread[_thread_label(frames)] += count
+            frames = frames[1:]
+        own[_short(frames[-1])] += count
+        for frame in {_short(f) for f in frames}:
+            inclusive[frame] += count
+    if not total:
+        return f"profile ({title}): no samples"
+    lines = [f"profile ({title}): {total} samples"]
+    if by_thread:
+        lines.append("  by thread:")
+        lines += [f"    {100 * n / total:5.1f}%  {name}" for name, n in by_thread.most_common(6)]
+    lines.append("  self time:")
+    lines += [f"    {100 * n / total:5.1f}%  {name}" for name, n in own.most_common(top)]
+    lines.append("  inclusive time:")
+    lines += [f"    {100 * n / total:5.1f}%  {name}" for name, n in inclusive.most_common(top + 15)]
+    return "\n".join(lines)
+
+
+def _thread_label(frames: list[str]) -> str:
+    joined = ";".join(frames)
+    if "Thread._bootstrap" in joined:
+        for frame in frames:
+            if "._run" in frame or ".run " in frame:
+                return f"{frames[0]} {_short(frame)}"
+        return f"{frames[0]} (other thread)"
+    return f"{frames[0]} (event loop)"
+
+
+def _short(frame: str) -> str:
+    """`func (path/to/file.py:123)` -> `func (file.py)` so lines of one function add up."""
+    match = re.match(r"^(.*?) \((.*?)(?::\d+)?\)$", frame)
+    if not match:
+        return frame
+    path = match[2]
+    for marker in ("site-packages/", "/work/main/", "lib/python3"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    return f"{match[1]} ({path})"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The run
+
+
+def client_bodies(fixtures: dict[str, dict[str, Any]]) -> tuple[str, bytes, bytes]:
+    """What an agent sends: the recorded request minus what the gateway injects, max_tokens 16, run `bench`."""
+    name = pick_chat_fixture(fixtures, 16)
+    request = dict(fixtures[name]["request"])
+    served_model = fixtures[name]["response"]["model"]
+    for injected in ("logprobs", "return_token_ids", "top_logprobs"):
+        request.pop(injected, None)
+    request["model"] = "bench"
+    request["max_tokens"] = 16
+    plain = json.dumps(request, separators=(",", ":")).encode()
+    stream = json.dumps({**request, "stream": True, "stream_options": {"include_usage": True}},
+                        separators=(",", ":")).encode()
+    return served_model, plain, stream
+
+
+def ms(ns_values: list[int]) -> list[float]:
+    return [v / 1e6 for v in ns_values]
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a short run (~30 s)")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="after the measurements, profile the gateway with py-spy under c=64 (DIR/gateway.svg, "
+                             "DIR/gateway.txt collapsed stacks, summary printed)")
+    parser.add_argument("--connections", type=int, default=64, help="concurrency of the throughput scenario")
+    parser.add_argument("--no-wrk", action="store_true", help="use the aiohttp client even when wrk is installed")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON here")
+    parser.add_argument("--keep", action="store_true", help="keep the work dir (logs, spool) for inspection")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="run everything at this niceness (children inherit it); a negative value (root only) "
+                             "makes a shared machine's background load matter less, at the other processes' expense")
+    parser.add_argument("--upstream-suffix", default="/v1",
+                        help="appended to the fake upstream's address for TRAJGATE_UPSTREAM_URL (default /v1)")
+    args = parser.parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    if args.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)  # before any child starts, so all of them inherit it
+    if (os.cpu_count() or 1) < 2:
+        print("note: fewer than 2 CPUs; pinning is skipped", file=sys.stderr)
+
+    def _terminate(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started from a shell that ignores it
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
+
+    workdir = Path(tempfile.mkdtemp(prefix="trajgate-bench-"))
+    procs = Processes(workdir)
+    clusters: list[PgCluster] = []
+    started_all = time.monotonic()
+    try:
+        return _run(args, plan, workdir, procs, started_all, clusters)
+    except KeyboardInterrupt:
+        print("\ninterrupted; cleaning up", file=sys.stderr)
+        return 130
+    finally:
+        procs.stop_all()
+        for cluster in clusters:
+            cluster.destroy()
+        if args.keep:
+            print(f"work dir kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, started_all: float,
+         clusters: list[PgCluster]) -> int:
+    fixtures = load_fixtures(FIXTURES)
+    served_model, plain_body, stream_body = client_bodies(fixtures)
+    body_path = workdir / "body.json"
+    body_path.write_bytes(plain_body)
+    two_cpus = (os.cpu_count() or 1) >= 2
+    pin = (lambda cpu: ["taskset", "-c", str(cpu)]) if two_cpus else (lambda cpu: [])
+
+    # Postgres
+    t0 = time.monotonic()
+    cluster = PgCluster()
+    clusters.append(cluster)
+    cluster.start()
+    if two_cpus:
+        pin_postgres(cluster, str(UPSTREAM_CPU))
+    url = cluster.url()
+    from gateway.store import db
+
+    db.upgrade(url)
+    print(f"postgres {cluster.port} up and migrated in {time.monotonic() - t0:.1f}s", flush=True)
+
+    # fake upstream on CPU 0
+    up_port = free_port()
+    upstream = procs.start("upstream", [*pin(UPSTREAM_CPU), sys.executable, str(REPO / "bench" / "fast_upstream.py"),
+                                        "--port", str(up_port)])
+    wait_http(f"http://127.0.0.1:{up_port}/v1/models", upstream, 20)
+    print(procs.log_tail("upstream", 1), flush=True)
+
+    # the gateway on CPU 1
+    gw_port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAJGATE_")}
+    env.update(
+        TRAJGATE_DATABASE_URL=url,
+        TRAJGATE_UPSTREAM_URL=f"http://127.0.0.1:{up_port}{args.upstream_suffix}",
+        TRAJGATE_BASE_MODEL=served_model,
+        TRAJGATE_SPOOL_DIR=str(workdir / "spool"),
+        TRAJGATE_CHECKPOINT_DIR=str(workdir / "checkpoints"),
+    )
+    trajgate = Path(sys.executable).parent / "trajgate"
+    command = [str(trajgate)] if trajgate.exists() else [sys.executable, "-m", "gateway.cli"]
+    t0 = time.monotonic()
+    gateway = procs.start("gateway", [*pin(GATEWAY_CPU), *command, "serve", "--port", str(gw_port),
+                                      "--log-level", "warning"], env=env, cwd=workdir)
+    gw_base = f"http://127.0.0.1:{gw_port}"
+    try:
+        wait_http(gw_base + "/health", gateway, 60)
+    except RuntimeError as exc:
+        print(f"gateway did not start: {exc}\n--- gateway log ---\n{procs.log_tail('gateway')}", file=sys.stderr)
+        return 1
+    print(f"trajgate serve up in {time.monotonic() - t0:.1f}s (pid {gateway.pid}, CPU {GATEWAY_CPU}); "
+          f"client on CPU {GATEWAY_CPU}; upstream and postgres on CPU {UPSTREAM_CPU}", flush=True)
+    if two_cpus:
+        os.sched_setaffinity(0, {GATEWAY_CPU})
+    probe = RawConnection(gw_port)
+    status, _, _ = probe.call(probe.request(CHAT, plain_body))
+    probe.close()
+    if status != 200:
+        print(f"a chat call through the gateway answered {status}, not 200; not benchmarking errors.\n"
+              f"--- upstream log ---\n{procs.log_tail('upstream', 5)}", file=sys.stderr)
+        return 2
+
+    gateway_ok = 1  # successful gateway requests, client-counted (the probe above is the first)
+    gateway_in_flight = 0  # sent but not seen completing when a load tool stopped
+    postmaster = int((cluster.data / "postmaster.pid").read_text().splitlines()[0])
+    ours = {os.getpid(), gateway.pid, upstream.pid, postmaster}
+    availability = {cpu: cpu_availability(cpu) for cpu in ((UPSTREAM_CPU, GATEWAY_CPU) if two_cpus else (0,))}
+    print("CPU availability probe (0.5 s spin): " + ", ".join(
+        f"CPU {cpu} {100 * share:.0f}% (longest gap {gap:.1f} ms)" for cpu, (share, gap) in availability.items()),
+        flush=True)
+    noise_before, noise_started = all_ticks(), time.monotonic()
+
+    # 1. non-stream, c=1
+    direct_conn, gw_conn = RawConnection(up_port), RawConnection(gw_port)
+    targets = {
+        "direct": (direct_conn, direct_conn.request(CHAT, plain_body)),
+        "gateway": (gw_conn, gw_conn.request(CHAT, plain_body)),
+    }
+    t0 = time.monotonic()
+    c1 = run_c1(targets, plan.c1_requests, plan.c1_block, plan.c1_warmup, stream=False)
+    gateway_ok += c1["gateway"].ok
+    print(f"non-stream c=1: {plan.c1_requests} requests per target in {time.monotonic() - t0:.1f}s", flush=True)
+
+    # 2. stream, c=1
+    stream_targets = {
+        "direct": (direct_conn, direct_conn.request(CHAT, stream_body)),
+        "gateway": (gw_conn, gw_conn.request(CHAT, stream_body)),
+    }
+    t0 = time.monotonic()
+    st = run_c1(stream_targets, plan.stream_requests, plan.c1_block, plan.c1_warmup // 2, stream=True)
+    gateway_ok += st["gateway"].ok
+    print(f"stream c=1: {plan.stream_requests} streams per target in {time.monotonic() - t0:.1f}s", flush=True)
+    direct_conn.close()
+    gw_conn.close()
+
+    # 3. non-stream, c=64
+    wrk = None if args.no_wrk else shutil.which("wrk")
+
+    def load(port: int, seconds: float, tag: str) -> LoadResult:
+        if wrk:
+            return run_wrk(wrk, port, body_path, workdir, args.connections, seconds, tag)
+        return run_aiohttp(port, plain_body, args.connections, seconds)
+
+    load(up_port, plan.c64_warmup_seconds, "direct_warmup")
+    direct64 = load(up_port, plan.c64_seconds, "direct")
+    warm = load(gw_port, plan.c64_warmup_seconds, "gateway_warmup")
+    gateway_ok += warm.ok
+    gateway_in_flight += warm.in_flight
+    gw_ticks_before = process_ticks(gateway.pid)
+    up_ticks_before = sum(process_ticks(upstream.pid).values())
+    gw64 = load(gw_port, plan.c64_seconds, "gateway")
+    gw_ticks_after = process_ticks(gateway.pid)
+    up_ticks_after = sum(process_ticks(upstream.pid).values())
+    gateway_ok += gw64.ok
+    gateway_in_flight += gw64.in_flight
+    print(f"non-stream c={args.connections}: {direct64.tool}, {plan.c64_seconds:.0f}s per target", flush=True)
+
+    hz = os.sysconf("SC_CLK_TCK")
+    gw_cpu = {name: (gw_ticks_after.get(name, 0) - gw_ticks_before.get(name, 0)) / hz for name in gw_ticks_after}
+    gw_cpu = {name: seconds for name, seconds in gw_cpu.items() if seconds > 0}
+    gw_cpu_total = sum(gw_cpu.values())
+    up_cpu_total = (up_ticks_after - up_ticks_before) / hz
+    noise_s = foreign_cpu_s(noise_before, all_ticks(), ours)
+    noise_pct = 100 * noise_s / ((time.monotonic() - noise_started) * (os.cpu_count() or 1))
+
+    # 4. optional profile under the same c=64 load
+    profile_summary = None
+    if args.profile:
+        profile_summary, prof_ok, prof_in_flight = _profile(args, plan, procs, gateway.pid, gw_port, load)
+        gateway_ok += prof_ok
+        gateway_in_flight += prof_in_flight
+
+    # capture check: one `calls` row per successful gateway request. The gateway's own counter is exact; the
+    # clients know theirs exactly except for requests wrk had sent when it stopped (the gateway may still have
+    # answered, and so recorded, each of those).
+    time.sleep(0.5)
+    served = int(metrics_counter(gw_base).get("200", 0))
+    rows, stats, waited = _wait_for_rows(url, served, timeout_s=60)
+    counter = metrics_counter(gw_base)
+    served = int(counter.get("200", 0))
+
+    results = _table(args, plan, c1, st, direct64, gw64)
+    print()
+    others = sum(seconds for name, seconds in gw_cpu.items() if name != "main")
+    threads = f"event-loop thread {gw_cpu.get('main', 0):.2f}s, other threads (the DB writer) {others:.2f}s"
+    print(f"gateway CPU during the c={args.connections} gateway run: {gw_cpu_total:.2f} s over {gw64.seconds:.1f} s "
+          f"({100 * gw_cpu_total / gw64.seconds:.0f}% of a core, {1e6 * gw_cpu_total / max(gw64.requests, 1):.0f} us "
+          f"per request; {threads}); upstream {up_cpu_total:.2f}s")
+    print(f"background: processes outside this benchmark used {noise_pct:.0f}% of the machine's CPU during the "
+          f"measurements (load average now {os.getloadavg()[0]:.2f}; this run's niceness {os.getpriority(os.PRIO_PROCESS, 0)})" + ("  <- noisy, numbers are pessimistic"
+                                                                           if noise_pct > 5 else ""))
+    print()
+    match = rows == served and gateway_ok <= rows <= gateway_ok + gateway_in_flight
+    print(
+        f"capture check: calls rows = {rows:,}; successful gateway requests = {served:,} (the gateway's "
+        f"trajgate_requests_total{{status=\"200\"}}; clients counted {gateway_ok:,} answered + "
+        f"{gateway_in_flight:,} still in flight when wrk stopped); trainable rows {stats['trainable']:,}, "
+        f"rows with prompt+completion token ids {stats['with_ids']:,}, stream rows {stats['stream']:,}; "
+        f"last row landed {waited:.1f}s after the load ended -> {'PASS' if match else 'MISMATCH'}"
+    )
+    if counter.keys() - {"200"}:
+        print(f"  other statuses from the gateway: {counter}")
+    if profile_summary:
+        print()
+        print(profile_summary)
+    print(f"\ntotal run time {time.monotonic() - started_all:.0f}s")
+    if args.json:
+        results.update(
+            capture={"rows": rows, "gateway_counter_200": served, "client_counted": gateway_ok,
+                     "in_flight_at_stop": gateway_in_flight, **stats, "match": match},
+            gateway_cpu_s=gw_cpu, upstream_cpu_s=up_cpu_total, background_cpu_pct=noise_pct,
+            cpu_availability={str(cpu): {"share": share, "longest_gap_ms": gap}
+                              for cpu, (share, gap) in availability.items()},
+        )
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0 if match else 3
+
+
+def _profile(args: argparse.Namespace, plan: Plan, procs: Processes, pid: int, gw_port: int,
+             load: Any) -> tuple[str, int, int]:
+    py_spy = Path(sys.executable).parent / "py-spy"
+    py_spy_cmd = str(py_spy) if py_spy.exists() else shutil.which("py-spy")
+    if not py_spy_cmd:
+        return "profile: py-spy not installed (.venv/bin/pip install py-spy)", 0, 0
+    out: Path = args.profile
+    out.mkdir(parents=True, exist_ok=True)
+    seconds = plan.profile_seconds
+    ok = in_flight = 0
+    summaries = []
+    runs = (
+        ("all", "raw", out / "gateway.txt", ["--threads"]),  # every active thread: event loop and writer
+        ("gil", "raw", out / "gateway-gil.txt", ["--gil"]),  # only the thread holding the GIL: what serialises
+        ("svg", "flamegraph", out / "gateway.svg", []),
+    )
+    for tag, fmt, path, extra in runs:
+        # Blocking mode (the default): py-spy pauses the process for each sample, so stacks are consistent.
+        spy = procs.start(f"py-spy-{tag}", ["taskset", "-c", str(UPSTREAM_CPU), py_spy_cmd, "record", "--pid",
+                                            str(pid), "-d", str(int(seconds)), "-r", "100", "-f", fmt, "-o",
+                                            str(path), *extra])
+        time.sleep(0.5)
+        result = load(gw_port, seconds, f"profile_{tag}")
+        ok += result.ok
+        in_flight += result.in_flight
+        try:
+            spy.wait(seconds + 30)
+        except subprocess.TimeoutExpired:
+            procs.stop(spy, 5)
+        summaries.append(f"profile run ({tag}): {result.rps:,.0f} req/s under py-spy")
+    text = "\n".join(
+        summarise_profile(path, title) for title, path in (
+            ("active threads", out / "gateway.txt"), ("GIL holder", out / "gateway-gil.txt"))
+        if path.exists()
+    )
+    files = f"profile files: {out}/gateway.svg, {out}/gateway.txt, {out}/gateway-gil.txt (collapsed stacks)"
+    return "\n".join([*summaries, files, text]), ok, in_flight
+
+
+def _wait_for_rows(url: str, expected: int, timeout_s: float) -> tuple[int, dict[str, int], float]:
+    import psycopg
+
+    plain = url.replace("postgresql+psycopg://", "postgresql://")
+    started = time.monotonic()
+    rows, last_change, last = 0, started, -1
+    query = (
+        "SELECT count(*), count(*) FILTER (WHERE trainable), count(*) FILTER (WHERE stream), "
+        "count(*) FILTER (WHERE completion_token_ids IS NOT NULL AND prompt_token_ids IS NOT NULL) FROM calls"
+    )
+    with psycopg.connect(plain, autocommit=True) as conn:
+        while True:
+            rows, trainable, stream, with_ids = conn.execute(query).fetchone()  # type: ignore[misc]
+            now = time.monotonic()
+            if rows != last:
+                last, last_change = rows, now
+            if rows >= expected and now - last_change > 1.0:
+                break
+            if now - started > timeout_s or (now - last_change > 10):
+                break
+            time.sleep(0.25)
+    return rows, {"trainable": trainable, "stream": stream, "with_ids": with_ids}, last_change - started
+
+
+def _table(args: argparse.Namespace, plan: Plan, c1: dict[str, Samples], st: dict[str, Samples],
+           direct64: LoadResult, gw64: LoadResult) -> dict[str, Any]:
+    rows: list[list[str]] = []
+    results: dict[str, Any] = {"plan": plan.__dict__, "load_tool": direct64.tool}
+
+    def rps(s: Samples) -> float:
+        return len(s.latency_ns) / (s.elapsed_ns / 1e9) if s.elapsed_ns else 0.0
+
+    # c=1 non-stream
+    d, g = ms(c1["direct"].latency_ns), ms(c1["gateway"].latency_ns)
+    dp50, dp99, gp50, gp99 = pct(d, 50), pct(d, 99), pct(g, 50), pct(g, 99)
+    a50, a99 = gp50 - dp50, gp99 - dp99
+    ok1 = a50 <= TARGET_ADDED_P50_MS and a99 <= TARGET_ADDED_P99_MS
+    rows.append(["non-stream c=1", f"{dp50:.3f} / {dp99:.3f}", f"{gp50:.3f} / {gp99:.3f}", f"{a50:+.3f} / {a99:+.3f}",
+                 f"{rps(c1['direct']):,.0f}", f"{rps(c1['gateway']):,.0f}",
+                 f"{rps(c1['gateway']) / rps(c1['direct']):.2f}",
+                 f"added <= {TARGET_ADDED_P50_MS} p50, <= {TARGET_ADDED_P99_MS} p99", verdict(ok1)])
+    results["c1"] = {"direct_p50_ms": dp50, "direct_p99_ms": dp99, "gateway_p50_ms": gp50, "gateway_p99_ms": gp99,
+                     "added_p50_ms": a50, "added_p99_ms": a99, "n": len(g), "pass": ok1,
+                     "failed": {k: dict(v.failed) for k, v in c1.items()}}
+
+    # c=64 non-stream
+    ok64 = gw64.rps >= TARGET_RPS_C64
+    rows.append([f"non-stream c={args.connections}", f"{direct64.p50_ms:.3f} / {direct64.p99_ms:.3f}",
+                 f"{gw64.p50_ms:.3f} / {gw64.p99_ms:.3f}",
+                 f"{gw64.p50_ms - direct64.p50_ms:+.3f} / {gw64.p99_ms - direct64.p99_ms:+.3f}",
+                 f"{direct64.rps:,.0f}", f"{gw64.rps:,.0f}", f"{gw64.rps / direct64.rps:.2f}",
+                 f">= {TARGET_RPS_C64:,.0f} req/s", verdict(ok64)])
+    results["c64"] = {"tool": gw64.tool, "direct": direct64.__dict__, "gateway": gw64.__dict__,
+                      "direct_rps": direct64.rps, "gateway_rps": gw64.rps, "pass": ok64}
+
+    # stream c=1
+    df, gf = ms(st["direct"].first_ns), ms(st["gateway"].first_ns)
+    dt, gt = ms(st["direct"].latency_ns), ms(st["gateway"].latency_ns)
+    f50, f99 = pct(gf, 50) - pct(df, 50), pct(gf, 99) - pct(df, 99)
+    okf = f50 <= TARGET_STREAM_FIRST_ADDED_MS
+    rows.append(["stream c=1 first chunk", f"{pct(df, 50):.3f} / {pct(df, 99):.3f}",
+                 f"{pct(gf, 50):.3f} / {pct(gf, 99):.3f}", f"{f50:+.3f} / {f99:+.3f}", "", "", "",
+                 f"added <= {TARGET_STREAM_FIRST_ADDED_MS} p50", verdict(okf)])
+    rows.append(["stream c=1 full stream", f"{pct(dt, 50):.3f} / {pct(dt, 99):.3f}",
+                 f"{pct(gt, 50):.3f} / {pct(gt, 99):.3f}",
+                 f"{pct(gt, 50) - pct(dt, 50):+.3f} / {pct(gt, 99) - pct(dt, 99):+.3f}",
+                 f"{rps(st['direct']):,.0f}", f"{rps(st['gateway']):,.0f}",
+                 f"{rps(st['gateway']) / rps(st['direct']):.2f}", "(no target)", ""])
+    results["stream"] = {"direct_first_p50_ms": pct(df, 50), "direct_first_p99_ms": pct(df, 99),
+                         "gateway_first_p50_ms": pct(gf, 50), "gateway_first_p99_ms": pct(gf, 99),
+                         "added_first_p50_ms": f50, "added_first_p99_ms": f99,
+                         "direct_total_p50_ms": pct(dt, 50), "gateway_total_p50_ms": pct(gt, 50),
+                         "direct_total_p99_ms": pct(dt, 99), "gateway_total_p99_ms": pct(gt, 99), "pass": okf}
+
+    header = ["scenario", "direct p50/p99 ms", "gateway p50/p99 ms", "added p50/p99 ms", "req/s direct",
+              "req/s gateway", "ratio", "target", ""]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print()
+    print(f"gateway overhead, capture on (Postgres), one run; c=1: raw-socket keep-alive client, "
+          f"{len(g):,} requests/target, {len(gt):,} streams/target; c={args.connections}: {gw64.tool}, "
+          f"{gw64.seconds:.1f} s/target")
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    failures = {name: dict(s.failed) for name, s in {**c1, **{f"stream {k}": v for k, v in st.items()}}.items()
+                if s.failed}
+    if failures or direct64.errors or gw64.errors:
+        print(f"errors: c=1 {failures}; c={args.connections} direct {direct64.errors} gateway {gw64.errors}")
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(main())
