@@ -6,15 +6,19 @@ also work under a base_url that carries them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
+from gateway import read_api, rewards_api, runs_api
 from gateway.attribution import split_path
 from gateway.auth import Auth
 from gateway.config import Settings
@@ -28,6 +32,9 @@ from gateway.writer import RecordWriter
 
 log = logging.getLogger("trajgate.gateway")
 
+# How often the in-memory routing table (policy versions, sampling overrides) is reloaded from the database.
+ROUTE_REFRESH_S = 1.0
+
 
 @dataclass
 class GatewayState:
@@ -38,6 +45,8 @@ class GatewayState:
     auth: Auth
     metrics: GatewayMetrics
     proxy: Proxy
+    # Set when the server begins a graceful shutdown, so endless responses (the event stream) end and let it finish.
+    stopping: threading.Event = field(default_factory=threading.Event)
 
 
 def build_state(settings: Settings) -> GatewayState:
@@ -80,21 +89,50 @@ class Gateway:
         self.state = build_state(settings)
         self.api = FastAPI(title="trajgate", lifespan=self._lifespan, docs_url="/docs", redoc_url=None)
         self.api.state.gateway = self.state
-        self.api.include_router(router)
+        for module in (router, rewards_api.router, read_api.router, runs_api.router):
+            self.api.include_router(module)
         install_error_handlers(self.api)
+        self._routes_failing = False
+
+    def begin_shutdown(self) -> None:
+        """Called by the server when it starts shutting down (before it waits for open responses)."""
+        self.state.stopping.set()
 
     @asynccontextmanager
     async def _lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         self.state.auth.warn_if_open()
+        self.state.stopping.clear()
         self.state.writer.start()
         await self.state.proxy.start()
+        await self._refresh_routes()
+        refresher = asyncio.create_task(self._refresh_routes_forever())
         log.info("gateway ready: upstream %s", self.state.settings.upstream_url)
         try:
             yield
         finally:
+            self.state.stopping.set()
+            refresher.cancel()
             await self.state.proxy.close()
             self.state.writer.close()
             self.state.engine.dispose()
+
+    async def _refresh_routes(self) -> None:
+        """Reload the routing table off the event loop; while the database is away, keep routing by the last one."""
+        try:
+            await asyncio.to_thread(self.state.router.refresh, self.state.engine)
+        except SQLAlchemyError as exc:
+            if not self._routes_failing:
+                log.warning("cannot refresh run routes (policy versions, sampling overrides): %s", type(exc).__name__)
+            self._routes_failing = True
+        else:
+            if self._routes_failing:
+                log.info("run routes refreshed again")
+            self._routes_failing = False
+
+    async def _refresh_routes_forever(self) -> None:
+        while True:
+            await asyncio.sleep(ROUTE_REFRESH_S)
+            await self._refresh_routes()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":

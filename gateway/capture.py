@@ -35,14 +35,22 @@ class ChoiceCapture:
     finish_reason: str | None
 
 
-def prepare_upstream(body: dict[str, Any], endpoint: str, served_model: str) -> tuple[dict[str, Any], ClientAsks]:
-    """The body vLLM receives: the client's, with `model` routed and capture fields injected."""
+def prepare_upstream(
+    body: dict[str, Any], endpoint: str, served_model: str, *, overrides: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], ClientAsks]:
+    """The body vLLM receives: the client's, with `model` routed, the run's sampling overrides applied (they win
+    over the client's values) and capture fields injected."""
     if endpoint == CHAT:
         asks_logprobs = body.get("logprobs") is True
     else:
         asks_logprobs = body.get("logprobs") is not None
     asks = ClientAsks(logprobs=asks_logprobs, token_ids=body.get("return_token_ids") is True)
     upstream = dict(body)
+    if overrides:
+        upstream.update(overrides)
+        if "max_tokens" in overrides and "max_completion_tokens" in upstream:
+            # vLLM prefers max_completion_tokens when both are sent, which would undo the override.
+            upstream["max_completion_tokens"] = overrides["max_tokens"]
     upstream["model"] = served_model
     if not asks.logprobs:
         upstream["logprobs"] = True if endpoint == CHAT else 0

@@ -7,8 +7,10 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
+from types import FrameType
 
 from gateway.config import ConfigError, Settings, load_settings
+from gateway.export import FORMATS
 
 DESCRIPTION = """\
 trajgate records every call your agent makes through an OpenAI-compatible gateway (exact token ids and
@@ -44,8 +46,15 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
     if args.port:
         settings.port = args.port
     _setup_logging(args.log_level)
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            app.begin_shutdown()  # end live event streams, or the graceful shutdown would wait for them
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
@@ -54,6 +63,41 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_timeout,
     )
+    server = Server(config)
+    server.run()
+    return 0 if server.started else 3  # 3: uvicorn's start-up failure status (e.g. the port is taken)
+
+
+def _export(settings: Settings, args: argparse.Namespace) -> int:
+    from gateway.export import ExportError, check_available, write_jsonl, write_parquet
+    from gateway.store.db import make_engine
+    from gateway.store.export import iter_trajectories
+    from gateway.store.runs import run_exists
+
+    try:
+        check_available(args.format)
+    except ExportError as exc:
+        print(f"export: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    engine = make_engine(settings.database_url)
+    try:
+        if not run_exists(engine, args.run):
+            print(f"export: no run named {args.run!r}", file=sys.stderr)
+            return 1
+        trajectories = iter_trajectories(engine, args.run, include_eval=args.include_eval)
+        write = write_parquet if args.format == "parquet" else write_jsonl
+        if args.output == "-":
+            count = write(trajectories, sys.stdout.buffer)
+            sys.stdout.buffer.flush()
+        else:
+            with open(args.output, "wb") as out:
+                count = write(trajectories, out)
+    finally:
+        engine.dispose()
+    where = "stdout" if args.output == "-" else args.output
+    seconds = time.perf_counter() - started
+    print(f"export: {count} trajectories of run {args.run!r} -> {where} ({seconds:.2f}s)", file=sys.stderr)
     return 0
 
 
@@ -89,6 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--graceful-timeout", type=int, default=60, help="seconds to let in-flight calls finish on shutdown"
     )
     serve.set_defaults(handler=_serve)
+
+    export = sub.add_parser(
+        "export",
+        help="write a run's trajectories (messages, token ids, logprobs, rewards) as JSON Lines or Parquet",
+        description="Stream a run's trajectories, oldest first, one record per trajectory with its calls nested "
+        "(schema in the README). Memory stays constant however large the run.",
+    )
+    export.add_argument("--run", required=True, help="the run to export")
+    export.add_argument("--format", choices=FORMATS, default="jsonl", help="default: jsonl")
+    export.add_argument("--output", "-o", default="-", help="file to write (default: - for stdout)")
+    export.add_argument("--include-eval", action="store_true", help="also export evaluation trajectories")
+    export.set_defaults(handler=_export)
     return parser
 
 

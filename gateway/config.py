@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     )
     upstream_url: str = Field("http://127.0.0.1:8001/v1", description="vLLM's OpenAI base URL (ends in /v1).")
     base_model: str | None = Field(None, description="Name vLLM serves the base model under.")
+    base_weights: str | None = Field(
+        None, description="Weights the trainer loads for runs that name none: the same weights vLLM serves."
+    )
     agent_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list, description="Comma-separated keys agents may use; empty means no agent auth."
     )
@@ -79,7 +82,7 @@ class Settings(BaseSettings):
             raise ValueError("a key may not contain '#'")
         return keys
 
-    @field_validator("admin_key", "base_model", "upstream_api_key", mode="before")
+    @field_validator("admin_key", "base_model", "base_weights", "upstream_api_key", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value

@@ -143,7 +143,7 @@ class Proxy:
             idempotency_key=idempotency_key,
             stream=request.get("stream") is True,
         )
-        upstream_body, asks = capture.prepare_upstream(request, endpoint, route.served_name)
+        upstream_body, asks = capture.prepare_upstream(request, endpoint, route.served_name, overrides=route.sampling)
         out_headers = [
             (b"x-request-id", request_id.encode()),
             (b"x-trajectory-id", attribution.trajectory_id.encode()),

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import GatewayError
@@ -17,6 +19,7 @@ from gateway.store.records import ping
 if TYPE_CHECKING:
     from gateway.app import GatewayState
 
+log = logging.getLogger("trajgate.api")
 router = APIRouter()
 
 
@@ -80,3 +83,16 @@ def install_error_handlers(app: FastAPI) -> None:
         where = ".".join(str(part) for part in first["loc"])
         error = GatewayError(422, f"{where}: {first['msg']}", "invalid_request_error", "invalid_value")
         return Response(error.body(), status_code=422, media_type="application/json")
+
+    @app.exception_handler(OperationalError)
+    async def _database_unavailable(_: Request, exc: OperationalError) -> Response:
+        # Rewards and reads need the database (model calls don't: they spool). Say so; retrying later works.
+        log.warning("database unavailable: %s", type(exc.orig).__name__ if exc.orig else type(exc).__name__)
+        error = GatewayError(503, "database unavailable; retry later", "server_error", "database_unavailable")
+        return Response(error.body(), status_code=503, media_type="application/json")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        # Logged with its traceback by the server; the client gets an OpenAI-style body, never the trace.
+        error = GatewayError(500, f"internal error ({type(exc).__name__})", "server_error", "internal_error")
+        return Response(error.body(), status_code=500, media_type="application/json")

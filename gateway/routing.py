@@ -1,12 +1,18 @@
 """Which model vLLM should serve a run's calls with: the base model at version 0, adapter `run@step` later.
 
-The table lives in memory so the hot path never asks the database; it is refreshed from published policy
-versions in the background.
+The table lives in memory so the hot path never asks the database; the gateway refreshes it from the runs and
+their loaded policy versions in the background (and at once after `POST /v1/runs`). It also carries each run's
+sampling overrides, which the gateway applies to every call of the run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+
+from gateway.store.runs import route_table
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,6 +20,8 @@ class Route:
     run: str
     version: int
     served_name: str
+    # Sampling parameters that replace the client's in the upstream request (the run's config.sampling).
+    sampling: dict[str, Any] = field(default_factory=dict)
 
 
 class PolicyRouter:
@@ -30,3 +38,13 @@ class PolicyRouter:
 
     def runs(self) -> list[str]:
         return sorted(self._routes)
+
+    def refresh(self, engine: Engine) -> None:
+        """Reload the table from the database (blocking: call it off the event loop); raises SQLAlchemyError.
+        A run with no loaded adapter is served by its base model at version 0."""
+        self.update(
+            [
+                Route(row.run, row.version or 0, row.served_name or row.base_model, row.sampling)
+                for row in route_table(engine)
+            ]
+        )

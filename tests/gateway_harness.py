@@ -53,5 +53,6 @@ def running_gateway(**overrides: object) -> Iterator[RunningGateway]:
     try:
         yield RunningGateway(app, port)
     finally:
+        app.begin_shutdown()  # as `trajgate serve` does on SIGTERM: live event streams end
         server.should_exit = True
         thread.join(30)

@@ -245,3 +245,20 @@ def test_conversation_turns_are_ordered(gateway: RunningGateway, upstream: FakeU
     gateway.flush()
     calls = stored_calls(db_url, "t-conv")
     assert [c["prompt_token_ids"] for c in calls] == [fixture_ids(upstream.fixture(n))[0][0] for n in names]
+
+
+def test_run_sampling_overrides_reach_vllm(gateway: RunningGateway, upstream: FakeUpstream, db_url: str) -> None:
+    """A run that pins temperature gets it on every call, whatever the agent sends."""
+    import httpx
+
+    created = httpx.post(
+        gateway.base_url + "/runs", json={"name": "my-agent", "config": {"sampling": {"temperature": 0.0}}}
+    )
+    assert created.status_code in (200, 201), created.text
+    fixture = upstream.fixture("chat")
+    body = {**client_body(fixture), "temperature": 0.9}
+    response = sdk(gateway, **{"X-Trajectory-Id": "t-pinned"}).chat.completions.with_raw_response.create(**body)
+    assert response.http_response.status_code == 200  # the fake upstream only answers the recorded temperature 0
+    assert upstream.received[-1]["temperature"] == 0.0
+    gateway.flush()
+    assert stored_calls(db_url, "t-pinned")[0]["request"]["temperature"] == 0.9  # what the agent sent is kept

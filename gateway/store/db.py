@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+_IMMEDIATE = "trajgate_sqlite_immediate"
 
 
 def make_engine(url: str, **kwargs: object) -> Engine:
     """Create an engine tuned per backend.
 
     SQLite gets WAL (readers don't block the writer), a busy timeout (several processes share one file) and
-    enforced foreign keys (off by default in SQLite, and they guard attribution).
+    enforced foreign keys (off by default in SQLite, and they guard attribution). Its transactions are begun by
+    SQLAlchemy rather than by the sqlite3 module, so `write_transaction` can ask for BEGIN IMMEDIATE.
     """
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **kwargs)
@@ -28,10 +32,32 @@ def make_engine(url: str, **kwargs: object) -> Engine:
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute("PRAGMA busy_timeout=30000")
             cursor.close()
+            # Stop sqlite3 from issuing its own (deferred, DML-only) BEGIN; `_sqlite_begin` issues ours.
+            dbapi_connection.isolation_level = None
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn: Connection) -> None:
+            immediate = conn.get_execution_options().get(_IMMEDIATE, False)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
     kwargs.setdefault("pool_pre_ping", True)
     return create_engine(url, **kwargs)
+
+
+@contextmanager
+def write_transaction(engine: Engine) -> Iterator[Connection]:
+    """A transaction for read-decide-write work (rewards, readiness, run config) that must not interleave with
+    another one doing the same, across processes.
+
+    On SQLite it starts with BEGIN IMMEDIATE: the database's one write lock is taken before the first read, so
+    what the transaction reads cannot change before it writes (a deferred BEGIN would read a snapshot another
+    writer can invalidate). On Postgres the caller locks the rows it decides on (SELECT ... FOR UPDATE).
+    """
+    with engine.connect() as conn:
+        conn.execution_options(**{_IMMEDIATE: True})
+        with conn.begin():
+            yield conn
 
 
 def alembic_config(url: str) -> Config:

@@ -34,6 +34,7 @@ class _Statements(NamedTuple):
     trajectories: Executable
     calls: Executable
     untrainable: Executable
+    reopen: Executable
 
 
 @cache
@@ -73,12 +74,25 @@ def _statements(dialect: str) -> _Statements:
         )
         .values(untrainable_calls=untrainable_count)
     )
+    # A trajectory that joins a ready group (more than the expected size, or after a close) has no reward yet, so
+    # the group is no longer ready; its reward will make it ready again (see gateway.store.rewards).
+    unrewarded = (
+        select(_trajectories.c.trajectory_id)
+        .where(_trajectories.c.group_id == _groups.c.group_id, _trajectories.c.reward.is_(None))
+        .exists()
+    )
+    reopen = (
+        update(_groups)
+        .where(_groups.c.group_id.in_(bindparam("group_ids", expanding=True)), _groups.c.state == "ready", unrewarded)
+        .values(state="open", ready_at=None)
+    )
     return _Statements(
         runs=insert(_runs).on_conflict_do_nothing(index_elements=["name"]),
         groups=groups,
         trajectories=insert(_trajectories).on_conflict_do_nothing(index_elements=["trajectory_id"]),
         calls=calls,
         untrainable=untrainable,
+        reopen=reopen,
     )
 
 
@@ -140,21 +154,31 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
         )
         if group["expected_size"] is None:
             group["expected_size"] = record.group_size
-        trajectories.setdefault(
+        trajectory = trajectories.setdefault(
             record.trajectory_id,
             {
                 "trajectory_id": record.trajectory_id,
                 "run": record.run,
                 "group_id": record.group_id,
                 "mode": record.mode,
+                "created_at": record.created_at,
             },
         )
+        # A trajectory starts with its first call, not when a batch happened to write it (exports use this order).
+        trajectory["created_at"] = min(trajectory["created_at"], record.created_at)
 
     statements = _statements(engine.dialect.name)
     with engine.begin() as conn:
         conn.execute(statements.runs, [runs[k] for k in sorted(runs)])
         conn.execute(statements.groups, [groups[k] for k in sorted(groups)])
-        conn.execute(statements.trajectories, [trajectories[k] for k in sorted(trajectories)])
+        conn.execute(
+            statements.trajectories,
+            [
+                {**row, "created_at": datetime.fromtimestamp(row["created_at"], UTC)}
+                for _, row in sorted(trajectories.items())
+            ],
+        )
+        conn.execute(statements.reopen, {"group_ids": sorted(groups)})
         conn.execute(statements.calls, [_call_row(record) for record in calls])
         conn.execute(statements.untrainable, {"ids": sorted(trajectories)})
 

@@ -1,0 +1,97 @@
+"""What the JSON API endpoints share: key checks as dependencies, and request bodies read with a size limit and
+validated into OpenAI-style errors.
+
+Bodies are parsed with the standard library's JSON parser on purpose: Python clients serialise a NaN reward as the
+non-standard literal `NaN`, and that must come back as a 422 saying the reward is not finite, not as unparseable
+JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Any, TypeVar
+
+import orjson
+from fastapi import Request, Response
+from pydantic import AfterValidator, BaseModel, Field, ValidationError
+
+from gateway.attribution import split_api_key
+from gateway.auth import presented_key
+from gateway.errors import GatewayError
+from gateway.routes import state as gateway_state
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+async def require_agent(request: Request) -> None:
+    """An agent key or the admin key; an agent's `key#group/trajectory` form is accepted here too, so one
+    configured client can both call the model and post rewards."""
+    key, _, _ = split_api_key(presented_key(dict(request.headers)))
+    gateway_state(request).auth.check_agent(key)
+
+
+async def require_admin(request: Request) -> None:
+    gateway_state(request).auth.check_admin(presented_key(dict(request.headers)))
+
+
+async def read_json(request: Request) -> Any:
+    """The body as JSON (None if empty), refusing anything over the gateway's body limit."""
+    limit = gateway_state(request).settings.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(limit)
+    if not body.strip():
+        return None
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    """JSON via orjson, which writes a -inf logprob (a token vLLM forced) as null where the standard encoder would
+    fail the whole response."""
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+def _too_large(limit: int) -> GatewayError:
+    return GatewayError(413, f"request body larger than {limit} bytes", code="request_too_large")
+
+
+def validation_message(exc: ValidationError, prefix: str = "") -> str:
+    """`where: what` for the first problem, e.g. `reward: Input should be a finite number`."""
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in (prefix, *first["loc"]) if part != "") or "body"
+    return f"{where}: {first['msg']}"
+
+
+def validated(model: type[Model], data: Any, prefix: str = "") -> Model:
+    """`data` as `model`, or a 422 naming the first bad field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise GatewayError(422, validation_message(exc, prefix), code="invalid_value") from None
+
+
+def _no_nan(value: Any) -> Any:
+    """JSON fields are stored as JSON, which has no NaN or infinity (Postgres refuses them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must not contain NaN or infinity")
+    if isinstance(value, dict):
+        for item in value.values():
+            _no_nan(item)
+    elif isinstance(value, list):
+        for item in value:
+            _no_nan(item)
+    return value
+
+
+# A JSON number that is a real, finite number: no NaN/Infinity, and no "1.5" strings or booleans coerced.
+FiniteNumber = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(_no_nan)]

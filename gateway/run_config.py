@@ -1,0 +1,82 @@
+"""A run's training and sampling configuration: one validated model that the gateway and the trainer share.
+
+It imports nothing heavy (no torch, no database), so the gateway can validate `POST /v1/runs` bodies and the trainer
+can read the stored config with the same rules. Unknown keys are refused so a typo (`learning_rte`) is an error
+at the API instead of a silently ignored setting. Defaults follow DESIGN §6.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# vLLM refuses any other LoRA rank (`--max-lora-rank` choices).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class SamplingOverrides(BaseModel):
+    """Sampling parameters the gateway enforces on every call of the run, whatever the agent sent.
+
+    Only these keys: each one changes what the policy samples, which is what an RL run may need to pin (e.g.
+    temperature 1.0 so the behaviour policy is the model's distribution). Unset keys leave the client's value.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    temperature: Finite | None = Field(None, ge=0, le=100)
+    top_p: Finite | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: Finite | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    repetition_penalty: Finite | None = Field(None, gt=0)
+    presence_penalty: Finite | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Finite | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+
+    def applied(self) -> dict[str, Any]:
+        """The overrides to put into an upstream request body."""
+        return self.model_dump(exclude_none=True)
+
+
+class RunConfig(BaseModel):
+    """How the trainer updates a run's adapter, and how the gateway samples for it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    learning_rate: Finite = Field(2e-5, gt=0, le=1e-2)
+    loss: Literal["grpo", "cispo", "gspo"] = "cispo"
+    advantage: Literal["group", "drgrpo"] = "group"
+    drop_zero_variance: bool = True
+    clip_eps: Finite = Field(0.2, gt=0, lt=1)
+    clip_eps_high: Finite = Field(0.28, gt=0)
+    cispo_max_ratio: Finite = Field(5.0, gt=0)
+    truncated_is_cap: Finite | None = Field(None, gt=0)
+    max_grad_norm: Finite = Field(1.0, gt=0)
+    lora_rank: int = 16
+    lora_alpha: int = Field(32, ge=1)
+    lora_targets: str | list[str] = "all-linear"
+    groups_per_step: int = Field(4, ge=1)
+    max_staleness: int = Field(4, ge=0)
+    max_seq_len: int = Field(4096, ge=1)
+    micro_batch_tokens: int = Field(4096, ge=1)
+    sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
+
+    @field_validator("lora_rank")
+    @classmethod
+    def _vllm_rank(cls, rank: int) -> int:
+        if rank not in LORA_RANKS:
+            raise ValueError(f"vLLM serves LoRA ranks {', '.join(map(str, LORA_RANKS))} only")
+        return rank
+
+    def stored(self) -> dict[str, Any]:
+        """The JSON kept in `runs.config`: every setting spelled out, so a run keeps its values if defaults change."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+def merged_config(stored: dict[str, Any] | None, partial: dict[str, Any]) -> RunConfig:
+    """Top-level keys of `partial` replace those stored (a `sampling` dict replaces the whole sampling block);
+    raises pydantic.ValidationError naming the bad key."""
+    return RunConfig.model_validate({**(stored or {}), **partial})

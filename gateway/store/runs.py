@@ -1,0 +1,240 @@
+"""Runs: their configuration, what the gateway routes them to, their progress, and the trainer's step log."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from sqlalchemy import Connection, Engine, case, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from gateway.run_config import merged_config
+from gateway.store.db import write_transaction
+from gateway.store.models import Call, Group, PolicyVersion, Run, TrainStep, Trajectory, utcnow
+from gateway.store.reads import iso
+
+
+class MissingBaseModel(ValueError):
+    """A new run needs the name vLLM serves its base model under, and none was given or known."""
+
+
+class RouteRow(NamedTuple):
+    run: str
+    base_model: str
+    version: int | None  # newest loaded policy version; None when only the base model serves the run
+    served_name: str | None
+    sampling: dict[str, Any]
+
+
+def _insert(conn: Connection) -> Callable[..., Any]:
+    return postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+
+
+def _current_versions() -> Any:
+    """Per run, the newest loaded policy version and the name vLLM serves it under."""
+    newest = (
+        select(PolicyVersion.run, func.max(PolicyVersion.step).label("step"))
+        .where(PolicyVersion.status == "loaded")
+        .group_by(PolicyVersion.run)
+        .subquery()
+    )
+    return (
+        select(PolicyVersion.run, PolicyVersion.step, PolicyVersion.served_name)
+        .join(newest, (newest.c.run == PolicyVersion.run) & (newest.c.step == PolicyVersion.step))
+        .subquery()
+    )
+
+
+def route_table(engine: Engine) -> list[RouteRow]:
+    """Everything the gateway's in-memory router needs, in one query (it runs every second)."""
+    current = _current_versions()
+    query = select(Run.name, Run.base_model, Run.config, current.c.step, current.c.served_name).outerjoin(
+        current, current.c.run == Run.name
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(query).all()
+    return [
+        RouteRow(row.name, row.base_model, row.step, row.served_name, (row.config or {}).get("sampling") or {})
+        for row in rows
+    ]
+
+
+def upsert_run(
+    engine: Engine,
+    name: str,
+    partial_config: dict[str, Any],
+    base_model: str | None = None,
+    base_weights: str | None = None,
+    default_base_model: str | None = None,
+) -> bool:
+    """Create the run or update it; `partial_config` is merged over the stored config (or the defaults).
+
+    True if the run was created. Raises pydantic.ValidationError for a bad config and MissingBaseModel when a new
+    run's base model is unknown. Runs the gateway created on a first call (config `{}`) are updated like any other.
+    """
+    with write_transaction(engine) as conn:
+        locked = select(Run.config).where(Run.name == name).with_for_update()
+        row = conn.execute(locked).first()
+        if row is None:
+            model = base_model or default_base_model
+            if model is None:
+                raise MissingBaseModel(f"run {name!r} is new: give its base_model (the name vLLM serves it under)")
+            insert = _insert(conn)(Run).values(
+                name=name,
+                base_model=model,
+                base_weights=base_weights,
+                config=merged_config(None, partial_config).stored(),
+                created_at=utcnow(),
+                updated_at=utcnow(),
+            )
+            inserted = insert.on_conflict_do_nothing(index_elements=["name"]).returning(Run.name)
+            if conn.execute(inserted).first() is not None:
+                return True
+            row = conn.execute(locked).one()  # created by a concurrent request since our first look
+        values: dict[str, Any] = {"config": merged_config(row.config, partial_config).stored(), "updated_at": utcnow()}
+        if base_model is not None:
+            values["base_model"] = base_model
+        if base_weights is not None:
+            values["base_weights"] = base_weights
+        conn.execute(update(Run).where(Run.name == name).values(**values))
+        return False
+
+
+def _run_summary(row: Any) -> dict[str, Any]:
+    return {
+        "name": row.name,
+        "base_model": row.base_model,
+        "base_weights": row.base_weights,
+        "config": merged_config(row.config, {}).model_dump(mode="json"),
+        "policy_version": row.step or 0,
+        "served_name": row.served_name or row.base_model,
+        "created_at": iso(row.created_at),
+        "updated_at": iso(row.updated_at),
+    }
+
+
+def _runs_query() -> Any:
+    current = _current_versions()
+    return select(
+        Run.name,
+        Run.base_model,
+        Run.base_weights,
+        Run.config,
+        Run.created_at,
+        Run.updated_at,
+        current.c.step,
+        current.c.served_name,
+    ).outerjoin(current, current.c.run == Run.name)
+
+
+def list_runs(engine: Engine) -> list[dict[str, Any]]:
+    """Every run with its effective config (defaults filled in) and current policy version."""
+    with engine.connect() as conn:
+        rows = conn.execute(_runs_query().order_by(Run.name)).all()
+    return [_run_summary(row) for row in rows]
+
+
+def run_exists(engine: Engine, name: str) -> bool:
+    with engine.connect() as conn:
+        return conn.execute(select(Run.name).where(Run.name == name)).first() is not None
+
+
+def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
+    """The run summary plus its progress: groups by state, trajectory counts, the last step, the eval curve."""
+    first_version = (
+        select(func.min(Call.policy_version)).where(Call.trajectory_id == Trajectory.trajectory_id).scalar_subquery()
+    )
+    eval_rewards = (
+        select(Trajectory.reward, first_version.label("version"))
+        .where(Trajectory.run == name, Trajectory.mode == "eval", Trajectory.reward.is_not(None))
+        .subquery()
+    )
+    with engine.connect() as conn:
+        row = conn.execute(_runs_query().where(Run.name == name)).first()
+        if row is None:
+            return None
+        groups = conn.execute(
+            select(Group.mode, Group.state, func.count()).where(Group.run == name).group_by(Group.mode, Group.state)
+        ).all()
+        trajectories = conn.execute(
+            select(
+                Trajectory.mode,
+                func.count(),
+                func.count(Trajectory.reward),
+                func.sum(case((Trajectory.untrainable_calls > 0, 1), else_=0)),
+            )
+            .where(Trajectory.run == name)
+            .group_by(Trajectory.mode)
+        ).all()
+        last = conn.execute(
+            select(TrainStep.step, TrainStep.metrics, TrainStep.created_at)
+            .where(TrainStep.run == name)
+            .order_by(TrainStep.step.desc())
+            .limit(1)
+        ).first()
+        curve = conn.execute(
+            select(eval_rewards.c.version, func.avg(eval_rewards.c.reward), func.count())
+            .where(eval_rewards.c.version.is_not(None))
+            .group_by(eval_rewards.c.version)
+            .order_by(eval_rewards.c.version)
+        ).all()
+    by_mode: dict[str, dict[str, int]] = {"train": {}, "eval": {}}
+    for mode, state, count in groups:
+        by_mode.setdefault(mode, {})[state] = count
+    counts = {
+        mode: {"total": total, "rewarded": rewarded, "untrainable": int(untrainable or 0)}
+        for mode, total, rewarded, untrainable in trajectories
+    }
+    return {
+        **_run_summary(row),
+        "groups": by_mode["train"],
+        "eval_groups": by_mode["eval"],
+        "trajectories": {mode: counts.get(mode, {"total": 0, "rewarded": 0, "untrainable": 0}) for mode in by_mode},
+        "last_step": None if last is None else _step(last),
+        # Mean reward of evaluation trajectories per policy version that started them: the curve to watch.
+        "eval_reward_by_version": [
+            {"policy_version": version, "mean_reward": mean, "trajectories": count} for version, mean, count in curve
+        ],
+    }
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity (Postgres refuses them): such metrics are stored as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def record_train_step(bind: Engine | Connection, run: str, step: int, metrics: dict[str, Any]) -> None:
+    """Log what optimizer step `step` of `run` did; the read API and the live progress stream show it.
+
+    Pass a Connection to make it part of the trainer's step-commit transaction (policy version, groups trained,
+    metrics: all or nothing), or an Engine to write it on its own. A NaN loss is stored as null, not refused.
+    """
+    statement = TrainStep.__table__.insert().values(run=run, step=step, metrics=_finite(metrics), created_at=utcnow())
+    if isinstance(bind, Connection):
+        bind.execute(statement)
+        return
+    with bind.begin() as conn:
+        conn.execute(statement)
+
+
+def _step(row: Any) -> dict[str, Any]:
+    return {"step": row.step, "metrics": row.metrics, "created_at": iso(row.created_at)}
+
+
+def steps_after(engine: Engine, run: str, after: int = -1, limit: int = 1000) -> list[dict[str, Any]]:
+    """The run's training steps with step > `after`, oldest first: the read API's page and the stream's poll."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(TrainStep.step, TrainStep.metrics, TrainStep.created_at)
+            .where(TrainStep.run == run, TrainStep.step > after)
+            .order_by(TrainStep.step)
+            .limit(limit)
+        ).all()
+    return [_step(row) for row in rows]
