@@ -101,6 +101,45 @@ def _export(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(settings: Settings, args: argparse.Namespace) -> int:
+    # Imported here: only the trainer process pays for torch; `trajgate serve` never imports it.
+    import signal
+    import threading
+
+    from trainer.loop import Trainer, TrainerError, TrainerOptions
+
+    _setup_logging(args.log_level)
+    options = TrainerOptions(
+        run=args.run,
+        backend=args.backend,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        lease_s=args.lease_s,
+        poll_s=args.poll_s,
+        max_steps=args.steps,
+        base_weights=args.base_weights,
+    )
+    if args.worker_id:
+        options.worker_id = args.worker_id
+    try:
+        trainer = Trainer(settings, options)
+    except (TrainerError, RuntimeError) as exc:
+        print(f"trajgate train: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: FrameType | None) -> None:
+        print(f"trajgate train: {signal.Signals(signum).name}: stopping after the current step", file=sys.stderr)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    done = trainer.run(stop)
+    print(f"trajgate train: {done} step(s) done; run {args.run!r} is at step {trainer.step}")
+    return 0
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -145,6 +184,26 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--output", "-o", default="-", help="file to write (default: - for stdout)")
     export.add_argument("--include-eval", action="store_true", help="also export evaluation trajectories")
     export.set_defaults(handler=_export)
+
+    train = sub.add_parser(
+        "train",
+        help="run the trainer worker for a run: claim ready groups, update the LoRA adapter, commit steps",
+        description="Train run RUN: wait for `groups_per_step` ready groups, claim them under a lease, take one "
+        "GRPO-family step on the LoRA adapter, checkpoint under TRAJGATE_CHECKPOINT_DIR/RUN/STEP and commit. "
+        "Restarting resumes from the last committed step. Ctrl-C / SIGTERM stop after the current step.",
+    )
+    train.add_argument("--run", required=True, help="the run to train (the `model` name agents call)")
+    train.add_argument("--backend", default="auto", choices=["auto", "hf", "unsloth"], help="auto: unsloth on CUDA")
+    train.add_argument("--base-weights", help="weights to train (default: the run's base_weights or TRAJGATE_BASE_WEIGHTS)")
+    train.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    train.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU, bf16 on CUDA")
+    train.add_argument("--steps", type=int, help="stop after this many steps (default: run until stopped)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--lease-s", type=float, default=600.0, help="claim lease; renewed while a step runs")
+    train.add_argument("--poll-s", type=float, default=1.0, help="how often to look for ready groups")
+    train.add_argument("--worker-id", help="name of this trainer in claims (default: host:pid)")
+    train.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    train.set_defaults(handler=_train)
     return parser
 
 

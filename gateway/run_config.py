@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # vLLM refuses any other LoRA rank (`--max-lora-rank` choices).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -70,6 +70,14 @@ class RunConfig(BaseModel):
         if rank not in LORA_RANKS:
             raise ValueError(f"vLLM serves LoRA ranks {', '.join(map(str, LORA_RANKS))} only")
         return rank
+
+    @model_validator(mode="after")
+    def _tis_needs_grpo(self) -> RunConfig:
+        # CISPO already caps the importance weight and GSPO's ratio is per sequence: a token-level cap there is
+        # either redundant or meaningless, so refuse it rather than silently ignore it.
+        if self.truncated_is_cap is not None and self.loss != "grpo":
+            raise ValueError("truncated_is_cap applies to loss 'grpo' only")
+        return self
 
     def stored(self) -> dict[str, Any]:
         """The JSON kept in `runs.config`: every setting spelled out, so a run keeps its values if defaults change."""

@@ -1,0 +1,172 @@
+"""The trainer worker end to end on a tiny random model: claim -> samples -> step -> checkpoint -> commit."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.config import load_settings
+from gateway.store import db
+from gateway.store.records import write_calls
+from gateway.store.rewards import RewardItem, store_rewards
+from gateway.store.runs import steps_after, upsert_run
+from gateway.store.training import group_states
+from tests.factories import make_record
+from tests.test_backends import VOCAB, build_tiny_llama
+from trainer import loop
+from trainer.loop import Trainer, TrainerOptions
+
+PATTERN = 7
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny")))
+
+
+def own_logprobs(model_dir: str, prompt: list[int], completion: list[int]) -> list[float]:
+    """What a sampler serving these weights would have recorded (raw logprobs, no temperature)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    targets = ids[0, 1:]
+    values = logprobs[torch.arange(len(targets)), targets]
+    return values[len(prompt) - 1 :].tolist()
+
+
+def seed_groups(url: str, tiny: str, groups: int, size: int = 4, seed: int = 0) -> None:
+    """Rewarded groups whose completions that repeat PATTERN earn 1, others 0, with the model's own logprobs."""
+    rng = random.Random(seed)
+    records, rewards = [], []
+    for g in range(groups):
+        for t in range(size):
+            prompt = [rng.randrange(VOCAB) for _ in range(6)]
+            good = t % 2 == 0
+            completion = [PATTERN] * 5 if good else [rng.randrange(VOCAB) for _ in range(5)]
+            trajectory = f"g{g}-t{t}"
+            records.append(
+                make_record(
+                    trajectory,
+                    seq=1,
+                    run="loop",
+                    group_id=f"g{g}",
+                    group_size=size,
+                    prompt_token_ids=prompt,
+                    completion_token_ids=completion,
+                    completion_logprobs=own_logprobs(tiny, prompt, completion),
+                )
+            )
+            rewards.append(RewardItem(trajectory, 1.0 if good else 0.0))
+    engine = db.make_engine(url)
+    try:
+        write_calls(engine, records)
+        store_rewards(engine, rewards)
+    finally:
+        engine.dispose()
+
+
+def adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    (path,) = checkpoint.rglob("adapter_model.safetensors")
+    return load_file(path)
+
+
+def make_trainer(url: str, tmp_path: Path, tiny: str, **options: object) -> Trainer:
+    settings = load_settings(database_url=url, checkpoint_dir=tmp_path / "ckpt")
+    return Trainer(
+        settings,
+        TrainerOptions(run="loop", backend="hf", device="cpu", base_weights=tiny, poll_s=0.05, **options),
+        echo=lambda line: None,
+    )
+
+
+@pytest.fixture
+def seeded(db_url: str, tiny: str) -> str:
+    db.upgrade(db_url)
+    seed_groups(db_url, tiny, groups=4)
+    engine = db.make_engine(db_url)
+    try:
+        upsert_run(engine, "loop", {"groups_per_step": 2, "learning_rate": 1e-2, "loss": "grpo"})
+    finally:
+        engine.dispose()
+    return db_url
+
+
+def test_two_steps_commit_groups_and_metrics(seeded: str, tmp_path: Path, tiny: str) -> None:
+    trainer = make_trainer(seeded, tmp_path, tiny, max_steps=2)
+    assert trainer.run() == 2
+    engine = db.make_engine(seeded)
+    try:
+        steps = steps_after(engine, "loop")
+        states = group_states(engine, "loop")
+    finally:
+        engine.dispose()
+    assert [s["step"] for s in steps] == [1, 2]
+    first = steps[0]["metrics"]
+    assert abs(first["ratio_mean"] - 1) < 1e-4 and first["clip_frac"] == 0  # fresh data is on-policy
+    assert first["groups_used"] == 2 and first["trainable_tokens"] == 2 * 4 * 5
+    assert sorted(states.values()) == ["trained"] * 4
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "loop").iterdir()) == ["00001", "00002"]
+
+
+def test_crash_between_checkpoint_and_commit_leaves_nothing(
+    seeded: str, tmp_path: Path, tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    crashing = make_trainer(seeded, tmp_path, tiny, lease_s=0.5)
+
+    def die(*_: object, **__: object) -> None:
+        raise SystemExit("killed after the checkpoint, before the commit")
+
+    monkeypatch.setattr(loop, "commit_step", die)
+    with pytest.raises(SystemExit):
+        crashing.train_one_step()
+    assert (tmp_path / "ckpt" / "loop" / "00001").exists()  # the orphan a crash leaves
+    monkeypatch.undo()
+    time.sleep(0.6)  # the dead trainer's lease runs out, so its groups are first in line again
+
+    restarted = make_trainer(seeded, tmp_path, tiny, max_steps=2)
+    assert restarted.step == 0 and not (tmp_path / "ckpt" / "loop" / "00001").exists()
+    assert restarted.run() == 2  # the crashed step's groups came back once their lease expired
+    engine = db.make_engine(seeded)
+    try:
+        assert [s["step"] for s in steps_after(engine, "loop")] == [1, 2]
+        assert sorted(group_states(engine, "loop").values()) == ["trained"] * 4
+    finally:
+        engine.dispose()
+
+    assert make_trainer(seeded, tmp_path, tiny).step == 2  # a restart now resumes at the committed step
+
+    # The same data without a crash gives the same adapter: the crashed step left no trace.
+    reference = f"sqlite:///{tmp_path / 'reference.db'}"
+    db.upgrade(reference)
+    seed_groups(reference, tiny, groups=4)
+    engine = db.make_engine(reference)
+    try:
+        upsert_run(engine, "loop", {"groups_per_step": 2, "learning_rate": 1e-2, "loss": "grpo"})
+    finally:
+        engine.dispose()
+    assert make_trainer(reference, tmp_path / "ref", tiny, max_steps=2).run() == 2
+    crashed, clean = adapter(tmp_path / "ckpt" / "loop" / "00002"), adapter(tmp_path / "ref" / "ckpt" / "loop" / "00002")
+    assert crashed.keys() == clean.keys() and all(torch.equal(crashed[k], clean[k]) for k in clean)
+
+
+def test_missing_run_and_weights_are_clear_errors(db_url: str, tmp_path: Path, tiny: str) -> None:
+    db.upgrade(db_url)
+    with pytest.raises(loop.TrainerError, match="does not exist yet"):
+        make_trainer(db_url, tmp_path, tiny)
+    engine = db.make_engine(db_url)
+    try:
+        upsert_run(engine, "loop", {}, base_model="base")
+    finally:
+        engine.dispose()
+    settings = load_settings(database_url=db_url, checkpoint_dir=tmp_path / "ckpt")
+    with pytest.raises(loop.TrainerError, match="no weights to train"):
+        Trainer(settings, TrainerOptions(run="loop", backend="hf"), echo=lambda line: None)

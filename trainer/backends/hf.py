@@ -1,0 +1,346 @@
+"""transformers + peft: the backend that runs everywhere (CPU, or CUDA without unsloth).
+
+Logprobs are computed from the decoder's final hidden states with ``trainer.loss``'s chunked LM
+head, so a ``[B, T, vocab]`` logits tensor never exists (for a 150k vocabulary that would be the
+largest tensor of the step). transformers and peft are imported lazily: unsloth must be imported
+before them to patch them, and the unsloth backend builds on this one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from trainer.backends.base import LoraSpec, Progress, TrainerBackend, resolve_dtype
+from trainer.lora import ADAPTER_WEIGHTS, check_vllm_adapter, resolve_target_modules
+from trainer.loss import LossConfig, aggregate_metrics, chunked_token_logprobs, input_token_logprobs, policy_loss
+from trainer.samples import Row, collate, micro_batches
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+STATE_FILE = "trainer_state.json"
+STATE_FORMAT = 1
+
+# Config attributes that transform logits after the LM-head matmul, with their neutral value. The
+# chunked logprob path computes plain ``hidden @ Wᵀ``; for these models it would silently disagree
+# with vLLM, so they are refused instead.
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": None, "logits_scaling": 1.0}
+
+
+def check_logprob_support(config: Any, lm_head: nn.Module) -> None:
+    """Refuse models whose logits are not ``hidden @ lm_head.weightᵀ`` (see ``_LOGIT_TRANSFORMS``)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for attr, neutral in _LOGIT_TRANSFORMS.items():
+        value = getattr(text_config, attr, neutral)
+        if value not in (neutral, None, 0):
+            raise ValueError(
+                f"model config sets {attr}={value!r}: the chunked logprob path (trainer.loss) computes plain "
+                "hidden @ lm_headᵀ and would disagree with vLLM; this model family is not supported yet"
+            )
+    if getattr(lm_head, "bias", None) is not None:
+        raise ValueError("the LM head has a bias, which the chunked logprob path does not add")
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class HFBackend(TrainerBackend):
+    """``AutoModelForCausalLM`` + a peft LoRA adapter + AdamW over the adapter's parameters.
+
+    ``gradient_checkpointing`` recomputes each decoder layer's activations in the backward pass:
+    less memory for long rows, ~1/3 more compute. Off by default (the step is usually small).
+
+    ``logprob_dtype``: the LM-head matmul's dtype (``trainer.loss.chunked_token_logprobs``'s
+    ``compute_dtype``). float32 by default: a bf16 LM head is a known source of train/inference
+    probability mismatch. On a GPU that fp32 matmul runs without tensor cores and, for a small
+    model with a 150k vocabulary, can cost more than the whole decoder; ``"bfloat16"`` (logits
+    still upcast to fp32) trades that precision for speed. ``None`` = the model's dtype.
+    """
+
+    name = "hf"
+
+    def __init__(
+        self,
+        base_weights: str,
+        lora: LoraSpec,
+        learning_rate: float,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        seed: int = 0,
+        grad_clip: float = 1.0,
+        weight_decay: float = 0.0,
+        logprob_chunk: int = 1024,
+        gradient_checkpointing: bool = False,
+        logprob_dtype: str | None = "float32",
+    ) -> None:
+        super().__init__(
+            base_weights,
+            lora,
+            learning_rate,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            grad_clip=grad_clip,
+            weight_decay=weight_decay,
+            logprob_chunk=logprob_chunk,
+        )
+        self.gradient_checkpointing = gradient_checkpointing
+        self.logprob_dtype = None if logprob_dtype is None else resolve_dtype(logprob_dtype, self.device)
+        # The LoRA A matrices are initialised from the global RNG (and dropout draws from it):
+        # seeding here makes two backends built alike start identical.
+        torch.manual_seed(seed)
+        self.model, self.target_modules = self._load_model()
+        base = cast("PreTrainedModel", self.model.get_base_model())
+        lm_head = base.get_output_embeddings()
+        check_logprob_support(base.config, lm_head)
+        # The LM head stays frozen and is never replaced (load() copies into the LoRA weights only).
+        self._lm_head_weight: Tensor = lm_head.weight
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if not named:
+            raise RuntimeError("the LoRA adapter has no trainable parameters")
+        self._param_names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self.optimizer = torch.optim.AdamW(
+            self._params,
+            lr=learning_rate,
+            weight_decay=weight_decay,
+            fused=self.device.type == "cuda",  # one kernel for all params; foreach elsewhere
+        )
+        self._flops_per_token = _linear_flops_per_token(self.model)
+
+    # -- loading --------------------------------------------------------------------------------
+
+    def _load_model(self) -> tuple[PeftModel, list[str]]:
+        """Base weights from a local directory (no hub at run time), LoRA attached; on ``self.device``."""
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(self.base_weights, dtype=self.dtype, local_files_only=True)
+        base = base.to(self.device)  # type: ignore[arg-type]  # transformers' typing of .to is wrong
+        base.config.use_cache = False
+        if self.gradient_checkpointing:
+            # Non-reentrant: works with frozen embeddings (no enable_input_require_grads hack). The
+            # method was renamed in transformers 5.x; older releases only have the first name.
+            kwargs = {"use_reentrant": False}
+            if hasattr(base, "activation_checkpointing_enable"):
+                base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        targets = resolve_target_modules(base, self.lora.targets)
+        config = LoraConfig(
+            r=self.lora.rank,
+            lora_alpha=self.lora.alpha,
+            target_modules=targets,
+            lora_dropout=self.lora.dropout,
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        # autocast_adapter_dtype (default): LoRA weights stay fp32 under a bf16 base, so AdamW
+        # updates fp32 master weights.
+        return get_peft_model(base, config), targets
+
+    def _final_hidden(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """[B, T, H] hidden states after the final norm — the decoder body alone, no LM head."""
+        decoder = cast("PreTrainedModel", self.model.get_base_model()).get_decoder()
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+    def _logprobs(self, batch: dict[str, Tensor], *, trained_only: bool) -> Tensor:
+        """[B, T] target-aligned logprobs (``trainer.loss.input_token_logprobs``'s layout).
+
+        ``trained_only``: the LM head runs only where ``loss_mask`` is on; other entries are 0.
+        Context tokens (prompts, tool results) are usually most of an agent's row, and their
+        logprobs never reach the loss, so this skips most of the LM head — the largest matmul per
+        token in small models with big vocabularies — in the forward and in its recomputation.
+        """
+        input_ids = batch["input_ids"]
+        hidden = self._final_hidden(input_ids, batch["attention_mask"])
+        weight = self._lm_head_weight
+        if not trained_only:
+            return input_token_logprobs(hidden, weight, input_ids, self.logprob_chunk, compute_dtype=self.logprob_dtype)
+        on = batch["loss_mask"][:, 1:] > 0  # target t is scored by the hidden state at t − 1
+        picked = chunked_token_logprobs(
+            hidden[:, :-1][on][None],
+            weight,
+            input_ids[:, 1:][on][None],
+            self.logprob_chunk,
+            compute_dtype=self.logprob_dtype,
+        )
+        shifted = torch.zeros(on.shape, dtype=picked.dtype, device=picked.device).masked_scatter(on, picked[0])
+        return F.pad(shifted, (1, 0), value=0.0)
+
+    def _to_device(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    # -- the interface --------------------------------------------------------------------------
+
+    def train_step(
+        self,
+        rows: list[Row],
+        loss_config: LossConfig,
+        micro_batch_tokens: int,
+        progress: Progress | None = None,
+    ) -> dict[str, float]:
+        rows = [row for row in rows if row.trainable_tokens > 0]  # context-only rows add nothing
+        total_tokens = sum(row.trainable_tokens for row in rows)
+        if total_tokens <= 0:
+            raise ValueError("train_step got no trainable tokens: a step must never be a silent no-op")
+        gspo = loss_config.kind == "gspo"
+        if gspo and any(row.sequence_id < 0 for row in rows):
+            raise ValueError("gspo needs every row's sequence_id (build_samples numbers them)")
+        batches = micro_batches(rows, micro_batch_tokens)
+        started = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)  # a step that failed midway leaves no stale grads
+        loss_sum = torch.zeros((), device=self.device)
+        per_batch: list[dict[str, Tensor]] = []
+        padded_tokens = 0
+        for done, rows_mb in enumerate(batches, start=1):
+            batch = self._to_device(collate(rows_mb))
+            out = policy_loss(
+                self._logprobs(batch, trained_only=True),
+                batch["behaviour_logprobs"],
+                batch["advantages"],
+                batch["loss_mask"],
+                total_tokens,
+                loss_config,
+                sequence_ids=batch["sequence_ids"] if gspo else None,
+            )
+            out.loss.backward()
+            loss_sum += out.loss.detach()
+            per_batch.append(out.metrics)
+            padded_tokens += batch["input_ids"].numel()
+            if progress is not None:
+                progress(done, len(batches))
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"non-finite gradient norm ({grad_norm}) at step {self.step + 1}: the adapter and optimizer were "
+                "left unchanged"
+            )
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        metrics = aggregate_metrics(per_batch)
+        metrics["loss"] = float(loss_sum)  # host sync: the timing below includes the device work
+        seconds = time.perf_counter() - started
+        input_tokens = sum(len(row) for row in rows)
+        metrics.update(
+            grad_norm=grad_norm,
+            input_tokens=float(input_tokens),
+            padded_tokens=float(padded_tokens),
+            micro_batches=float(len(batches)),
+            seconds=seconds,
+            tokens_per_s=input_tokens / seconds,
+            learning_rate=self.learning_rate,
+            step=float(self.step),
+        )
+        return metrics
+
+    @torch.no_grad()
+    def token_logprobs(self, rows: list[Row], micro_batch_tokens: int = 8192) -> list[list[float]]:
+        self.model.eval()
+        by_row: dict[int, list[float]] = {}
+        for rows_mb in micro_batches(rows, micro_batch_tokens):
+            batch = self._to_device(collate(rows_mb))
+            logprobs = self._logprobs(batch, trained_only=False).cpu()
+            for b, row in enumerate(rows_mb):
+                by_row[id(row)] = logprobs[b, : len(row)].tolist()
+        return [by_row[id(row)] for row in rows]
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(directory), safe_serialization=True)
+        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
+        torch.save(_rng_state(), directory / RNG_FILE)
+        state = {
+            "format": STATE_FORMAT,
+            "backend": self.name,
+            "step": self.step,
+            "learning_rate": self.learning_rate,
+            "weight_decay": self.weight_decay,
+            "grad_clip": self.grad_clip,
+            "base_weights": self.base_weights,
+            "lora": self.lora.to_json(),
+            "target_modules": self.target_modules,
+            "trainable_parameters": self._param_names,
+        }
+        (directory / STATE_FILE).write_text(json.dumps(state, indent=2))
+        # Fail here, not when vLLM answers 400 after the step was committed.
+        check_vllm_adapter(directory)
+
+    def load(self, directory: Path) -> None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state = json.loads((directory / STATE_FILE).read_text())
+        if state.get("format") != STATE_FORMAT:
+            raise ValueError(f"{directory}: unknown trainer state format {state.get('format')!r}")
+        saved_lora = LoraSpec.from_json(state["lora"])
+        if saved_lora != self.lora or state["target_modules"] != self.target_modules:
+            raise ValueError(
+                f"{directory} holds a LoRA adapter of another shape ({saved_lora}, {state['target_modules']}) "
+                f"than this backend's ({self.lora}, {self.target_modules})"
+            )
+        if state["trainable_parameters"] != self._param_names:
+            raise ValueError(f"{directory}: trainable parameters differ from this model's; wrong base weights?")
+
+        weights = load_file(str(directory / ADAPTER_WEIGHTS), device=str(self.device))
+        result: Any = set_peft_model_state_dict(self.model, weights)  # torch's _IncompatibleKeys
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if result.unexpected_keys or missing:
+            raise ValueError(
+                f"{directory}: adapter weights do not match the model "
+                f"(missing {missing[:3]}, unexpected {result.unexpected_keys[:3]})"
+            )
+        # load_state_dict moves each state tensor to its parameter's device and dtype itself.
+        self.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, map_location="cpu"))
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.learning_rate
+            group["weight_decay"] = self.weight_decay
+        _set_rng_state(torch.load(directory / RNG_FILE, map_location="cpu"))
+        self.step = int(state["step"])
+
+    def flops_per_token(self) -> float:
+        return self._flops_per_token
+
+
+def _linear_flops_per_token(model: nn.Module) -> float:
+    """See ``TrainerBackend.flops_per_token``: 4 per frozen linear weight, 6 per trainable one.
+
+    Counting ``nn.Linear`` modules counts matmuls: a tied LM head is counted (it is a matmul) even
+    though its weight is the embedding table, whose lookup is free.
+    """
+    frozen = trainable = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            if module.weight.requires_grad:
+                trainable += module.weight.numel()
+            else:
+                frozen += module.weight.numel()
+    return float(4 * frozen + 6 * trainable)

@@ -1,0 +1,292 @@
+"""The trainer worker, one step at a time: wait for ready groups -> claim them -> build samples -> one optimizer
+step -> checkpoint -> commit (groups trained + metrics, in one transaction) -> repeat.
+
+The order is what makes a step all-or-nothing: the checkpoint is written (atomically) before the commit, and on
+start-up any checkpoint newer than the last committed step is discarded, so a crash anywhere leaves either the
+whole step or nothing, and the groups of an uncommitted step return to the pool when their lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+
+from gateway.config import Settings
+from gateway.run_config import RunConfig
+from gateway.store import db
+from gateway.store.training import (
+    LeaseLost,
+    RunSpec,
+    claim_ready_groups,
+    commit_step,
+    count_ready_groups,
+    current_policy_version,
+    drop_groups,
+    get_run,
+    last_step,
+    load_groups,
+    release_expired_claims,
+    renew_leases,
+)
+from trainer.backends import LoraSpec, TrainerBackend, make_backend
+from trainer.checkpoint import discard_after, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.loss import LossConfig
+from trainer.samples import CallData, GroupData, SampleBatch, TrajectoryData, build_samples
+
+log = logging.getLogger("trajgate.trainer")
+
+
+class TrainerError(RuntimeError):
+    """Something the user must fix before training can start; the message says what."""
+
+
+@dataclass
+class TrainerOptions:
+    run: str
+    backend: str = "auto"
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    lease_s: float = 600.0
+    poll_s: float = 1.0
+    max_steps: int | None = None
+    base_weights: str | None = None
+
+
+def loss_config(config: RunConfig) -> LossConfig:
+    return LossConfig(
+        kind=config.loss,
+        clip_eps=config.clip_eps,
+        clip_eps_high=config.clip_eps_high,
+        cispo_max_ratio=config.cispo_max_ratio,
+        tis_cap=config.truncated_is_cap,
+    )
+
+
+def to_groups(loaded: list[dict[str, Any]]) -> list[GroupData]:
+    """The store's plain dicts as the sample builder's input types."""
+    return [
+        GroupData(
+            group_id=group["group_id"],
+            trajectories=[
+                TrajectoryData(
+                    trajectory_id=traj["trajectory_id"],
+                    reward=traj["reward"],
+                    calls=[CallData(**call) for call in traj["calls"]],
+                )
+                for traj in group["trajectories"]
+            ],
+        )
+        for group in loaded
+    ]
+
+
+class LeaseKeeper:
+    """Renews the claimed groups' leases in the background while a (possibly long) step runs."""
+
+    def __init__(self, engine: Engine, group_ids: list[str], worker: str, lease_s: float) -> None:
+        self._args = (engine, group_ids, worker, lease_s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+
+    def _run(self) -> None:
+        engine, group_ids, worker, lease_s = self._args
+        while not self._stop.wait(lease_s / 3):
+            try:
+                renew_leases(engine, group_ids, worker, lease_s)
+            except Exception as exc:  # the commit will find out if the lease was really lost
+                log.warning("could not renew leases: %s", exc)
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def format_step(step: int, metrics: dict[str, Any]) -> str:
+    """The one line per step a user watches."""
+    return (
+        f"step {step:>4} | reward {metrics['reward_mean']:.3f} ± {metrics['reward_std']:.3f}"
+        f" | groups {metrics['groups_used']} used / {metrics['groups_dropped']} dropped"
+        f" | tokens {metrics['tokens']} ({metrics['trainable_tokens']} trained)"
+        f" | loss {metrics['loss']:+.4f} | ratio {metrics['ratio_mean']:.3f} (max {metrics['ratio_max']:.2f})"
+        f" | clip {metrics['clip_frac']:.3f} | grad {metrics['grad_norm']:.3f}"
+        f" | {metrics['step_seconds']:.1f}s | {metrics['tokens_per_s']:.0f} tok/s"
+    )
+
+
+class Trainer:
+    def __init__(
+        self,
+        settings: Settings,
+        options: TrainerOptions,
+        *,
+        engine: Engine | None = None,
+        echo: Callable[[str], None] = print,
+    ) -> None:
+        self.settings = settings
+        self.options = options
+        self.engine = engine or db.make_engine(settings.database_url)
+        self.echo = echo
+        self.checkpoints = Path(settings.checkpoint_dir)
+        self.spec: RunSpec = self._run_spec()
+        try:
+            self.config = RunConfig.model_validate(self.spec.config)
+        except ValueError as exc:
+            raise TrainerError(f"run {options.run!r} has an invalid config: {exc}") from None
+        self.loss = loss_config(self.config)
+        self.backend: TrainerBackend = self._load_backend()
+        self.step = self._resume()
+
+    def _run_spec(self) -> RunSpec:
+        spec = get_run(self.engine, self.options.run)
+        if spec is None:
+            raise TrainerError(
+                f"run {self.options.run!r} does not exist yet: create it with POST /v1/runs, or send a call with "
+                f"model={self.options.run!r} through the gateway"
+            )
+        return spec
+
+    def _base_weights(self) -> str:
+        weights = self.options.base_weights or self.spec.base_weights or self.settings.base_weights
+        if not weights:
+            raise TrainerError(
+                f"no weights to train for run {self.spec.name!r}: set base_weights on the run (POST /v1/runs), "
+                "TRAJGATE_BASE_WEIGHTS, or --base-weights to the directory vLLM serves"
+            )
+        return weights
+
+    def _load_backend(self) -> TrainerBackend:
+        return make_backend(
+            self.options.backend,
+            base_weights=self._base_weights(),
+            lora=LoraSpec(rank=self.config.lora_rank, alpha=self.config.lora_alpha, targets=self.config.lora_targets),
+            learning_rate=self.config.learning_rate,
+            device=self.options.device,
+            dtype=self.options.dtype,
+            seed=self.options.seed,
+            grad_clip=self.config.max_grad_norm,
+        )
+
+    def _resume(self) -> int:
+        """Continue from the last committed step, dropping any checkpoint the database never committed."""
+        committed = last_step(self.engine, self.spec.name)
+        discard_after(self.checkpoints, self.spec.name, committed)
+        if committed == 0:
+            return 0
+        latest = latest_checkpoint(self.checkpoints, self.spec.name)
+        if latest is None or latest[0] != committed:
+            raise TrainerError(
+                f"run {self.spec.name!r} has committed step {committed} but its checkpoint is missing under "
+                f"{self.checkpoints / self.spec.name}: point TRAJGATE_CHECKPOINT_DIR at the directory the trainer used"
+            )
+        load_checkpoint(self.backend, latest[1])
+        self.echo(f"resumed run {self.spec.name!r} at step {committed} from {latest[1]}")
+        return committed
+
+    def wait_for_groups(self, stop: threading.Event) -> bool:
+        """Block until enough groups are ready (True) or `stop` is set (False)."""
+        announced = False
+        while not stop.is_set():
+            release_expired_claims(self.engine, self.spec.name)
+            ready = count_ready_groups(self.engine, self.spec.name)
+            if ready >= self.config.groups_per_step:
+                return True
+            if not announced:
+                self.echo(f"waiting for {self.config.groups_per_step} ready groups of run {self.spec.name!r} ({ready} now)")
+                announced = True
+            stop.wait(self.options.poll_s)
+        return False
+
+    def train_one_step(self) -> dict[str, Any] | None:
+        """Claim, train and commit one step; None if the claimed groups were all dropped (or lost)."""
+        started = time.perf_counter()
+        worker = self.options.worker_id
+        claimed = claim_ready_groups(
+            self.engine, self.spec.name, worker, self.config.groups_per_step, self.options.lease_s
+        )
+        if not claimed:
+            return None
+        with LeaseKeeper(self.engine, claimed, worker, self.options.lease_s):
+            batch = self._samples(claimed)
+            drop_groups(self.engine, batch.dropped_groups, worker)
+            if not batch.rows:
+                reasons = "; ".join(f"{gid}: {why}" for gid, why in batch.dropped_groups)
+                self.echo(f"no step: all {len(claimed)} claimed groups were dropped ({reasons})")
+                return None
+            step = self.step + 1
+            metrics = self._optimise(batch, step)
+            used = sorted(set(claimed) - {gid for gid, _ in batch.dropped_groups})
+            metrics["step_seconds"] = time.perf_counter() - started
+            save_checkpoint(self.backend, self.checkpoints, self.spec.name, step, {"metrics": metrics})
+            try:
+                commit_step(self.engine, self.spec.name, step, worker, used, metrics)
+            except LeaseLost as exc:
+                self._roll_back(f"step {step} not committed: {exc}")
+                return None
+        self.step = step
+        self.echo(format_step(step, metrics))
+        return metrics
+
+    def _samples(self, claimed: list[str]) -> SampleBatch:
+        return build_samples(
+            to_groups(load_groups(self.engine, claimed)),
+            advantage_mode=self.config.advantage,
+            drop_zero_variance=self.config.drop_zero_variance,
+            max_seq_len=self.config.max_seq_len,
+            current_policy_version=current_policy_version(self.engine, self.spec.name),
+            max_staleness=self.config.max_staleness,
+        )
+
+    def _optimise(self, batch: SampleBatch, step: int) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        with tqdm(total=None, desc=f"step {step}", unit="mb", leave=False, disable=None) as bar:
+
+            def progress(done: int, total: int) -> None:
+                bar.total = total
+                bar.n = done
+                bar.refresh()
+
+            try:
+                trained = self.backend.train_step(batch.rows, self.loss, self.config.micro_batch_tokens, progress)
+            except Exception:
+                self._roll_back(f"step {step} failed while training")
+                raise
+        # The sample stats count tokens of the rows (all / trained); the backend's own counts are per micro-batch.
+        return {**trained, **batch.stats, "policy_version": current_policy_version(self.engine, self.spec.name)}
+
+    def _roll_back(self, why: str) -> None:
+        """Put the model back to the last committed step: the in-memory update was never committed."""
+        self.echo(f"{why}; rolling back to step {self.step}")
+        discard_after(self.checkpoints, self.spec.name, self.step)
+        if self.step == 0:
+            self.backend = self._load_backend()
+        else:
+            latest = latest_checkpoint(self.checkpoints, self.spec.name)
+            assert latest is not None and latest[0] == self.step
+            load_checkpoint(self.backend, latest[1])
+
+    def run(self, stop: threading.Event | None = None) -> int:
+        """Train until `stop` is set or `max_steps` steps are done; returns the steps done."""
+        stop = stop or threading.Event()
+        done = 0
+        while not stop.is_set() and (self.options.max_steps is None or done < self.options.max_steps):
+            if not self.wait_for_groups(stop):
+                break
+            if self.train_one_step() is not None:
+                done += 1
+        return done
