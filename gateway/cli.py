@@ -119,6 +119,8 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
         poll_s=args.poll_s,
         max_steps=args.steps,
         base_weights=args.base_weights,
+        publish=not args.no_publish,
+        keep_adapters=args.keep_adapters,
     )
     if args.worker_id:
         options.worker_id = args.worker_id
@@ -201,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--lease-s", type=float, default=600.0, help="claim lease; renewed while a step runs")
     train.add_argument("--poll-s", type=float, default=1.0, help="how often to look for ready groups")
+    train.add_argument(
+        "--no-publish", action="store_true", help="train and checkpoint only; don't load adapters into vLLM"
+    )
+    train.add_argument("--keep-adapters", type=int, default=2, help="newest adapters per run kept loaded in vLLM")
     train.add_argument("--worker-id", help="name of this trainer in claims (default: host:pid)")
     train.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     train.set_defaults(handler=_train)

@@ -83,7 +83,9 @@ def make_trainer(url: str, tmp_path: Path, tiny: str, **options: object) -> Trai
     settings = load_settings(database_url=url, checkpoint_dir=tmp_path / "ckpt")
     return Trainer(
         settings,
-        TrainerOptions(run="loop", backend="hf", device="cpu", base_weights=tiny, poll_s=0.05, **options),
+        TrainerOptions(
+            run="loop", backend="hf", device="cpu", base_weights=tiny, poll_s=0.05, publish=False, **options
+        ),
         echo=lambda line: None,
     )
 
@@ -169,4 +171,4 @@ def test_missing_run_and_weights_are_clear_errors(db_url: str, tmp_path: Path, t
         engine.dispose()
     settings = load_settings(database_url=db_url, checkpoint_dir=tmp_path / "ckpt")
     with pytest.raises(loop.TrainerError, match="no weights to train"):
-        Trainer(settings, TrainerOptions(run="loop", backend="hf"), echo=lambda line: None)
+        Trainer(settings, TrainerOptions(run="loop", backend="hf", publish=False), echo=lambda line: None)

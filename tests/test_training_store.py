@@ -13,6 +13,7 @@ from gateway.store.rewards import RewardItem, store_rewards
 from gateway.store.runs import steps_after
 from gateway.store.training import (
     LeaseLost,
+    ReadyListener,
     claim_ready_groups,
     commit_step,
     count_ready_groups,
@@ -120,3 +121,23 @@ def test_two_trainers_never_share_a_group(pg_url: str) -> None:
     assert not set(claimed["a"]) & set(claimed["b"])
     assert sorted(claimed["a"] + claimed["b"]) == sorted(ids)
     assert claimed["a"] and claimed["b"]  # both really competed
+
+
+def test_trainer_is_woken_by_notify_when_a_group_becomes_ready(pg_url: str) -> None:
+    """On Postgres the reward that makes a group ready wakes a waiting trainer before its poll interval ends."""
+    db.upgrade(pg_url)
+    engine = db.make_engine(pg_url)
+    records = [make_record(f"n-t{t}", seq=1, seed=t, group_id="n-g", group_size=2) for t in range(2)]
+    write_calls(engine, records)
+    listener = ReadyListener(engine, "run-a")
+    try:
+        assert listener.wait(0.05) is False  # nothing yet (and the LISTEN is now in place)
+        timer = threading.Timer(0.3, lambda: store_rewards(engine, [RewardItem(r.trajectory_id, 1.0) for r in records]))
+        timer.start()
+        started = time.monotonic()
+        assert listener.wait(10) is True
+        assert time.monotonic() - started < 5
+        timer.join()
+    finally:
+        listener.close()
+        engine.dispose()

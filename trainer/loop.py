@@ -25,6 +25,7 @@ from gateway.run_config import RunConfig
 from gateway.store import db
 from gateway.store.training import (
     LeaseLost,
+    ReadyListener,
     RunSpec,
     claim_ready_groups,
     commit_step,
@@ -38,8 +39,9 @@ from gateway.store.training import (
     renew_leases,
 )
 from trainer.backends import LoraSpec, TrainerBackend, make_backend
-from trainer.checkpoint import discard_after, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import checkpoint_dir, discard_after, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.loss import LossConfig
+from trainer.publish import Publisher, VllmAdmin
 from trainer.samples import CallData, GroupData, SampleBatch, TrajectoryData, build_samples
 
 log = logging.getLogger("trajgate.trainer")
@@ -61,6 +63,9 @@ class TrainerOptions:
     poll_s: float = 1.0
     max_steps: int | None = None
     base_weights: str | None = None
+    # Load each committed step into vLLM (TRAJGATE_UPSTREAM_URL) and publish it; off trains without serving.
+    publish: bool = True
+    keep_adapters: int = 2
 
 
 def loss_config(config: RunConfig) -> LossConfig:
@@ -150,6 +155,8 @@ class Trainer:
         self.loss = loss_config(self.config)
         self.backend: TrainerBackend = self._load_backend()
         self.step = self._resume()
+        self.listener = ReadyListener(self.engine, self.spec.name)
+        self.publisher = self._publisher() if options.publish else None
 
     def _run_spec(self) -> RunSpec:
         spec = get_run(self.engine, self.options.run)
@@ -181,6 +188,17 @@ class Trainer:
             grad_clip=self.config.max_grad_norm,
         )
 
+    def _publisher(self) -> Publisher:
+        key = self.settings.upstream_api_key
+        return Publisher(
+            self.engine,
+            VllmAdmin(self.settings.upstream_url, key.get_secret_value() if key else None),
+            self.spec.name,
+            lambda step: checkpoint_dir(self.checkpoints, self.spec.name, step).resolve(),
+            keep=self.options.keep_adapters,
+            echo=self.echo,
+        )
+
     def _resume(self) -> int:
         """Continue from the last committed step, dropping any checkpoint the database never committed."""
         committed = last_step(self.engine, self.spec.name)
@@ -198,9 +216,11 @@ class Trainer:
         return committed
 
     def wait_for_groups(self, stop: threading.Event) -> bool:
-        """Block until enough groups are ready (True) or `stop` is set (False)."""
+        """Block until enough groups are ready (True) or `stop` is set (False); woken early by Postgres NOTIFY."""
         announced = False
         while not stop.is_set():
+            if self.publisher is not None:
+                self.publisher.reconcile()
             release_expired_claims(self.engine, self.spec.name)
             ready = count_ready_groups(self.engine, self.spec.name)
             if ready >= self.config.groups_per_step:
@@ -208,7 +228,7 @@ class Trainer:
             if not announced:
                 self.echo(f"waiting for {self.config.groups_per_step} ready groups of run {self.spec.name!r} ({ready} now)")
                 announced = True
-            stop.wait(self.options.poll_s)
+            self.listener.wait(self.options.poll_s)
         return False
 
     def train_one_step(self) -> dict[str, Any] | None:
@@ -237,8 +257,11 @@ class Trainer:
             except LeaseLost as exc:
                 self._roll_back(f"step {step} not committed: {exc}")
                 return None
+        committed_at = time.perf_counter()
         self.step = step
         self.echo(format_step(step, metrics))
+        if self.publisher is not None:
+            self.publisher.publish(step, committed_at)
         return metrics
 
     def _samples(self, claimed: list[str]) -> SampleBatch:
@@ -289,4 +312,5 @@ class Trainer:
                 break
             if self.train_one_step() is not None:
                 done += 1
+        self.listener.close()
         return done

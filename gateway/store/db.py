@@ -6,21 +6,33 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import orjson
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, func, select
 
+# Postgres channel a committed ready group is announced on (payload: the run), so trainers wake at once.
+READY_CHANNEL = "trajgate_ready"
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 _IMMEDIATE = "trajgate_sqlite_immediate"
+
+
+def _json_dumps(value: object) -> str:
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 def make_engine(url: str, **kwargs: object) -> Engine:
     """Create an engine tuned per backend.
 
+    JSON columns are (de)serialised with orjson, several times faster than the stdlib json SQLAlchemy uses by
+    default; keys that are not strings become strings, as with json.dumps.
+
     SQLite gets WAL (readers don't block the writer), a busy timeout (several processes share one file) and
     enforced foreign keys (off by default in SQLite, and they guard attribution). Its transactions are begun by
     SQLAlchemy rather than by the sqlite3 module, so `write_transaction` can ask for BEGIN IMMEDIATE.
     """
+    kwargs.setdefault("json_serializer", _json_dumps)
+    kwargs.setdefault("json_deserializer", orjson.loads)
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, **kwargs)
 
@@ -42,6 +54,11 @@ def make_engine(url: str, **kwargs: object) -> Engine:
 
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    # No server-side prepared statements: psycopg prepares a statement after its 5th execution and Postgres then
+    # keeps the generic plan it chose at that moment. The writer's statements join a batch against calls and
+    # trajectories, and a plan chosen while those tables were nearly empty (a sequential scan) stays in use as they
+    # grow to millions of rows. Planned per execution, each statement sees the tables' current size.
+    kwargs.setdefault("connect_args", {"prepare_threshold": None})
     return create_engine(url, **kwargs)
 
 
@@ -58,6 +75,12 @@ def write_transaction(engine: Engine) -> Iterator[Connection]:
         conn.execution_options(**{_IMMEDIATE: True})
         with conn.begin():
             yield conn
+
+
+def notify_ready(conn: Connection, run: str) -> None:
+    """Announce, on commit, that one of `run`'s groups became ready (Postgres only; SQLite trainers poll)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(select(func.pg_notify(READY_CHANNEL, run)))
 
 
 def alembic_config(url: str) -> Config:

@@ -15,7 +15,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, func, select, update
 
-from gateway.store.db import write_transaction
+from gateway.store.db import notify_ready, write_transaction
 from gateway.store.models import Group, Trajectory, utcnow
 
 # Once the trainer has taken a group, its rewards are what it trained (or decided not to train) on.
@@ -146,7 +146,7 @@ def _lock_groups(conn: Connection, group_ids: list[str]) -> dict[str, dict[str, 
     if not group_ids:
         return {}
     rows = conn.execute(
-        select(Group.group_id, Group.state, Group.closed, Group.expected_size)
+        select(Group.group_id, Group.run, Group.state, Group.closed, Group.expected_size)
         .where(Group.group_id.in_(group_ids))
         .order_by(Group.group_id)
         .with_for_update()
@@ -170,4 +170,5 @@ def _settle(conn: Connection, group: dict[str, Any]) -> str:
         .where(Group.group_id == group["group_id"], Group.state == "open")
         .values(state="ready", ready_at=utcnow())
     )
+    notify_ready(conn, group["run"])
     return "ready"

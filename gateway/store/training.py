@@ -7,6 +7,8 @@ leaves claims whose leases expire, and those groups become ready again for the n
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -15,9 +17,12 @@ from typing import Any
 from sqlalchemy import Engine, func, select, update
 
 from gateway.store.arrays import decode_ids, decode_logprobs
-from gateway.store.db import write_transaction
+from gateway.store.db import READY_CHANNEL, write_transaction
 from gateway.store.models import Call, Group, PolicyVersion, Run, TrainStep, Trajectory
 from gateway.store.runs import record_train_step
+
+
+log = logging.getLogger("trajgate.store")
 
 
 class LeaseLost(RuntimeError):
@@ -30,6 +35,48 @@ class RunSpec:
     base_model: str
     base_weights: str | None
     config: dict[str, Any]
+
+
+class ReadyListener:
+    """Lets a waiting trainer wake as soon as a group of its run becomes ready (Postgres LISTEN/NOTIFY).
+
+    Polling stays the fallback: on SQLite, or while the listening connection is down, `wait` just sleeps.
+    """
+
+    def __init__(self, engine: Engine, run: str) -> None:
+        self.run = run
+        self._url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._postgres = engine.dialect.name == "postgresql"
+        self._conn: Any = None
+
+    def _connect(self) -> Any:
+        import psycopg
+
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(self._url, autocommit=True, connect_timeout=5)
+            self._conn.execute(f"LISTEN {READY_CHANNEL}")
+        return self._conn
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep up to `timeout_s`; True if this run announced a ready group meanwhile."""
+        if not self._postgres:
+            time.sleep(timeout_s)
+            return False
+        try:
+            conn = self._connect()
+            for note in conn.notifies(timeout=timeout_s, stop_after=1):
+                return note.payload == self.run
+            return False
+        except Exception as exc:  # the database went away: poll until it is back
+            log.warning("LISTEN %s unavailable (%s); polling", READY_CHANNEL, type(exc).__name__)
+            self.close()
+            time.sleep(timeout_s)
+            return False
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 def _now() -> datetime:
@@ -220,3 +267,51 @@ def group_states(engine: Engine, run: str) -> dict[str, str]:
 def lease_expiry(engine: Engine, group_id: str) -> datetime | None:
     with engine.connect() as conn:
         return _aware(conn.execute(select(Group.lease_until).where(Group.group_id == group_id)).scalar_one_or_none())
+
+
+@dataclass(frozen=True)
+class LoadedVersion:
+    step: int
+    served_name: str
+    adapter_path: str | None
+
+
+def loaded_versions(engine: Engine, run: str) -> list[LoadedVersion]:
+    """The run's published adapters vLLM should be serving, oldest first."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(PolicyVersion.step, PolicyVersion.served_name, PolicyVersion.adapter_path)
+            .where(PolicyVersion.run == run, PolicyVersion.status == "loaded")
+            .order_by(PolicyVersion.step)
+        ).all()
+    return [LoadedVersion(row.step, row.served_name, row.adapter_path) for row in rows]
+
+
+def publish_version(engine: Engine, run: str, step: int, served_name: str, adapter_path: str) -> None:
+    """Make `served_name` the run's current policy: gateways route the run's calls to it within a second."""
+    with engine.begin() as conn:
+        conn.execute(
+            PolicyVersion.__table__.insert().values(
+                run=run, step=step, served_name=served_name, adapter_path=adapter_path, status="loaded", created_at=_now()
+            )
+        )
+
+
+def mark_unloaded(engine: Engine, run: str, step: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            update(PolicyVersion).where(PolicyVersion.run == run, PolicyVersion.step == step).values(status="unloaded")
+        )
+
+
+def annotate_step(engine: Engine, run: str, step: int, extra: dict[str, Any]) -> None:
+    """Add to a committed step's metrics (e.g. why publishing it failed, how long the swap took) for the read API."""
+    with write_transaction(engine) as conn:
+        metrics = conn.execute(
+            select(TrainStep.metrics).where(TrainStep.run == run, TrainStep.step == step).with_for_update()
+        ).scalar_one()
+        conn.execute(
+            update(TrainStep)
+            .where(TrainStep.run == run, TrainStep.step == step)
+            .values(metrics={**(metrics or {}), **extra})
+        )

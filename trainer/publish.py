@@ -1,0 +1,173 @@
+"""Serving a committed step: load the adapter into vLLM as `run@step`, check it answers, then publish the version.
+
+Publishing is what closes the loop: once the policy_versions row exists, gateways route the run's calls to the new
+adapter within a second. Order matters: the row is written only after vLLM answers with the adapter, so no call is
+ever routed to a name vLLM doesn't serve. The same code repairs a restarted vLLM, which forgets runtime adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+
+from gateway.store.training import (
+    annotate_step,
+    last_step,
+    loaded_versions,
+    mark_unloaded,
+    publish_version,
+)
+
+log = logging.getLogger("trajgate.publish")
+
+
+class PublishError(RuntimeError):
+    """vLLM refused or failed to serve an adapter; the message carries its answer."""
+
+
+def served_name(run: str, step: int) -> str:
+    return f"{run}@{step}"
+
+
+class VllmAdmin:
+    """The few vLLM endpoints the trainer needs (stdlib HTTP: the trainer has no async loop)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 120.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
+        headers = {"content-type": "application/json"}
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return response.status, response.read().decode("utf-8", "replace")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode("utf-8", "replace")
+        except (urllib.error.URLError, OSError) as exc:
+            raise PublishError(f"vLLM unreachable at {self.base_url}: {exc}") from None
+
+    def models(self) -> set[str]:
+        status, text = self._call("GET", "/models")
+        if status != 200:
+            raise PublishError(f"vLLM /models answered {status}: {text[:300]}")
+        return {model["id"] for model in json.loads(text).get("data", [])}
+
+    def load(self, name: str, path: Path | str) -> None:
+        # vLLM answers 200 with a plain-text body (no content-type); a name loaded twice is a 400, a bad path a 404.
+        body = {"lora_name": name, "lora_path": str(path)}
+        status, text = self._call("POST", "/load_lora_adapter", body)
+        if status == 400 and name in self.models():
+            # Already loaded, maybe from other weights (a step retried after a crash, a reset database):
+            # reload so vLLM serves exactly this checkpoint.
+            self.unload(name)
+            status, text = self._call("POST", "/load_lora_adapter", body)
+        if status != 200:
+            raise PublishError(f"vLLM refused to load {name} from {path} ({status}): {text[:300]}")
+
+    def unload(self, name: str) -> None:
+        status, text = self._call("POST", "/unload_lora_adapter", {"lora_name": name})
+        if status not in (200, 404) and name in self.models():
+            raise PublishError(f"vLLM refused to unload {name} ({status}): {text[:300]}")
+
+    def check_answers(self, name: str) -> float:
+        """One token from the adapter: it is really usable, not just registered. Returns seconds taken."""
+        started = time.perf_counter()
+        status, text = self._call("POST", "/completions", {"model": name, "prompt": "Hi", "max_tokens": 1})
+        if status != 200:
+            raise PublishError(f"{name} is loaded but does not answer ({status}): {text[:300]}")
+        return time.perf_counter() - started
+
+
+class Publisher:
+    """Keeps vLLM serving each committed step of one run, newest `keep` adapters loaded."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        admin: VllmAdmin,
+        run: str,
+        checkpoint_path: Callable[[int], Path],
+        keep: int = 2,
+        echo: Callable[[str], None] = print,
+    ) -> None:
+        self.engine = engine
+        self.admin = admin
+        self.run = run
+        self.checkpoint_path = checkpoint_path
+        self.keep = keep
+        self.echo = echo
+        self._backoff_s = 1.0
+        self._next_try = 0.0
+
+    def publish(self, step: int, committed_at: float) -> bool:
+        """Load, check, publish step `step`; on failure record why on the step and retry later (with backoff)."""
+        name = served_name(self.run, step)
+        path = self.checkpoint_path(step)
+        try:
+            self.admin.load(name, path)
+            first_answer_s = self.admin.check_answers(name)
+        except PublishError as exc:
+            self._failed(step, str(exc))
+            return False
+        publish_version(self.engine, self.run, step, name, str(path))
+        swap_s = time.perf_counter() - committed_at
+        annotate_step(
+            self.engine, self.run, step, {"publish_error": None, "swap_seconds": swap_s, "first_answer_s": first_answer_s}
+        )
+        self.echo(f"published {name}: vLLM answers with it {swap_s:.1f}s after the step was committed")
+        self._backoff_s, self._next_try = 1.0, 0.0
+        self._unload_old(step)
+        return True
+
+    def _failed(self, step: int, why: str) -> None:
+        log.error("publishing step %d of %s failed: %s (retry in %.0fs)", step, self.run, why, self._backoff_s)
+        self.echo(f"publish of step {step} failed: {why}")
+        annotate_step(self.engine, self.run, step, {"publish_error": why})
+        self._next_try = time.monotonic() + self._backoff_s
+        self._backoff_s = min(self._backoff_s * 2, 60.0)
+
+    def _unload_old(self, newest: int) -> None:
+        for version in loaded_versions(self.engine, self.run):
+            if version.step <= newest - self.keep:
+                try:
+                    self.admin.unload(version.served_name)
+                except PublishError as exc:
+                    log.warning("could not unload %s: %s", version.served_name, exc)
+                    continue
+                mark_unloaded(self.engine, self.run, version.step)
+
+    def reconcile(self) -> None:
+        """Publish a committed step that isn't served yet, and reload adapters a restarted vLLM forgot."""
+        if time.monotonic() < self._next_try:
+            return
+        committed = last_step(self.engine, self.run)
+        versions = loaded_versions(self.engine, self.run)
+        newest = versions[-1].step if versions else 0
+        if committed > newest:
+            self.publish(committed, time.perf_counter())
+            return
+        try:
+            served = self.admin.models()
+        except PublishError as exc:
+            log.warning("cannot check vLLM's adapters: %s", exc)
+            return
+        for version in versions:
+            if version.served_name not in served and version.adapter_path:
+                try:
+                    self.admin.load(version.served_name, version.adapter_path)
+                    self.echo(f"re-loaded {version.served_name} into vLLM (it had restarted)")
+                except PublishError as exc:
+                    log.error("re-loading %s failed: %s", version.served_name, exc)
