@@ -120,6 +120,7 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
         max_steps=args.steps,
         base_weights=args.base_weights,
         publish=not args.no_publish,
+        wait_for_run=args.wait_for_run,
         keep_adapters=args.keep_adapters,
     )
     if args.worker_id:
@@ -205,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--poll-s", type=float, default=1.0, help="how often to look for ready groups")
     train.add_argument(
         "--no-publish", action="store_true", help="train and checkpoint only; don't load adapters into vLLM"
+    )
+    train.add_argument(
+        "--wait-for-run", action="store_true", help="if the run doesn't exist yet, wait for it instead of exiting"
     )
     train.add_argument("--keep-adapters", type=int, default=2, help="newest adapters per run kept loaded in vLLM")
     train.add_argument("--worker-id", help="name of this trainer in claims (default: host:pid)")

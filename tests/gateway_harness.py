@@ -35,7 +35,7 @@ class RunningGateway:
 @contextmanager
 def running_gateway(**overrides: object) -> Iterator[RunningGateway]:
     """Migrate the database, start the gateway, yield it, and shut it down gracefully (flushing records)."""
-    settings: Settings = load_settings(**overrides)
+    settings: Settings = load_settings(_env_file=None, **overrides)  # a developer's .env must not leak in
     db.upgrade(settings.database_url)
     app = create_app(settings)
     port = free_port()

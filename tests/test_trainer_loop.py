@@ -80,7 +80,7 @@ def adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def make_trainer(url: str, tmp_path: Path, tiny: str, **options: object) -> Trainer:
-    settings = load_settings(database_url=url, checkpoint_dir=tmp_path / "ckpt")
+    settings = load_settings(_env_file=None, database_url=url, checkpoint_dir=tmp_path / "ckpt")
     return Trainer(
         settings,
         TrainerOptions(
@@ -169,6 +169,6 @@ def test_missing_run_and_weights_are_clear_errors(db_url: str, tmp_path: Path, t
         upsert_run(engine, "loop", {}, base_model="base")
     finally:
         engine.dispose()
-    settings = load_settings(database_url=db_url, checkpoint_dir=tmp_path / "ckpt")
+    settings = load_settings(_env_file=None, database_url=db_url, checkpoint_dir=tmp_path / "ckpt")
     with pytest.raises(loop.TrainerError, match="no weights to train"):
         Trainer(settings, TrainerOptions(run="loop", backend="hf", publish=False), echo=lambda line: None)

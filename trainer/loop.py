@@ -65,6 +65,7 @@ class TrainerOptions:
     base_weights: str | None = None
     # Load each committed step into vLLM (TRAJGATE_UPSTREAM_URL) and publish it; off trains without serving.
     publish: bool = True
+    wait_for_run: bool = False
     keep_adapters: int = 2
 
 
@@ -160,6 +161,12 @@ class Trainer:
 
     def _run_spec(self) -> RunSpec:
         spec = get_run(self.engine, self.options.run)
+        if spec is None and self.options.wait_for_run:
+            # Under compose the trainer starts before anyone created the run: wait rather than crash-loop.
+            self.echo(f"waiting for run {self.options.run!r} to be created (POST /v1/runs or a first call)")
+            while spec is None:
+                time.sleep(max(self.options.poll_s, 1.0))
+                spec = get_run(self.engine, self.options.run)
         if spec is None:
             raise TrainerError(
                 f"run {self.options.run!r} does not exist yet: create it with POST /v1/runs, or send a call with "

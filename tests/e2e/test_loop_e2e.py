@@ -72,7 +72,7 @@ def play_groups(gw: RunningGateway, prefix: str, run: str = RUN, groups: int = 2
 
 
 def trainer_for(url: str, tmp_path: Path, upstream: str, **options: object) -> Trainer:
-    settings = load_settings(database_url=url, checkpoint_dir=tmp_path / "ckpt", upstream_url=upstream)
+    settings = load_settings(_env_file=None, database_url=url, checkpoint_dir=tmp_path / "ckpt", upstream_url=upstream)
     return Trainer(settings, TrainerOptions(run=RUN, backend="hf", device="cpu", poll_s=0.2, **options))
 
 
