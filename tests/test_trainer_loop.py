@@ -90,16 +90,21 @@ def make_trainer(url: str, tmp_path: Path, tiny: str, **options: object) -> Trai
     )
 
 
-@pytest.fixture
-def seeded(db_url: str, tiny: str) -> str:
-    db.upgrade(db_url)
-    seed_groups(db_url, tiny, groups=4)
-    engine = db.make_engine(db_url)
+def prepare(url: str, tiny: str) -> str:
+    """A migrated database with four ready groups and a run that trains two groups per step."""
+    db.upgrade(url)
+    seed_groups(url, tiny, groups=4)
+    engine = db.make_engine(url)
     try:
         upsert_run(engine, "loop", {"groups_per_step": 2, "learning_rate": 1e-2, "loss": "grpo"})
     finally:
         engine.dispose()
-    return db_url
+    return url
+
+
+@pytest.fixture
+def seeded(db_url: str, tiny: str) -> str:
+    return prepare(db_url, tiny)
 
 
 def test_two_steps_commit_groups_and_metrics(seeded: str, tmp_path: Path, tiny: str) -> None:
@@ -147,14 +152,7 @@ def test_crash_between_checkpoint_and_commit_leaves_nothing(
     assert make_trainer(seeded, tmp_path, tiny).step == 2  # a restart now resumes at the committed step
 
     # The same data without a crash gives the same adapter: the crashed step left no trace.
-    reference = f"sqlite:///{tmp_path / 'reference.db'}"
-    db.upgrade(reference)
-    seed_groups(reference, tiny, groups=4)
-    engine = db.make_engine(reference)
-    try:
-        upsert_run(engine, "loop", {"groups_per_step": 2, "learning_rate": 1e-2, "loss": "grpo"})
-    finally:
-        engine.dispose()
+    reference = prepare(f"sqlite:///{tmp_path / 'reference.db'}", tiny)
     assert make_trainer(reference, tmp_path / "ref", tiny, max_steps=2).run() == 2
     crashed, clean = adapter(tmp_path / "ckpt" / "loop" / "00002"), adapter(tmp_path / "ref" / "ckpt" / "loop" / "00002")
     assert crashed.keys() == clean.keys() and all(torch.equal(crashed[k], clean[k]) for k in clean)
