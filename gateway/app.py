@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway import read_api, rewards_api, runs_api
+from gateway import judge_api, read_api, rewards_api, runs_api
 from gateway.attribution import split_path
 from gateway.auth import Auth
 from gateway.config import Settings
@@ -89,7 +89,7 @@ class Gateway:
         self.state = build_state(settings)
         self.api = FastAPI(title="trajgate", lifespan=self._lifespan, docs_url="/docs", redoc_url=None)
         self.api.state.gateway = self.state
-        for module in (router, rewards_api.router, read_api.router, runs_api.router):
+        for module in (router, rewards_api.router, read_api.router, runs_api.router, judge_api.router):
             self.api.include_router(module)
         install_error_handlers(self.api)
         self._routes_failing = False

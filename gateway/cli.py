@@ -143,6 +143,36 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _judge(settings: Settings, args: argparse.Namespace) -> int:
+    # The judge worker imports litellm (if installed) on its first judge call, never at start.
+    import asyncio
+    import signal
+    import threading
+
+    from gateway.judge.worker import JudgeSetupError, JudgeWorker
+
+    _setup_logging(args.log_level)
+    worker = JudgeWorker(settings, args.run, poll_s=args.poll_s, batch=args.batch)
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: FrameType | None) -> None:
+        print(f"trajgate judge: {signal.Signals(signum).name}: stopping after the current group", file=sys.stderr)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        judged = asyncio.run(worker.serve(stop, once=args.once))
+    except JudgeSetupError as exc:
+        print(f"trajgate judge: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        worker.close()
+    failed = f", {worker.failed} failed" if worker.failed else ""
+    print(f"trajgate judge: {judged} group(s) judged{failed} for run {args.run!r}")
+    return 1 if args.once and worker.failed else 0
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -214,6 +244,22 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--worker-id", help="name of this trainer in claims (default: host:pid)")
     train.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     train.set_defaults(handler=_train)
+
+    judge = sub.add_parser(
+        "judge",
+        help="run the LLM judge worker for a run: score complete but unrewarded groups, store the rewards",
+        description="Judge run RUN's groups that are complete (closed, or at their expected size and idle for the "
+        "judge's settle_s) but not rewarded: one prompt per group to the model in the run's `judge` config, one "
+        "score in [0, 1] per trajectory, stored as rewards (all of a group's or none). Needs litellm for most "
+        "providers (pip install 'trajgate[judge]'); openai/ and hosted_vllm/ models work without it. "
+        "Ctrl-C / SIGTERM stop after the current group.",
+    )
+    judge.add_argument("--run", required=True, help="the run whose groups to judge (its config must have `judge`)")
+    judge.add_argument("--once", action="store_true", help="judge what is waiting now, then exit (1 if any failed)")
+    judge.add_argument("--poll-s", type=float, default=2.0, help="how often to look for groups to judge")
+    judge.add_argument("--batch", type=int, default=16, help="most groups judged per poll")
+    judge.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    judge.set_defaults(handler=_judge)
     return parser
 
 

@@ -41,6 +41,52 @@ class SamplingOverrides(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
+# The judge's model answers in this many characters of prompt by default (~8k tokens: fits most judge models).
+DEFAULT_JUDGE_CONTEXT_CHARS = 32_000
+
+
+class JudgeConfig(BaseModel):
+    """An LLM judge that scores a run's complete groups when agents post no rewards themselves (`trajgate judge`,
+    `POST /v1/groups/{id}/judge`). Any provider litellm knows, by name (`openai/gpt-4o-mini`,
+    `anthropic/claude-...`, `hosted_vllm/NAME` with `api_base` for a vLLM). API keys are never stored: litellm reads
+    the provider's usual variable (OPENAI_API_KEY, ANTHROPIC_API_KEY, HOSTED_VLLM_API_KEY...), or name another one
+    in `api_key_env`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(max_length=256)
+    api_base: str | None = Field(None, pattern=r"^https?://\S+$", max_length=1024)
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+    rubric: str | None = Field(None, min_length=1, max_length=20_000)
+    max_attempts: int = Field(3, ge=1, le=10)
+    temperature: Finite = Field(0.0, ge=0, le=2)
+    max_context_chars: int = Field(DEFAULT_JUDGE_CONTEXT_CHARS, ge=4_000, le=2_000_000)
+    max_tokens: int | None = Field(None, ge=16, le=32_768)
+    timeout_s: Finite = Field(120.0, gt=0, le=3600)
+    backoff_s: Finite = Field(1.0, ge=0, le=60)
+    response_format: Literal["json_schema", "json_object", "none"] = "json_schema"
+    client: Literal["auto", "litellm", "builtin"] = "auto"
+    min_group_size: int = Field(2, ge=1)
+    settle_s: Finite = Field(30.0, ge=0)
+
+    @field_validator("model")
+    @classmethod
+    def _provider_prefixed(cls, model: str) -> str:
+        provider, _, name = model.partition("/")
+        if not provider or not name or any(c.isspace() for c in model):
+            raise ValueError("name the provider and the model, e.g. openai/gpt-4o-mini or hosted_vllm/NAME")
+        return model
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_stored_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_key" in data:
+            raise ValueError(
+                "api_key is never stored: put the key in an environment variable and name it in api_key_env"
+            )
+        return data
+
+
 class RunConfig(BaseModel):
     """How the trainer updates a run's adapter, and how the gateway samples for it."""
 
@@ -63,6 +109,7 @@ class RunConfig(BaseModel):
     max_seq_len: int = Field(4096, ge=1)
     micro_batch_tokens: int = Field(4096, ge=1)
     sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
+    judge: JudgeConfig | None = None
 
     @field_validator("lora_rank")
     @classmethod
@@ -85,6 +132,6 @@ class RunConfig(BaseModel):
 
 
 def merged_config(stored: dict[str, Any] | None, partial: dict[str, Any]) -> RunConfig:
-    """Top-level keys of `partial` replace those stored (a `sampling` dict replaces the whole sampling block);
+    """Top-level keys of `partial` replace those stored (a `sampling` or `judge` dict replaces the whole block);
     raises pydantic.ValidationError naming the bad key."""
     return RunConfig.model_validate({**(stored or {}), **partial})
