@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import Any
 
 from gateway.config import ConfigError, Settings, load_settings
 from gateway.export import FORMATS
@@ -36,6 +37,31 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+# Longer than any client pool keeps an idle connection (httpx and the OpenAI SDK: 5 s, aiohttp: 15 s). With uvicorn's
+# default of 5 s the server closes a connection just as a client reuses it, and the client sees a reset.
+KEEP_ALIVE_S = 75
+
+
+def uvicorn_config(
+    app: Any, host: str, port: int, log_level: str, *, access_log: bool = False, graceful_s: int | None = None
+) -> Any:
+    """How the gateway is served, shared by `trajgate serve` and the tests' in-process gateway."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        access_log=access_log,
+        log_level=log_level,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=graceful_s,
+        lifespan="on",
+    )
+
+
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -53,15 +79,8 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
             app.begin_shutdown()  # end live event streams, or the graceful shutdown would wait for them
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        access_log=args.access_log,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.graceful_timeout,
+    config = uvicorn_config(
+        app, settings.host, settings.port, args.log_level, access_log=args.access_log, graceful_s=args.graceful_timeout
     )
     server = Server(config)
     server.run()

@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from gateway.app import Gateway, create_app
+from gateway.cli import uvicorn_config
 from gateway.config import Settings, load_settings
 from gateway.store import db
 from tests.pgcluster import free_port
@@ -39,10 +40,7 @@ def running_gateway(**overrides: object) -> Iterator[RunningGateway]:
     db.upgrade(settings.database_url)
     app = create_app(settings)
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
-                       access_log=False, lifespan="on")
-    )
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
     deadline = time.monotonic() + 15

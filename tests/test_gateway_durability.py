@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -86,9 +87,8 @@ def test_database_outage_during_burst_loses_nothing(
     )
 
 
-def test_sigterm_mid_burst_finishes_calls_and_loses_nothing(
-    upstream: FakeUpstream, sqlite_url: str, tmp_path: Path
-) -> None:
+def start_serve(upstream: FakeUpstream, sqlite_url: str, tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """`trajgate serve` as users run it, on a free port, once it answers /health."""
     db.upgrade(sqlite_url)
     port = free_port()
     env = {
@@ -104,17 +104,44 @@ def test_sigterm_mid_burst_finishes_calls_and_loses_nothing(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return process, port
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            raise AssertionError("gateway did not start")
+        time.sleep(0.1)
+
+
+def test_idle_keep_alive_connection_outlives_client_pools(
+    upstream: FakeUpstream, sqlite_url: str, tmp_path: Path
+) -> None:
+    """A connection a client's pool kept idle for 6 s (httpx and the OpenAI SDK keep them 5 s) is still open:
+    the server never closes one just as the client reuses it."""
+    process, port = start_serve(upstream, sqlite_url, tmp_path)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+            for idle_s in (0, 6):
+                time.sleep(idle_s)
+                conn.sendall(request)
+                reply = conn.recv(65536)
+                assert reply.startswith(b"HTTP/1.1 200"), reply
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_sigterm_mid_burst_finishes_calls_and_loses_nothing(
+    upstream: FakeUpstream, sqlite_url: str, tmp_path: Path
+) -> None:
+    process, port = start_serve(upstream, sqlite_url, tmp_path)
     base = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and process.poll() is None, "gateway did not start"
-            time.sleep(0.1)
         upstream.mode = "slow_stream"  # each stream takes ~2 s
         body = client_body(upstream.fixture("chat_stream"))
         n = 12
