@@ -159,6 +159,8 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _stop)
     done = trainer.run(stop)
     print(f"trajgate train: {done} step(s) done; run {args.run!r} is at step {trainer.step}")
+    if not stop.is_set() and not trainer.finish_publishing(stop, args.publish_timeout_s):
+        return 1
     return 0
 
 
@@ -258,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--wait-for-run", action="store_true", help="if the run doesn't exist yet, wait for it instead of exiting"
+    )
+    train.add_argument(
+        "--publish-timeout-s",
+        type=float,
+        default=300.0,
+        help="with --steps: how long to keep retrying the last step's publication before exiting with status 1",
     )
     train.add_argument("--keep-adapters", type=int, default=2, help="newest adapters per run kept loaded in vLLM")
     train.add_argument("--worker-id", help="name of this trainer in claims (default: host:pid)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -14,11 +15,12 @@ from gateway.store import db
 from gateway.store.records import write_calls
 from gateway.store.rewards import RewardItem, store_rewards
 from gateway.store.runs import steps_after, upsert_run
-from gateway.store.training import group_states
+from gateway.store.training import ReadyListener, group_states, loaded_versions
 from tests.factories import make_record
 from tests.test_backends import VOCAB, build_tiny_llama
 from trainer import loop
 from trainer.loop import Trainer, TrainerOptions
+from trainer.publish import Publisher, PublishError
 
 PATTERN = 7
 
@@ -170,3 +172,89 @@ def test_missing_run_and_weights_are_clear_errors(db_url: str, tmp_path: Path, t
     settings = load_settings(_env_file=None, database_url=db_url, checkpoint_dir=tmp_path / "ckpt")
     with pytest.raises(loop.TrainerError, match="no weights to train"):
         Trainer(settings, TrainerOptions(run="loop", backend="hf", publish=False), echo=lambda line: None)
+
+
+class FlakyVllm:
+    """Stands in for VllmAdmin (the HTTP side is exercised against real vLLM in tests/e2e): loads fail while
+    `failures` lasts, as when vLLM is restarting."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.served: set[str] = set()
+
+    def load(self, name: str, path: Path | str) -> None:
+        if self.failures > 0:
+            self.failures -= 1
+            raise PublishError("vLLM unreachable at http://vllm:8000/v1: connection refused")
+        self.served.add(name)
+
+    def unload(self, name: str) -> None:
+        self.served.discard(name)
+
+    def models(self) -> set[str]:
+        return set(self.served)
+
+    def check_answers(self, name: str) -> float:
+        return 0.01
+
+
+def flaky_trainer(url: str, tmp_path: Path, tiny: str, failures: int) -> tuple[Trainer, FlakyVllm]:
+    trainer = make_trainer(url, tmp_path, tiny, max_steps=1)
+    vllm = FlakyVllm(failures)
+    trainer.publisher = Publisher(
+        trainer.engine, vllm, "loop", lambda step: tmp_path / "ckpt" / "loop" / f"{step:05d}", echo=lambda line: None
+    )  # type: ignore[arg-type]
+    return trainer, vllm
+
+
+def step_metrics(url: str) -> list[dict]:
+    engine = db.make_engine(url)
+    try:
+        return [s["metrics"] for s in steps_after(engine, "loop")]
+    finally:
+        engine.dispose()
+
+
+def test_failed_publication_of_the_last_step_is_retried_before_exit(seeded: str, tmp_path: Path, tiny: str) -> None:
+    trainer, vllm = flaky_trainer(seeded, tmp_path, tiny, failures=2)
+    assert trainer.run() == 1
+    assert "vLLM unreachable" in step_metrics(seeded)[0]["publish_error"]  # the failure is visible on the step
+    assert trainer.publisher is not None and trainer.publisher.pending() == 1
+    assert trainer.finish_publishing(threading.Event(), timeout_s=30)  # retried with backoff: 1 s, then 2 s
+    assert vllm.served == {"loop@1"} and trainer.publisher.pending() is None
+    assert [v.step for v in loaded_versions(trainer.engine, "loop")] == [1]
+    assert step_metrics(seeded)[0]["publish_error"] is None
+
+
+def test_unpublishable_last_step_is_reported_not_waited_on_forever(seeded: str, tmp_path: Path, tiny: str) -> None:
+    trainer, vllm = flaky_trainer(seeded, tmp_path, tiny, failures=10**6)
+    assert trainer.run() == 1
+    assert not trainer.finish_publishing(threading.Event(), timeout_s=1.5)
+    assert vllm.served == set() and loaded_versions(trainer.engine, "loop") == []  # never routed to
+    stop = threading.Event()
+    stop.set()
+    assert not trainer.finish_publishing(stop, timeout_s=3600)  # Ctrl-C does not wait for vLLM either
+
+
+def test_waiting_trainer_stops_promptly(sqlite_url: str) -> None:
+    db.upgrade(sqlite_url)
+    engine = db.make_engine(sqlite_url)
+    listener = ReadyListener(engine, "loop")
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    started = time.monotonic()
+    try:
+        assert listener.wait(60, stop) is False
+    finally:
+        listener.close()
+        engine.dispose()
+    assert time.monotonic() - started < 30  # woken by the stop event, not by the 60 s poll timeout
+
+
+def test_restarted_vllm_gets_the_published_adapter_back(seeded: str, tmp_path: Path, tiny: str) -> None:
+    trainer, vllm = flaky_trainer(seeded, tmp_path, tiny, failures=0)
+    assert trainer.run() == 1 and vllm.served == {"loop@1"}
+    vllm.served.clear()  # vLLM restarted: runtime adapters are gone, the gateway still routes to loop@1
+    assert trainer.publisher is not None
+    trainer.publisher.reconcile()  # what a waiting trainer does every poll
+    assert vllm.served == {"loop@1"}

@@ -235,7 +235,7 @@ class Trainer:
             if not announced:
                 self.echo(f"waiting for {self.config.groups_per_step} ready groups of run {self.spec.name!r} ({ready} now)")
                 announced = True
-            self.listener.wait(self.options.poll_s)
+            self.listener.wait(self.options.poll_s, stop)
         return False
 
     def train_one_step(self) -> dict[str, Any] | None:
@@ -309,6 +309,24 @@ class Trainer:
             latest = latest_checkpoint(self.checkpoints, self.spec.name)
             assert latest is not None and latest[0] == self.step
             load_checkpoint(self.backend, latest[1])
+
+    def finish_publishing(self, stop: threading.Event, timeout_s: float) -> bool:
+        """Wait (retrying with backoff) until the last committed step is served; False if it still is not after
+        `timeout_s` or `stop`. A worker told to do N steps exits after the last one, and nothing else would retry
+        a publication that failed then (vLLM restarting, say)."""
+        if self.publisher is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while (step := self.publisher.pending()) is not None:
+            if stop.is_set() or time.monotonic() >= deadline:
+                self.echo(
+                    f"step {step} is committed but vLLM does not serve it yet; the next `trajgate train --run "
+                    f"{self.spec.name}` publishes it before it trains"
+                )
+                return False
+            self.publisher.reconcile()
+            stop.wait(0.5)
+        return True
 
     def run(self, stop: threading.Event | None = None) -> int:
         """Train until `stop` is set or `max_steps` steps are done; returns the steps done."""

@@ -149,16 +149,22 @@ class Publisher:
                     continue
                 mark_unloaded(self.engine, self.run, version.step)
 
+    def pending(self) -> int | None:
+        """The newest committed step if it is not published yet (its publication failed), else None."""
+        committed = last_step(self.engine, self.run)
+        versions = loaded_versions(self.engine, self.run)
+        newest = versions[-1].step if versions else 0
+        return committed if committed > newest else None
+
     def reconcile(self) -> None:
         """Publish a committed step that isn't served yet, and reload adapters a restarted vLLM forgot."""
         if time.monotonic() < self._next_try:
             return
-        committed = last_step(self.engine, self.run)
-        versions = loaded_versions(self.engine, self.run)
-        newest = versions[-1].step if versions else 0
-        if committed > newest:
-            self.publish(committed, time.perf_counter())
+        step = self.pending()
+        if step is not None:
+            self.publish(step, time.perf_counter())
             return
+        versions = loaded_versions(self.engine, self.run)
         try:
             served = self.admin.models()
         except PublishError as exc:

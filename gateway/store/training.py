@@ -8,7 +8,7 @@ leaves claims whose leases expire, and those groups become ready again for the n
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -57,10 +57,10 @@ class ReadyListener:
             self._conn.execute(f"LISTEN {READY_CHANNEL}")
         return self._conn
 
-    def wait(self, timeout_s: float) -> bool:
-        """Sleep up to `timeout_s`; True if this run announced a ready group meanwhile."""
+    def wait(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
+        """Sleep up to `timeout_s` (less if `stop` is set meanwhile); True if this run announced a ready group."""
         if not self._postgres:
-            time.sleep(timeout_s)
+            (stop or threading.Event()).wait(timeout_s)
             return False
         try:
             conn = self._connect()
@@ -70,7 +70,7 @@ class ReadyListener:
         except Exception as exc:  # the database went away: poll until it is back
             log.warning("LISTEN %s unavailable (%s); polling", READY_CHANNEL, type(exc).__name__)
             self.close()
-            time.sleep(timeout_s)
+            (stop or threading.Event()).wait(timeout_s)
             return False
 
     def close(self) -> None:
