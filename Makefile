@@ -1,12 +1,12 @@
-# Two commands matter: `make test` (fast tier) and `make test-e2e` (real vLLM CPU tier).
-# Each sets up what it needs on a fresh machine: the project venv (.venv) and, for e2e, the vLLM venv.
+# Two commands matter: `make demo` (the learning loop on this CPU) and `make test` (both test tiers).
+# Each sets up what it needs on a fresh machine: the project venv (.venv) and the vLLM CPU venv.
 
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-e2e vllm-setup fixtures clean
+.PHONY: setup demo test test-fast test-e2e vllm-setup fixtures clean
 
 setup: $(STAMP)
 
@@ -15,10 +15,17 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[train,dev,judge]'
+	$(PY) -m pip install -q -e '.[train,dev,judge,demo]'
 	touch $(STAMP)
 
-test: $(STAMP)
+# Extra flags for the demo, e.g. `make demo DEMO_ARGS="--steps 20"` (see `trajgate demo --help`).
+DEMO_ARGS ?=
+demo: $(STAMP)
+	$(PY) -m gateway.cli demo $(DEMO_ARGS)
+
+test: test-fast test-e2e
+
+test-fast: $(STAMP)
 	$(PY) -m pytest -m "not e2e"
 
 test-e2e: $(STAMP) vllm-setup

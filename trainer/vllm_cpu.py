@@ -250,7 +250,7 @@ def ensure_tiny_model() -> Path:
     )
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -293,7 +293,7 @@ class VllmServer:
     ) -> None:
         self.model_dir = Path(model_dir)
         self.served_model_name = served_model_name
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.max_model_len = max_model_len
         self.max_lora_rank = max_lora_rank
         self.max_loras = max_loras

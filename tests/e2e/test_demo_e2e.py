@@ -1,0 +1,110 @@
+"""`trajgate demo` as a user runs it (real vLLM CPU, SmolLM2, the gateway on SQLite, the trainer, the example
+agent), at small settings: it finishes with a curve and its numbers, and Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from gateway.store import db
+from gateway.store.runs import run_view
+
+SMALL = ["--steps", "2", "--groups-per-step", "2", "--group-size", "4", "--eval-samples", "2", "--eval-limit", "6",
+         "--max-tokens", "16"]  # fmt: skip
+
+
+def start_demo(workdir: Path, *args: str) -> tuple[subprocess.Popen[str], list[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "demo", "--workdir", str(workdir), *SMALL, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+    )  # fmt: skip
+    lines: list[str] = []
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line.rstrip())
+
+    threading.Thread(target=read, daemon=True).start()
+    return process, lines
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid` (children left their session, not their parent), with its start time."""
+    parents: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
+            starts[int(entry.name)] = fields[19]
+    found: dict[int, str] = {}
+    todo = list(parents.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found[child] = starts[child]
+        todo.extend(parents.get(child, []))
+    return found
+
+
+def alive(pid: int, started: str) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and fields[19] == started  # a zombie has exited; another start time is a new process
+
+
+def test_demo_trains_publishes_and_draws_the_curve(tmp_path: Path) -> None:
+    process, lines = start_demo(tmp_path / "demo")
+    code = process.wait(timeout=900)
+    output = "\n".join(lines)
+    assert code == 0, output[-5000:]
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert [s["step"] for s in summary["steps"]] == [1, 2]
+    assert summary["before"]["policy_versions"] == [0]
+    assert summary["after"]["policy_versions"] == [2]  # the evaluation after training is served by demo@2
+    assert len(summary["swap_seconds"]) == 2 and all(s < 60 for s in summary["swap_seconds"])
+    assert summary["change"]["questions"] == 6
+    assert 0 <= summary["change"]["before"] <= 1 and 0 <= summary["change"]["after"] <= 1
+    assert (tmp_path / "demo" / "reward_curve.png").read_bytes().startswith(b"\x89PNG")
+    for expected in ("step    1 |", "published demo@2", "agent: round", "held-out reward: base", "swap latency"):
+        assert expected in output, expected
+
+    engine = db.make_engine(f"sqlite:///{tmp_path / 'demo' / 'trajgate.db'}")
+    try:
+        view = run_view(engine, "demo")
+    finally:
+        engine.dispose()
+    assert view is not None and view["policy_version"] == 2
+    assert view["trajectories"]["eval"]["rewarded"] == 2 * 6 * 2  # before and after, every answer rewarded
+    assert [v["policy_version"] for v in view["eval_reward_by_version"]] == [0, 2]
+    assert view["groups"].get("trained", 0) >= 2
+
+
+def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:
+    process, lines = start_demo(tmp_path / "demo", "--steps", "5")
+    deadline = time.monotonic() + 600
+    while not any("published demo@1" in line for line in lines):  # mid-training: all five processes are up
+        assert process.poll() is None and time.monotonic() < deadline, "\n".join(lines[-50:])
+        time.sleep(0.2)
+    started = descendants(process.pid)
+    assert len(started) >= 5, started  # vLLM (server + engine), gateway, trainer, agent
+
+    process.send_signal(signal.SIGINT)  # what the terminal sends on Ctrl-C
+    assert process.wait(timeout=120) == 130
+    time.sleep(1)
+    left = {pid for pid, start in started.items() if alive(pid, start)}
+    assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left}
+    assert any("every process it started has stopped" in line for line in lines)
+    assert "Traceback" not in "\n".join(lines)
+    assert os.path.exists(tmp_path / "demo" / "trajgate.db")  # what was recorded stays for a look afterwards

@@ -1,0 +1,95 @@
+"""The demo's parts that need no vLLM: the example task's reward, the before/after statistics, the curve, the CLI.
+The demo itself runs against real vLLM in tests/e2e/test_demo_e2e.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.demo import AGENT, DemoError, DemoOptions, model_weights, paired_change, plot_curve, run_config
+
+
+def _load_agent():  # the example is a script, not part of the package
+    spec = importlib.util.spec_from_file_location("short_answers", AGENT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+agent = _load_agent()
+
+
+def test_reward_pays_for_right_answers_and_then_for_brevity() -> None:
+    assert agent.reward("Paris", ("paris",)) == 1.0
+    assert agent.reward("Paris.", ("paris",)) == 1.0
+    assert agent.reward("The capital of France is Paris.", ("paris",)) == pytest.approx(0.5 + 0.5 / 6)
+    assert agent.reward("Lyon", ("paris",)) == 0.0  # one invented or wrong word earns nothing
+    assert agent.reward("", ("paris",)) == 0.0
+    assert agent.reward("Twenty-four.", ("twenty-four", "24")) == 1.0
+    assert agent.reward("It has 8 legs", ("eight", "8")) == pytest.approx(0.5 + 0.5 / 4)
+    assert agent.reward("Comparison", ("paris",)) == 0.0  # a word that merely contains the answer is not it
+
+
+def test_every_accepted_answer_can_match_and_held_out_questions_are_never_trained() -> None:
+    for question, accepted in agent.QUESTIONS:
+        for answer in accepted:
+            assert agent.words(answer) == [answer], (question, answer)  # normalised as answers are
+            assert agent.reward(answer.capitalize() + ".", accepted) == 1.0
+    held_out = {q for q, _ in agent.HELD_OUT}
+    trained = {q for q, _ in agent.TRAIN}
+    assert held_out and trained and not held_out & trained
+    assert len(held_out | trained) == len(agent.QUESTIONS)  # no question asked twice
+
+
+def evaluation(rewards: list[list[float]], right: float) -> dict:
+    return {"right": right, "questions": [{"rewards": r} for r in rewards]}
+
+
+def test_paired_change_matches_a_hand_computation() -> None:
+    before = evaluation([[0.0, 0.0], [0.5, 0.5], [1.0, 0.0], [0.0, 0.0]], 0.25)
+    after = evaluation([[1.0, 1.0], [0.5, 1.0], [1.0, 1.0], [0.0, 0.5]], 0.75)
+    change = paired_change(before, after)
+    assert change["before"] == pytest.approx((0 + 0.5 + 0.5 + 0) / 4)
+    assert change["after"] == pytest.approx((1 + 0.75 + 1 + 0.25) / 4)
+    assert change["change"] == pytest.approx((1 + 0.25 + 0.5 + 0.25) / 4)
+    # Every question improved, so every bootstrap mean of the differences lies between the smallest and largest.
+    assert 0.25 <= change["change_ci_low"] < change["change"] < change["change_ci_high"] <= 1.0
+    assert change["right_before"] == 0.25 and change["right_after"] == 0.75
+    same = paired_change(before, before)
+    assert same["change"] == same["change_ci_low"] == same["change_ci_high"] == 0.0
+    with pytest.raises(DemoError, match="different questions"):
+        paired_change(before, evaluation([[1.0]], 1.0))
+
+
+def test_curve_is_a_png(tmp_path: Path) -> None:
+    steps = [{"step": k, "metrics": {"reward_mean": 0.1 * k, "reward_std": 0.05}} for k in range(1, 4)]
+    change = paired_change(evaluation([[0.0], [0.5]], 0.5), evaluation([[0.5], [1.0]], 1.0))
+    path = plot_curve(steps, change, tmp_path / "curve.png", "test")
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5_000
+
+
+def test_run_config_is_one_the_gateway_accepts() -> None:
+    from gateway.run_config import RunConfig
+
+    config = RunConfig.model_validate(run_config(DemoOptions(ahead=2)))
+    assert config.max_staleness >= 2  # rounds sampled ahead are never dropped as stale
+    assert config.sampling.temperature == 1.0  # the importance ratio assumes samples from the model itself
+
+
+def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DemoError, match="not smollm2, tiny, or a directory"):
+        model_weights(str(tmp_path / "nowhere"))
+
+
+def test_demo_help_explains_itself() -> None:
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "demo", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--steps", "--model", "--workdir", "--eval-samples", "reward_curve.png", "Ctrl-C"):
+        assert flag in out.stdout

@@ -1,0 +1,404 @@
+"""`trajgate demo`: the whole loop on this machine's CPU, the way a user runs it, with an agent that gets better.
+
+It starts real processes (vLLM CPU serving SmolLM2-135M, `trajgate serve` on the embedded SQLite default,
+`trajgate train`) and runs the example agent `examples/short_answers.py`, which only changes its `base_url`:
+held-out evaluation on the base model, then training rounds until the trainer has committed and published the
+last step, then the same evaluation on the adapter. It prints the agent's and the trainer's lines as they come,
+writes the reward curve as a PNG and everything measured as JSON, and stops every process it started on the way
+out, Ctrl-C included. `bench/learning.py` runs the same thing to measure learning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from trainer.vllm_cpu import VllmServer, free_port, ensure_smollm2, ensure_tiny_model, ensure_venv
+
+REPO = Path(__file__).resolve().parents[1]
+AGENT = REPO / "examples" / "short_answers.py"
+RUN = "demo"
+
+
+class DemoError(RuntimeError):
+    """A part of the demo failed; the message says which and shows the end of its output."""
+
+
+@dataclass
+class DemoOptions:
+    steps: int = 10
+    # smollm2 (the real model), tiny (a random model: plumbing only, it cannot learn) or a model directory.
+    model: str = "smollm2"
+    workdir: Path = Path("demo-run")
+    groups_per_step: int = 4
+    group_size: int = 8
+    ahead: int = 1
+    learning_rate: float = 3e-4
+    loss: str = "cispo"
+    max_tokens: int = 32
+    eval_samples: int = 4
+    eval_limit: int | None = None
+    seed: int = 0
+    keep_adapters: int = 2
+
+
+@dataclass
+class DemoResult:
+    options: dict[str, Any]
+    wall_seconds: float
+    phase_seconds: dict[str, float]
+    before: dict[str, Any]
+    after: dict[str, Any]
+    change: dict[str, float]
+    steps: list[dict[str, Any]]
+    swap_seconds: list[float]
+    plot: str
+
+
+class Child:
+    """A process of the demo: its own session (so the terminal's Ctrl-C reaches only the demo, which then stops
+    the children in order), its output relayed line by line with a prefix and kept for error messages."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], echo: Callable[[str], None]) -> None:
+        self.name = name
+        self.lines: list[str] = []
+        self._echo = echo
+        self.proc = subprocess.Popen(
+            list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, bufsize=1, start_new_session=True,
+        )  # fmt: skip
+        self._relay = threading.Thread(target=self._forward, name=f"relay-{name}", daemon=True)
+        self._relay.start()
+
+    def _forward(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip()
+            self.lines.append(line)
+            if line:
+                self._echo(f"{self.name:>7} | {line}")
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def wait(self, others: Sequence[Child] = ()) -> int:
+        """Wait for this process to exit; fail fast if one of `others` (that should outlive it) dies first."""
+        while (code := self.proc.poll()) is None:
+            for other in others:
+                if other.proc.poll() is not None:
+                    raise DemoError(f"{other.name} exited ({other.proc.returncode}):\n{other.tail()}")
+            time.sleep(0.2)
+        self._relay.join(5)
+        return code
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM (each of our processes finishes cleanly on it), then SIGKILL whatever is left after `grace_s`."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self._echo(f"   demo | {self.name} did not stop in {grace_s:.0f}s; killing it")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._relay.join(5)
+
+
+def _http(method: str, url: str, body: Any = None, timeout: float = 30) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"}, method=method)
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _wait_until(check: Callable[[], bool], timeout_s: float, what: str, process: Child | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.proc.poll() is not None:
+            raise DemoError(f"{process.name} exited ({process.proc.returncode}) while {what}:\n{process.tail()}")
+        with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
+            if check():
+                return
+        time.sleep(0.25)
+    raise DemoError(f"timed out after {timeout_s:.0f}s {what}")
+
+
+def model_weights(model: str) -> tuple[Path, str]:
+    """The directory vLLM serves and the trainer trains (the same weights), and the name vLLM serves it under."""
+    if model == "smollm2":
+        return ensure_smollm2(), "smollm2"
+    if model == "tiny":
+        return ensure_tiny_model(), "tiny"
+    path = Path(model).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise DemoError(f"--model {model}: not smollm2, tiny, or a directory with a config.json")
+    return path, path.name
+
+
+def run_config(options: DemoOptions) -> dict[str, Any]:
+    """The run's training and sampling settings (POST /v1/runs): temperature 1 samples the model's own
+    distribution, which the importance ratio assumes; short replies keep a step fast on CPU."""
+    return {
+        "groups_per_step": options.groups_per_step,
+        "learning_rate": options.learning_rate,
+        "loss": options.loss,
+        "max_staleness": max(options.ahead + 1, 1),
+        "sampling": {"temperature": 1.0, "max_tokens": options.max_tokens},
+    }
+
+
+def _reset(workdir: Path) -> None:
+    """Each demo starts from an empty database and no checkpoints: the curve is of this run only."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in ("checkpoints", "spool"):
+        shutil.rmtree(workdir / name, ignore_errors=True)
+    for path in workdir.glob("trajgate.db*"):
+        path.unlink()
+
+
+def paired_change(before: dict[str, Any], after: dict[str, Any], seed: int = 0, resamples: int = 10_000) -> dict[str, float]:
+    """Mean reward before and after and the paired change per held-out question, with 95% bootstrap intervals
+    over questions (the questions, not the samples, are what a new user's prompts would vary)."""
+    import numpy as np
+
+    a = np.array([np.mean(q["rewards"]) for q in before["questions"]])
+    b = np.array([np.mean(q["rewards"]) for q in after["questions"]])
+    if a.shape != b.shape or a.size == 0:
+        raise DemoError("before and after evaluations cover different questions")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, a.size, size=(resamples, a.size))
+
+    def interval(values: np.ndarray) -> tuple[float, float]:
+        means = values[picks].mean(axis=1)
+        low, high = np.percentile(means, [2.5, 97.5])
+        return float(low), float(high)
+
+    (before_lo, before_hi), (after_lo, after_hi), (diff_lo, diff_hi) = interval(a), interval(b), interval(b - a)
+    return {
+        "questions": int(a.size),
+        "before": float(a.mean()),
+        "before_ci_low": before_lo,
+        "before_ci_high": before_hi,
+        "after": float(b.mean()),
+        "after_ci_low": after_lo,
+        "after_ci_high": after_hi,
+        "change": float((b - a).mean()),
+        "change_ci_low": diff_lo,
+        "change_ci_high": diff_hi,
+        "right_before": float(before["right"]),
+        "right_after": float(after["right"]),
+    }
+
+
+def plot_curve(steps: list[dict[str, Any]], change: dict[str, float], path: Path, title: str) -> Path:
+    """Training reward per step (mean ± std over the step's trajectories) and the held-out reward before and
+    after, with their 95% intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [s["step"] for s in steps]
+    means = [s["metrics"]["reward_mean"] for s in steps]
+    stds = [s["metrics"]["reward_std"] for s in steps]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(xs, means, "o-", color="tab:blue", label="reward of the rollouts each step trained on (± std)")
+    ax.fill_between(xs, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
+                    color="tab:blue", alpha=0.15, linewidth=0)
+    last = xs[-1] if xs else 0
+    for x, key, label in ((0, "before", "held-out, base model"), (last, "after", f"held-out, after step {last}")):
+        y = change[key]
+        err = [[y - change[f"{key}_ci_low"]], [change[f"{key}_ci_high"] - y]]
+        ax.errorbar([x], [y], yerr=err, fmt="s", color="tab:red" if key == "after" else "tab:gray", capsize=5,
+                    label=f"{label}: {y:.3f} (95% CI), {change[f'right_{key}']:.0%} right")
+    ax.set_xlabel("training step (policy version)")
+    ax.set_ylabel("reward")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+@contextlib.contextmanager
+def _stopping_everything_on_exit() -> Iterator[contextlib.ExitStack]:
+    """Whatever ends the demo (done, an error, Ctrl-C, SIGTERM from a supervisor), every process it started is
+    stopped, newest first; a second Ctrl-C while that happens cannot cut it short and leave one running."""
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+
+    def _interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    stack = contextlib.ExitStack()
+    try:
+        yield stack
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            stack.close()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, interrupt)
+                signal.signal(signal.SIGTERM, previous)
+
+
+def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoResult:
+    """Run the loop end to end; raises DemoError (with the failing part's output) or KeyboardInterrupt."""
+    if not AGENT.is_file():
+        raise DemoError(f"the example agent {AGENT} is missing: run the demo from a trajgate source checkout")
+    started = time.monotonic()
+    phases: dict[str, float] = {}
+
+    def phase(name: str, since: float) -> float:
+        now = time.monotonic()
+        phases[name] = round(now - since, 1)
+        return now
+
+    def say(message: str) -> None:
+        echo(f"   demo | {message}")
+
+    workdir = options.workdir.resolve()
+    say(f"preparing the vLLM CPU venv and the {options.model} weights (once per machine; minutes the first time)")
+    ensure_venv()
+    weights, served = model_weights(options.model)
+    _reset(workdir)
+    t = phase("prepare", started)
+
+    from gateway.store import db
+
+    port = free_port()
+    gateway_url = f"http://127.0.0.1:{port}"
+    database_url = f"sqlite:///{workdir / 'trajgate.db'}"
+    db.upgrade(database_url)
+    with _stopping_everything_on_exit() as stack:
+        say(f"starting vLLM CPU ({served}, LoRA on); its log: see below if it fails")
+        vllm = stack.enter_context(
+            VllmServer(weights, served, max_lora_rank=16, max_loras=options.keep_adapters + 1, kvcache_gib=2)
+        )
+        t = phase("vllm_start", t)
+        env = {
+            **os.environ,
+            "TRAJGATE_DATABASE_URL": database_url,
+            "TRAJGATE_UPSTREAM_URL": vllm.base_url,
+            "TRAJGATE_BASE_MODEL": served,
+            "TRAJGATE_BASE_WEIGHTS": str(weights),
+            "TRAJGATE_CHECKPOINT_DIR": str(workdir / "checkpoints"),
+            "TRAJGATE_SPOOL_DIR": str(workdir / "spool"),
+            # A local demo on 127.0.0.1: no keys, whatever a .env in this directory says.
+            "TRAJGATE_AGENT_KEYS": "",
+            "TRAJGATE_ADMIN_KEY": "",
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # the trainer's weight-loading bars, relayed line by line
+        }
+
+        def start(name: str, argv: Sequence[str], grace_s: float) -> Child:
+            child = Child(name, argv, env, echo)
+            stack.callback(child.stop, grace_s)
+            return child
+
+        cli = [sys.executable, "-m", "gateway.cli"]
+        gateway = start("gateway", [*cli, "serve", "--port", str(port), "--log-level", "warning"], 30)
+        _wait_until(lambda: _http("GET", gateway_url + "/health")["status"] == "ok", 60, "starting the gateway",
+                    gateway)
+        _http("POST", gateway_url + "/v1/runs",
+              {"name": RUN, "base_model": served, "base_weights": str(weights), "config": run_config(options)})
+        say(f"gateway on {gateway_url} (SQLite {workdir / 'trajgate.db'}); run {RUN!r} created")
+        trainer = start(
+            "trainer",
+            [*cli, "train", "--run", RUN, "--backend", "hf", "--device", "cpu", "--steps", str(options.steps),
+             "--poll-s", "0.5", "--seed", str(options.seed), "--keep-adapters", str(options.keep_adapters)],
+            20,
+        )  # fmt: skip
+        agent = [sys.executable, str(AGENT), "--gateway", gateway_url, "--run", RUN, "--seed", str(options.seed)]
+        evaluation = ["--samples", str(options.eval_samples)]
+        if options.eval_limit:
+            evaluation += ["--limit", str(options.eval_limit)]
+
+        def evaluate(label: str) -> dict[str, Any]:
+            out = workdir / f"eval-{label}.json"
+            out.unlink(missing_ok=True)
+            code = start(f"eval-{label[:2]}", [*agent, "eval", *evaluation, "--out", str(out)], 10).wait(
+                [gateway, trainer] if label == "before" else [gateway]
+            )
+            if code != 0 or not out.is_file():
+                raise DemoError(f"the agent's {label} evaluation failed ({code})")
+            return json.loads(out.read_text())
+
+        say(f"held-out evaluation of the base model ({options.eval_samples} answers per question)")
+        before = evaluate("before")
+        t = phase("eval_before", t)
+        say(f"training: {options.steps} steps of {options.groups_per_step} groups x {options.group_size} answers")
+        rounds = [*agent, "train", "--steps", str(options.steps), "--groups-per-round", str(options.groups_per_step),
+                  "--group-size", str(options.group_size), "--ahead", str(options.ahead)]  # fmt: skip
+        if start("agent", rounds, 10).wait([gateway, trainer]) != 0:
+            raise DemoError("the agent's training rounds failed")
+        if trainer.wait([gateway]) != 0:
+            raise DemoError(f"the trainer failed:\n{trainer.tail()}")
+        _wait_until(
+            lambda: _http("GET", f"{gateway_url}/v1/runs/{RUN}")["policy_version"] >= options.steps,
+            30, f"waiting for the gateway to route {RUN!r} to step {options.steps}", gateway,
+        )  # fmt: skip
+        t = phase("train", t)
+        say(f"held-out evaluation of {RUN}@{options.steps}")
+        after = evaluate("after")
+        phase("eval_after", t)
+        steps = _http("GET", f"{gateway_url}/v1/runs/{RUN}/steps")["data"]
+
+    change = paired_change(before, after, options.seed)
+    title = (f"trajgate demo: {served}, {len(steps)} steps of {options.groups_per_step} groups x {options.group_size}\n"
+             f"held-out reward {change['before']:.3f} -> {change['after']:.3f}, change {change['change']:+.3f} "
+             f"(95% CI {change['change_ci_low']:+.3f} .. {change['change_ci_high']:+.3f})")  # fmt: skip
+    plot = plot_curve(steps, change, workdir / "reward_curve.png", title)
+    result = DemoResult(
+        options={**asdict(options), "workdir": str(workdir), "served_model": served},
+        wall_seconds=round(time.monotonic() - started, 1),
+        phase_seconds=phases,
+        before=before,
+        after=after,
+        change=change,
+        steps=steps,
+        swap_seconds=[s["metrics"].get("swap_seconds") for s in steps if s["metrics"].get("swap_seconds") is not None],
+        plot=str(plot),
+    )
+    (workdir / "summary.json").write_text(json.dumps(asdict(result), indent=1))
+    return result
+
+
+def report(result: DemoResult) -> str:
+    c = result.change
+    swaps = sorted(result.swap_seconds)
+    median_swap = swaps[len(swaps) // 2] if swaps else float("nan")
+    return "\n".join(
+        [
+            f"held-out reward: base {c['before']:.3f} [{c['before_ci_low']:.3f}, {c['before_ci_high']:.3f}] -> "
+            f"after {len(result.steps)} steps {c['after']:.3f} [{c['after_ci_low']:.3f}, {c['after_ci_high']:.3f}]",
+            f"paired change per question: {c['change']:+.3f} (95% CI {c['change_ci_low']:+.3f} .. "
+            f"{c['change_ci_high']:+.3f}, {c['questions']} questions); right answers {c['right_before']:.0%} -> "
+            f"{c['right_after']:.0%}",
+            f"wall time {result.wall_seconds / 60:.1f} min ({', '.join(f'{k} {v:.0f}s' for k, v in result.phase_seconds.items())});"
+            f" swap latency (step committed -> adapter answering) median {median_swap:.2f}s",
+            f"reward curve: {result.plot}; everything measured: {Path(result.plot).with_name('summary.json')}",
+        ]
+    )
