@@ -4,13 +4,30 @@ The demo itself runs against real vLLM in tests/e2e/test_demo_e2e.py."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import pytest
 
-from trainer.demo import AGENT, DemoError, DemoOptions, model_weights, paired_change, plot_curve, run_config
+from gateway.store import db
+from trainer.demo import (
+    AGENT,
+    PORT_TAKEN,
+    Child,
+    DemoError,
+    DemoOptions,
+    model_weights,
+    paired_change,
+    plot_curve,
+    run_config,
+    start_gateway,
+)
+from trainer.vllm_cpu import free_port
 
 
 def _load_agent():  # the example is a script, not part of the package
@@ -93,3 +110,27 @@ def test_demo_help_explains_itself() -> None:
     assert out.returncode == 0
     for flag in ("--steps", "--model", "--workdir", "--eval-samples", "reward_curve.png", "Ctrl-C"):
         assert flag in out.stdout
+
+
+def test_gateway_start_moves_on_from_a_port_taken_meanwhile(tmp_path: Path) -> None:
+    database_url = f"sqlite:///{tmp_path / 'gw.db'}"
+    db.upgrade(database_url)
+    env = {**os.environ, "TRAJGATE_DATABASE_URL": database_url, "TRAJGATE_SPOOL_DIR": str(tmp_path / "spool")}
+    children: list[Child] = []
+
+    def start(name: str, argv: Sequence[str], grace_s: float) -> Child:
+        children.append(Child(name, argv, env, echo=lambda line: None))
+        return children[-1]
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        second = free_port()
+        try:
+            gateway, url = start_gateway(start, iter([taken.getsockname()[1], second]))
+            assert url == f"http://127.0.0.1:{second}" and gateway is children[1]
+            assert children[0].proc.returncode == PORT_TAKEN  # the first try found its port in use
+            assert httpx.get(url + "/health").json()["status"] == "ok"
+        finally:
+            for child in children:
+                child.stop(10)

@@ -32,6 +32,7 @@ from trainer.vllm_cpu import VllmServer, ensure_smollm2, ensure_venv, free_port
 REPO = Path(__file__).resolve().parents[1]
 AGENT = REPO / "examples" / "short_answers.py"
 RUN = "demo"
+PORT_TAKEN = 3  # `trajgate serve`'s exit status when uvicorn cannot start (its port is taken)
 
 
 class DemoError(RuntimeError):
@@ -170,7 +171,9 @@ def _reset(workdir: Path) -> None:
         path.unlink()
 
 
-def paired_change(before: dict[str, Any], after: dict[str, Any], seed: int = 0, resamples: int = 10_000) -> dict[str, float]:
+def paired_change(
+    before: dict[str, Any], after: dict[str, Any], seed: int = 0, resamples: int = 10_000
+) -> dict[str, float]:
     """Mean reward before and after and the paired change per held-out question, with 95% bootstrap intervals
     over questions (the questions, not the samples, are what a new user's prompts would vary)."""
     import numpy as np
@@ -237,6 +240,26 @@ def plot_curve(steps: list[dict[str, Any]], change: dict[str, float], path: Path
     return path
 
 
+def start_gateway(start: Callable[[str, Sequence[str], float], Child], ports: Iterator[int]) -> tuple[Child, str]:
+    """`trajgate serve` on the first of `ports` it can bind, up to three tries: a port found free can be taken
+    before the gateway binds it (vLLM opens ports of its own while it starts)."""
+    tries = 3
+    while True:
+        port = next(ports)
+        url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level", "warning"]
+        gateway = start("gateway", argv, 30)
+        try:
+            # A short timeout: a port taken by another program may accept the connection and never answer.
+            _wait_until(lambda: _http("GET", f"{url}/health", timeout=2)["status"] == "ok", 60, "starting the gateway",
+                        gateway)  # fmt: skip
+            return gateway, url
+        except DemoError:
+            tries -= 1
+            if gateway.proc.returncode != PORT_TAKEN or not tries:
+                raise
+
+
 @contextlib.contextmanager
 def _stopping_everything_on_exit() -> Iterator[contextlib.ExitStack]:
     """Whatever ends the demo (done, an error, Ctrl-C, SIGTERM from a supervisor), every process it started is
@@ -286,8 +309,6 @@ def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoR
 
     from gateway.store import db
 
-    port = free_port()
-    gateway_url = f"http://127.0.0.1:{port}"
     database_url = f"sqlite:///{workdir / 'trajgate.db'}"
     db.upgrade(database_url)
     with _stopping_everything_on_exit() as stack:
@@ -315,17 +336,15 @@ def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoR
             stack.callback(child.stop, grace_s)
             return child
 
-        cli = [sys.executable, "-m", "gateway.cli"]
-        gateway = start("gateway", [*cli, "serve", "--port", str(port), "--log-level", "warning"], 30)
-        _wait_until(lambda: _http("GET", gateway_url + "/health")["status"] == "ok", 60, "starting the gateway",
-                    gateway)
+        gateway, gateway_url = start_gateway(start, iter(free_port, None))
         _http("POST", gateway_url + "/v1/runs",
               {"name": RUN, "base_model": served, "base_weights": str(weights), "config": run_config(options)})
         say(f"gateway on {gateway_url} (SQLite {workdir / 'trajgate.db'}); run {RUN!r} created")
         trainer = start(
             "trainer",
-            [*cli, "train", "--run", RUN, "--backend", "hf", "--device", "cpu", "--steps", str(options.steps),
-             "--poll-s", "0.5", "--seed", str(options.seed), "--keep-adapters", str(options.keep_adapters)],
+            [sys.executable, "-m", "gateway.cli", "train", "--run", RUN, "--backend", "hf", "--device", "cpu",
+             "--steps", str(options.steps), "--poll-s", "0.5", "--seed", str(options.seed),
+             "--keep-adapters", str(options.keep_adapters)],
             20,
         )  # fmt: skip
         agent = [sys.executable, str(AGENT), "--gateway", gateway_url, "--run", RUN, "--seed", str(options.seed)]
@@ -387,6 +406,7 @@ def report(result: DemoResult) -> str:
     c = result.change
     swaps = sorted(result.swap_seconds)
     median_swap = swaps[len(swaps) // 2] if swaps else float("nan")
+    phases = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in result.phase_seconds.items())
     return "\n".join(
         [
             f"held-out reward: base {c['before']:.3f} [{c['before_ci_low']:.3f}, {c['before_ci_high']:.3f}] -> "
@@ -394,7 +414,7 @@ def report(result: DemoResult) -> str:
             f"paired change per question: {c['change']:+.3f} (95% CI {c['change_ci_low']:+.3f} .. "
             f"{c['change_ci_high']:+.3f}, {c['questions']} questions); right answers {c['right_before']:.0%} -> "
             f"{c['right_after']:.0%}",
-            f"wall time {result.wall_seconds / 60:.1f} min ({', '.join(f'{k} {v:.0f}s' for k, v in result.phase_seconds.items())});"
+            f"wall time {result.wall_seconds / 60:.1f} min ({phases});"
             f" swap latency (step committed -> adapter answering) median {median_swap:.2f}s",
             f"reward curve: {result.plot}; everything measured: {Path(result.plot).with_name('summary.json')}",
         ]
