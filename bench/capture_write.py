@@ -4,24 +4,33 @@ Rows are shaped like DESIGN.md §8's capture target: 1,000 prompt ids + 200 comp
 ~2 KB of request/response JSON, written in the writer's batches. Each run uses a fresh, migrated database and drops
 it afterwards. Without --url it starts a throwaway cluster (fsync off, so faster than a real server).
 
-    .venv/bin/python -m bench.capture_write --url postgresql://postgres@127.0.0.1:5432/postgres
-    .venv/bin/python -m bench.capture_write --url sqlite:////tmp/capture-bench.db
+    .venv/bin/python bench/capture_write.py
+    .venv/bin/python bench/capture_write.py --url postgresql://postgres@127.0.0.1:5432/postgres
+    .venv/bin/python bench/capture_write.py --url sqlite:////tmp/capture-bench.db
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 import uuid
 from pathlib import Path
 
-from sqlalchemy import Engine, text
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere, like the other benchmarks
+    sys.path.insert(0, str(REPO))
 
-from gateway.records import CallRecord
-from gateway.store import db
-from gateway.store.records import count_calls, write_calls
-from tests.pgcluster import PgCluster, create_database, drop_database
+from sqlalchemy import Engine, text  # noqa: E402
+
+from gateway.records import CallRecord  # noqa: E402
+from gateway.store import db  # noqa: E402
+from gateway.store.records import count_calls, write_calls  # noqa: E402
+from tests.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
+
+
+TARGET_ROWS_S = 5_000
 
 
 def make_records(count: int, seed: int = 0) -> list[CallRecord]:
@@ -89,6 +98,9 @@ def measure(url: str, records: int, batch: int) -> None:
             f"{records / elapsed:,.0f} rows/s, {grown / elapsed / 1e6:,.1f} MB/s into calls "
             f"({grown / records / 1e3:.1f} KB a row on disk), client CPU {cpu / records * 1e6:.0f} us a row"
         )
+        if engine.dialect.name == "postgresql":
+            verdict = "PASS" if records / elapsed >= TARGET_ROWS_S else "MISS"
+            print(f"target (DESIGN §8): >= {TARGET_ROWS_S:,} calls/s sustained into Postgres: {verdict}")
     finally:
         engine.dispose()
 

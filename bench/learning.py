@@ -18,7 +18,9 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere, like the other benchmarks
+    sys.path.insert(0, str(REPO))
 
 from gateway.cli import build_parser, demo_options  # noqa: E402
 from trainer.demo import DemoError, run_demo  # noqa: E402

@@ -8,12 +8,13 @@ import sys
 
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 from gateway.store import db
 from gateway.store.models import Base
 
 TABLES = {"runs", "policy_versions", "groups", "trajectories", "calls", "train_steps"}
+HEAD = "0002"
 
 
 def _tables(url: str) -> set[str]:
@@ -27,7 +28,7 @@ def _tables(url: str) -> set[str]:
 def test_up_down_up(db_url: str) -> None:
     db.upgrade(db_url)
     assert _tables(db_url) == TABLES
-    assert db.current_revision(db_url) == "0001"
+    assert db.current_revision(db_url) == HEAD
     db.downgrade(db_url, "base")
     assert _tables(db_url) == set()
     assert db.current_revision(db_url) is None
@@ -65,8 +66,38 @@ def test_cli_migrate_twice(db_url: str) -> None:
     env = {**os.environ, "TRAJGATE_DATABASE_URL": db_url}
     first = subprocess.run([sys.executable, "-m", "gateway.cli", "migrate"], env=env, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr
-    assert "empty -> 0001" in first.stdout
+    assert f"empty -> {HEAD}" in first.stdout
     second = subprocess.run([sys.executable, "-m", "gateway.cli", "migrate"], env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stderr
-    assert "already at 0001" in second.stdout
+    assert f"already at {HEAD}" in second.stdout
     assert _tables(db_url) == TABLES
+
+
+def test_large_call_columns_use_lz4_on_postgres(pg_url: str) -> None:
+    db.upgrade(pg_url)
+    engine = db.make_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            methods = dict(
+                conn.execute(
+                    text(
+                        "SELECT attname, attcompression FROM pg_attribute "
+                        "WHERE attrelid = 'calls'::regclass AND attname IN "
+                        "('prompt_token_ids', 'completion_token_ids', 'completion_logprobs', 'request', 'response')"
+                    )
+                ).all()
+            )
+    finally:
+        engine.dispose()
+    assert methods == dict.fromkeys(methods, "l") and len(methods) == 5  # 'l': lz4
+    db.downgrade(pg_url, "0001")
+    engine = db.make_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            restored = conn.execute(
+                text("SELECT attcompression FROM pg_attribute WHERE attrelid = 'calls'::regclass "
+                     "AND attname = 'prompt_token_ids'")
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    assert restored == "p"  # 'p': pglz

@@ -148,3 +148,30 @@ def test_ping_is_false_when_nothing_listens() -> None:
         assert ping(engine) is False
     finally:
         engine.dispose()
+
+
+def test_plain_upserts_are_prepared_and_joins_are_not(pg_url: str) -> None:
+    """Postgres keeps plans for the inserts (they read no other table) but plans the updates that join calls and
+    trajectories afresh each time, so a plan chosen while the tables were small never sticks as they grow."""
+    db.upgrade(pg_url)
+    engine = db.make_engine(pg_url, pool_size=1, max_overflow=0)  # every write and the check share one session
+    try:
+        for batch in range(3):
+            write_calls(engine, [make_record(f"prep-{batch}", seq=seq) for seq in range(2)])
+        with engine.connect() as conn:
+            prepared = [row[0] for row in conn.exec_driver_sql("SELECT statement FROM pg_prepared_statements")]
+            assert conn.connection.driver_connection.prepare_threshold is None  # back to unprepared afterwards
+    finally:
+        engine.dispose()
+    assert count_calls_url(pg_url) == 6
+    assert any(s.startswith("INSERT INTO calls") for s in prepared), prepared
+    assert any(s.startswith("INSERT INTO trajectories") for s in prepared), prepared
+    assert not any(s.startswith("UPDATE") for s in prepared), prepared
+
+
+def count_calls_url(url: str) -> int:
+    engine = db.make_engine(url)
+    try:
+        return count_calls(engine)
+    finally:
+        engine.dispose()

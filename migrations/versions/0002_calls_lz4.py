@@ -1,0 +1,49 @@
+"""calls: lz4 for the large columns (token arrays, request/response JSON) on Postgres
+
+Every call row carries several KB that Postgres compresses on the way into TOAST. With its default pglz, compressing
+the token arrays (near-random bytes, which mostly don't compress) cost a fifth of the insert time in
+bench/capture_write.py; lz4 gives up on them far sooner and compresses the JSON about as well. Rows written before
+this revision keep pglz; both read the same. A Postgres built without lz4 (or older than 14) keeps pglz.
+
+Revision ID: 0002
+Revises: 0001
+Create Date: 2026-11-23
+"""
+
+from __future__ import annotations
+
+from alembic import op
+
+revision = "0002"
+down_revision = "0001"
+branch_labels = None
+depends_on = None
+
+LARGE_COLUMNS = ("prompt_token_ids", "completion_token_ids", "completion_logprobs", "request", "response")
+
+
+def _set_compression(method: str) -> None:
+    if op.get_bind().dialect.name != "postgresql":
+        return
+    columns = ", ".join(f"ALTER COLUMN {column} SET COMPRESSION {method}" for column in LARGE_COLUMNS)
+    op.execute(
+        f"""
+        DO $$
+        BEGIN
+            IF current_setting('server_version_num')::int >= 140000 THEN
+                EXECUTE 'ALTER TABLE calls {columns}';
+            END IF;
+        EXCEPTION WHEN feature_not_supported THEN
+            RAISE NOTICE 'this Postgres has no lz4: calls keep the default compression';
+        END
+        $$
+        """
+    )
+
+
+def upgrade() -> None:
+    _set_compression("lz4")
+
+
+def downgrade() -> None:
+    _set_compression("pglz")
