@@ -3,6 +3,7 @@ The demo itself runs against real vLLM in tests/e2e/test_demo_e2e.py."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import socket
@@ -25,6 +26,7 @@ from trainer.demo import (
     paired_change,
     plot_curve,
     run_config,
+    run_demo,
     start_gateway,
 )
 from trainer.vllm_cpu import free_port
@@ -134,3 +136,14 @@ def test_gateway_start_moves_on_from_a_port_taken_meanwhile(tmp_path: Path) -> N
         finally:
             for child in children:
                 child.stop(10)
+
+
+def test_second_demo_in_the_same_directory_is_refused(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    workdir.mkdir()
+    (workdir / "trajgate.db").write_bytes(b"the first demo's data")
+    with open(workdir / ".lock", "w") as held:  # what a running demo holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(DemoError, match="another demo is running"):
+            run_demo(DemoOptions(workdir=workdir))
+    assert (workdir / "trajgate.db").read_bytes() == b"the first demo's data"  # nothing was reset

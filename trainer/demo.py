@@ -11,6 +11,7 @@ out, Ctrl-C included. `bench/learning.py` runs the same thing to measure learnin
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -285,10 +286,28 @@ def _stopping_everything_on_exit() -> Iterator[contextlib.ExitStack]:
                 signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _only_demo_in(workdir: Path) -> Iterator[None]:
+    """A second demo in the same directory would wipe the first one's database under it: refuse instead."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / ".lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DemoError(f"another demo is running in {workdir}; stop it or pass --workdir DIR") from None
+        yield
+
+
 def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoResult:
     """Run the loop end to end; raises DemoError (with the failing part's output) or KeyboardInterrupt."""
     if not AGENT.is_file():
         raise DemoError(f"the example agent {AGENT} is missing: run the demo from a trajgate source checkout")
+    workdir = options.workdir.resolve()
+    with _only_demo_in(workdir):
+        return _run(options, workdir, echo)
+
+
+def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> DemoResult:
     started = time.monotonic()
     phases: dict[str, float] = {}
 
@@ -300,7 +319,6 @@ def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoR
     def say(message: str) -> None:
         echo(f"   demo | {message}")
 
-    workdir = options.workdir.resolve()
     say(f"preparing the vLLM CPU venv and the {options.model} weights (once per machine; minutes the first time)")
     ensure_venv()
     weights, served = model_weights(options.model)
