@@ -323,6 +323,7 @@ def evaluate(agent: ShortAnswerAgent, samples: int, limit: int | None) -> dict[s
                 "rewards": [a.reward for a in answers],
                 "correct": [a.correct for a in answers],
                 "answers": [a.text for a in answers],
+                "trajectories": [a.trajectory_id for a in answers],  # GET /v1/trajectories/{id} shows the calls
             }
             for (question, accepted), answers in zip(questions, played, strict=True)
         ],

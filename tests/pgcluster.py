@@ -10,11 +10,12 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
 from pathlib import Path
+
+from trainer.vllm_cpu import free_port  # noqa: F401  (tests take it from here, with the cluster helpers)
 
 
 def _bindir() -> Path:
@@ -31,12 +32,6 @@ def _bindir() -> Path:
     if found:
         return Path(found).resolve().parent
     raise RuntimeError("Postgres binaries not found: install postgresql (apt-get install -y postgresql)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PgCluster:

@@ -147,3 +147,15 @@ def test_second_demo_in_the_same_directory_is_refused(tmp_path: Path) -> None:
         with pytest.raises(DemoError, match="another demo is running"):
             run_demo(DemoOptions(workdir=workdir))
     assert (workdir / "trajgate.db").read_bytes() == b"the first demo's data"  # nothing was reset
+
+
+def test_cli_defaults_are_the_demo_defaults() -> None:
+    """`trajgate demo` with no flags runs exactly DemoOptions(): the two lists of defaults cannot drift apart."""
+    from gateway.cli import build_parser, demo_options
+
+    assert demo_options(build_parser().parse_args(["demo"])) == DemoOptions()
+
+
+def test_negative_ahead_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DemoError, match="--ahead must be 0"):
+        run_demo(DemoOptions(ahead=-1, workdir=tmp_path))

@@ -130,12 +130,13 @@ def test_trainer_is_woken_by_notify_when_a_group_becomes_ready(pg_url: str) -> N
     records = [make_record(f"n-t{t}", seq=1, seed=t, group_id="n-g", group_size=2) for t in range(2)]
     write_calls(engine, records)
     listener = ReadyListener(engine, "run-a")
+    stop = threading.Event()
     try:
-        assert listener.wait(0.05) is False  # nothing yet (and the LISTEN is now in place)
+        assert listener.wait(0.05, stop) is False  # nothing yet (and the LISTEN is now in place)
         timer = threading.Timer(0.3, lambda: store_rewards(engine, [RewardItem(r.trajectory_id, 1.0) for r in records]))
         timer.start()
         started = time.monotonic()
-        assert listener.wait(10) is True
+        assert listener.wait(10, stop) is True
         assert time.monotonic() - started < 5
         timer.join()
     finally:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -158,14 +159,13 @@ def run_config(options: DemoOptions) -> dict[str, Any]:
         "groups_per_step": options.groups_per_step,
         "learning_rate": options.learning_rate,
         "loss": options.loss,
-        "max_staleness": max(options.ahead + 1, 1),
+        "max_staleness": options.ahead + 1,
         "sampling": {"temperature": 1.0, "max_tokens": options.max_tokens},
     }
 
 
 def _reset(workdir: Path) -> None:
     """Each demo starts from an empty database and no checkpoints: the curve is of this run only."""
-    workdir.mkdir(parents=True, exist_ok=True)
     for name in ("checkpoints", "spool"):
         shutil.rmtree(workdir / name, ignore_errors=True)
     for path in workdir.glob("trajgate.db*"):
@@ -302,6 +302,8 @@ def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoR
     """Run the loop end to end; raises DemoError (with the failing part's output) or KeyboardInterrupt."""
     if not AGENT.is_file():
         raise DemoError(f"the example agent {AGENT} is missing: run the demo from a trajgate source checkout")
+    if options.ahead < 0:
+        raise DemoError("--ahead must be 0 (sample only from the newest policy) or more")
     workdir = options.workdir.resolve()
     with _only_demo_in(workdir):
         return _run(options, workdir, echo)
@@ -422,8 +424,7 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
 
 def report(result: DemoResult) -> str:
     c = result.change
-    swaps = sorted(result.swap_seconds)
-    median_swap = swaps[len(swaps) // 2] if swaps else float("nan")
+    median_swap = statistics.median(result.swap_seconds) if result.swap_seconds else float("nan")
     phases = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in result.phase_seconds.items())
     return "\n".join(
         [

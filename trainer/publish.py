@@ -19,6 +19,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from gateway.store.training import (
+    LoadedVersion,
     annotate_step,
     last_step,
     loaded_versions,
@@ -151,20 +152,21 @@ class Publisher:
 
     def pending(self) -> int | None:
         """The newest committed step if it is not published yet (its publication failed), else None."""
+        return self._unpublished(loaded_versions(self.engine, self.run))
+
+    def _unpublished(self, versions: list[LoadedVersion]) -> int | None:
         committed = last_step(self.engine, self.run)
-        versions = loaded_versions(self.engine, self.run)
-        newest = versions[-1].step if versions else 0
-        return committed if committed > newest else None
+        return committed if committed > (versions[-1].step if versions else 0) else None
 
     def reconcile(self) -> None:
         """Publish a committed step that isn't served yet, and reload adapters a restarted vLLM forgot."""
         if time.monotonic() < self._next_try:
             return
-        step = self.pending()
+        versions = loaded_versions(self.engine, self.run)
+        step = self._unpublished(versions)
         if step is not None:
             self.publish(step, time.perf_counter())
             return
-        versions = loaded_versions(self.engine, self.run)
         try:
             served = self.admin.models()
         except PublishError as exc:

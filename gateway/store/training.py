@@ -57,10 +57,10 @@ class ReadyListener:
             self._conn.execute(f"LISTEN {READY_CHANNEL}")
         return self._conn
 
-    def wait(self, timeout_s: float, stop: threading.Event | None = None) -> bool:
+    def wait(self, timeout_s: float, stop: threading.Event) -> bool:
         """Sleep up to `timeout_s` (less if `stop` is set meanwhile); True if this run announced a ready group."""
         if not self._postgres:
-            (stop or threading.Event()).wait(timeout_s)
+            stop.wait(timeout_s)
             return False
         try:
             conn = self._connect()
@@ -70,7 +70,7 @@ class ReadyListener:
         except Exception as exc:  # the database went away: poll until it is back
             log.warning("LISTEN %s unavailable (%s); polling", READY_CHANNEL, type(exc).__name__)
             self.close()
-            (stop or threading.Event()).wait(timeout_s)
+            stop.wait(timeout_s)
             return False
 
     def close(self) -> None:
