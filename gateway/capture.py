@@ -38,8 +38,8 @@ class ChoiceCapture:
 def prepare_upstream(
     body: dict[str, Any], endpoint: str, served_model: str, *, overrides: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], ClientAsks]:
-    """The body vLLM receives: the client's, with `model` routed, the run's sampling overrides applied (they win
-    over the client's values) and capture fields injected."""
+    """The body vLLM receives: the client's, with `model` routed, `overrides` applied (the sampling values the
+    gateway chose for the call: they win over the client's) and capture fields injected."""
     if endpoint == CHAT:
         asks_logprobs = body.get("logprobs") is True
     else:

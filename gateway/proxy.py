@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway import capture
+from gateway import capture, sampling
 from gateway.attribution import Attribution, PathPrefix, attribute, check_run, split_api_key
 from gateway.auth import Auth, presented_key
 from gateway.errors import GatewayError
@@ -47,6 +47,7 @@ class Call:
     retry_count: int
     idempotency_key: str | None
     stream: bool
+    off_policy: str | None  # why the call was sampled from another distribution than the one trained, if it was
     status: int | None = None
     error: str | None = None
     upstream_started: float = 0.0
@@ -128,6 +129,7 @@ class Proxy:
             await send_json(send, exc.status, exc.body(), [(b"x-request-id", request_id.encode())])
             return
 
+        plan = sampling.plan(request, attribution.mode, route.sampling, route.on_policy_sampling)
         retry_count = _int_header(headers.get("x-stainless-retry-count"))
         idempotency_key = headers.get("idempotency-key")
         call = Call(
@@ -142,8 +144,9 @@ class Proxy:
             retry_count=retry_count,
             idempotency_key=idempotency_key,
             stream=request.get("stream") is True,
+            off_policy=plan.off_policy,
         )
-        upstream_body, asks = capture.prepare_upstream(request, endpoint, route.served_name, overrides=route.sampling)
+        upstream_body, asks = capture.prepare_upstream(request, endpoint, route.served_name, overrides=plan.upstream)
         out_headers = [
             (b"x-request-id", request_id.encode()),
             (b"x-trajectory-id", attribution.trajectory_id.encode()),
@@ -327,6 +330,8 @@ class Proxy:
                 trainable, reason = capture.check_trainable(
                     choice.prompt_token_ids, choice.completion_token_ids, choice.logprobs
                 )
+                if trainable and call.off_policy is not None:
+                    trainable, reason = False, call.off_policy
             self.writer.submit(
                 CallRecord(
                     id=call.request_id if choice.index == 0 else f"{call.request_id}-{choice.index}",

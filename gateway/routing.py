@@ -2,7 +2,7 @@
 
 The table lives in memory so the hot path never asks the database; the gateway refreshes it from the runs and
 their loaded policy versions in the background (and at once after `POST /v1/runs`). It also carries each run's
-sampling overrides, which the gateway applies to every call of the run.
+sampling settings (overrides and `on_policy_sampling`), which the gateway applies to every call of the run.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ class Route:
     served_name: str
     # Sampling parameters that replace the client's in the upstream request (the run's config.sampling).
     sampling: dict[str, Any] = field(default_factory=dict)
+    # Train-mode calls are sampled neutral unless the run turned this off (gateway/sampling.py).
+    on_policy_sampling: bool = True
 
 
 class PolicyRouter:
@@ -44,7 +46,9 @@ class PolicyRouter:
         A run with no loaded adapter is served by its base model at version 0."""
         self.update(
             [
-                Route(row.run, row.version or 0, row.served_name or row.base_model, row.sampling)
+                Route(
+                    row.run, row.version or 0, row.served_name or row.base_model, row.sampling, row.on_policy_sampling
+                )
                 for row in route_table(engine)
             ]
         )

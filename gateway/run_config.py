@@ -20,8 +20,9 @@ Finite = Annotated[float, Field(allow_inf_nan=False)]
 class SamplingOverrides(BaseModel):
     """Sampling parameters the gateway enforces on every call of the run, whatever the agent sent.
 
-    Only these keys: each one changes what the policy samples, which is what an RL run may need to pin (e.g.
-    temperature 1.0 so the behaviour policy is the model's distribution). Unset keys leave the client's value.
+    Only these keys: each one changes what the policy samples. Unset keys leave the gateway's choice (in train mode
+    the neutral values, see `on_policy_sampling`; in eval mode the client's). A train-mode call pinned to anything
+    but the neutral values is recorded untrainable (gateway/sampling.py says why).
     """
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -109,6 +110,10 @@ class RunConfig(BaseModel):
     max_seq_len: int = Field(4096, ge=1)
     micro_batch_tokens: int = Field(4096, ge=1)
     sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
+    # Train-mode calls are sent with temperature 1, top_p 1, top_k -1, min_p 0 and no penalties whatever the agent
+    # asked, so the sampled policy is the one trained. Off: the agent's values are sent and calls that use other
+    # values are recorded untrainable.
+    on_policy_sampling: bool = True
     judge: JudgeConfig | None = None
 
     @field_validator("lora_rank")

@@ -1,7 +1,10 @@
 """A vLLM-shaped upstream for fast tests: it replays responses recorded from the real vLLM CPU server.
 
 A request is answered only if its body equals a recorded request exactly (after the gateway's rewriting and
-injection), so replay also proves the gateway forwards bodies unchanged. Fault modes (`mode`) cover what real
+injection), so replay also proves the gateway forwards bodies unchanged, with one exception: the sampling parameters
+the gateway sets in train mode (gateway.sampling.NEUTRAL) are left out of the match. The recordings are greedy so a
+re-record gives the same tokens, while train mode samples at temperature 1; tests assert those parameters on
+`received`. Fault modes (`mode`) cover what real
 vLLM can't be made to do on demand: a 500, a hang, a stream cut mid-way.
 """
 
@@ -15,11 +18,17 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.sampling import NEUTRAL
+
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 
 
 def load_fixtures(directory: Path = FIXTURES) -> dict[str, dict[str, Any]]:
     return {path.stem: json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))}
+
+
+def _without_sampling(body: Any) -> Any:
+    return {k: v for k, v in body.items() if k not in NEUTRAL} if isinstance(body, dict) else body
 
 
 class FakeUpstream:
@@ -45,7 +54,7 @@ class FakeUpstream:
 
     def _match(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         for fixture in self.fixtures.values():
-            if fixture.get("path") == path and fixture.get("request") == body:
+            if fixture.get("path") == path and _without_sampling(fixture.get("request")) == _without_sampling(body):
                 return fixture
         return None
 

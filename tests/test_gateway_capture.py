@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.sampling import NEUTRAL
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway
 from tests.stored import stored_calls
@@ -25,6 +26,11 @@ def client_body(fixture: dict[str, Any], keep: tuple[str, ...] = ()) -> dict[str
     body = {k: v for k, v in fixture["request"].items() if k not in INJECTED or k in keep}
     body["model"] = "my-agent"
     return body
+
+
+def on_policy(request: dict[str, Any], **pinned: Any) -> dict[str, Any]:
+    """The body a train-mode call reaches vLLM with: the recorded one, every sampling parameter neutral."""
+    return {**request, **NEUTRAL, **pinned}
 
 
 def sdk_kwargs(fixture: dict[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -101,7 +107,8 @@ def test_chat_non_stream(gateway: RunningGateway, upstream: FakeUpstream, db_url
     raw = sdk(gateway, **{"X-Trajectory-Id": f"t-{name}", "X-Group-Id": "g1"}).chat.completions.with_raw_response
     response = raw.create(**client_body(fixture))
     assert response.http_response.json() == without_injected(fixture["response"])
-    assert upstream.received[-1] == fixture["request"]  # the body reached vLLM unchanged, plus injections
+    # The body reached vLLM unchanged, plus injections and the neutral sampling of train mode.
+    assert upstream.received[-1] == on_policy(fixture["request"])
     parsed = response.parse()
     assert parsed.choices[0].message == openai.types.chat.ChatCompletionMessage.model_validate(
         fixture["response"]["choices"][0]["message"]
@@ -248,7 +255,7 @@ def test_conversation_turns_are_ordered(gateway: RunningGateway, upstream: FakeU
 
 
 def test_run_sampling_overrides_reach_vllm(gateway: RunningGateway, upstream: FakeUpstream, db_url: str) -> None:
-    """A run that pins temperature gets it on every call, whatever the agent sends."""
+    """A run that pins temperature gets it on every call, whatever the agent sends; greedy calls can't train."""
     import httpx
 
     created = httpx.post(
@@ -258,7 +265,9 @@ def test_run_sampling_overrides_reach_vllm(gateway: RunningGateway, upstream: Fa
     fixture = upstream.fixture("chat")
     body = {**client_body(fixture), "temperature": 0.9}
     response = sdk(gateway, **{"X-Trajectory-Id": "t-pinned"}).chat.completions.with_raw_response.create(**body)
-    assert response.http_response.status_code == 200  # the fake upstream only answers the recorded temperature 0
-    assert upstream.received[-1]["temperature"] == 0.0
+    assert response.http_response.status_code == 200
+    assert upstream.received[-1] == on_policy(fixture["request"], temperature=0.0)
     gateway.flush()
-    assert stored_calls(db_url, "t-pinned")[0]["request"]["temperature"] == 0.9  # what the agent sent is kept
+    (call,) = stored_calls(db_url, "t-pinned")
+    assert call["request"]["temperature"] == 0.9  # what the agent sent is kept
+    assert call["trainable"] is False and call["untrainable_reason"].startswith("sampled with temperature=0.0: ")

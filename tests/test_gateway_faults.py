@@ -70,9 +70,9 @@ def test_upstream_http_errors_pass_through_and_are_recorded(
     gateway: RunningGateway, upstream: FakeUpstream, db_url: str
 ) -> None:
     fixture = upstream.fixture("error_n2_temperature0")
-    response = httpx.post(
-        gateway.base_url + "/chat/completions", json=client_body(fixture), headers={"X-Trajectory-Id": "t-400"}
-    )
+    # Eval mode sends the client's temperature 0 as is (train mode would sample at 1, which vLLM accepts with n=2).
+    headers = {"X-Trajectory-Id": "t-400", "X-Mode": "eval"}
+    response = httpx.post(gateway.base_url + "/chat/completions", json=client_body(fixture), headers=headers)
     assert response.status_code == fixture["status"] == 400
     assert response.json() == fixture["response"]
     upstream.mode = "error500"

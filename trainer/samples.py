@@ -47,8 +47,9 @@ STD_EPS = 1e-6
 class CallData:
     """One recorded upstream call (one choice of it when the request asked for ``n > 1``).
 
-    ``trainable`` is the gateway's verdict (ids and logprobs present and of equal length); this
-    module re-checks it, since a call is only worth training when its logprobs line up with its ids.
+    ``trainable`` is the gateway's verdict (ids and logprobs present and of equal length, sampled from the
+    distribution the trainer computes) and ``untrainable_reason`` its why; this module re-checks the ids, since a
+    call is only worth training when its logprobs line up with them.
     """
 
     seq: int
@@ -58,6 +59,7 @@ class CallData:
     completion_token_ids: list[int] | None
     completion_logprobs: list[float] | None
     trainable: bool
+    untrainable_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,7 @@ class _RowBuilder:
 class _Counters:
     calls: int = 0
     untrainable_calls: int = 0
+    untrainable_reasons: dict[str, int] = field(default_factory=dict)
     calls_without_ids: int = 0
     merge_candidates: int = 0
     merged_calls: int = 0
@@ -261,6 +264,8 @@ def _trajectory_rows(traj: TrajectoryData, counters: _Counters) -> list[_RowBuil
         trainable = call_is_trainable(call)
         if not trainable:
             counters.untrainable_calls += 1
+            why = call.untrainable_reason or ("invalid ids or logprobs" if call.trainable else "no reason recorded")
+            counters.untrainable_reasons[why] = counters.untrainable_reasons.get(why, 0) + 1
         if call.prompt_token_ids is None or call.completion_token_ids is None:
             counters.calls_without_ids += 1
             if call.choice_index == 0:
@@ -328,7 +333,8 @@ def build_samples(
     - ``trajectories`` (all claimed), ``trajectories_used``.
     - Call-level stats are over **all claimed groups**, dropped ones included (they describe the
       traffic, not the filters): ``calls`` (every choice counts), ``untrainable_calls`` (any call
-      not fit to train: context-only or without ids), ``calls_without_ids`` (the subset that broke a
+      not fit to train: context-only or without ids), ``untrainable_reasons`` ({the gateway's reason: count},
+      e.g. calls sampled at another temperature than the one trained), ``calls_without_ids`` (the subset that broke a
       row), ``merged_calls``, ``merge_candidates``, ``merge_ratio``: a *merge candidate* is a choice-0
       call with token ids that has an earlier choice-0 call with ids in the same trajectory, i.e. a
       turn that could have continued the previous row. ``merge_ratio = merged_calls /
@@ -440,6 +446,7 @@ def build_samples(
         "tokens": sum(len(row) for row in rows),
         "trainable_tokens": sum(row.trainable_tokens for row in rows),
         "untrainable_calls": counters.untrainable_calls,
+        "untrainable_reasons": counters.untrainable_reasons,
         "calls_without_ids": counters.calls_without_ids,
         "truncated_rows": truncated_rows,
         "truncated_tokens": truncated_tokens,

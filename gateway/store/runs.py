@@ -25,6 +25,7 @@ class RouteRow(NamedTuple):
     version: int | None  # newest loaded policy version; None when only the base model serves the run
     served_name: str | None
     sampling: dict[str, Any]
+    on_policy_sampling: bool
 
 
 def _insert(conn: Connection) -> Callable[..., Any]:
@@ -54,10 +55,13 @@ def route_table(engine: Engine) -> list[RouteRow]:
     )
     with engine.connect() as conn:
         rows = conn.execute(query).all()
-    return [
-        RouteRow(row.name, row.base_model, row.step, row.served_name, (row.config or {}).get("sampling") or {})
-        for row in rows
-    ]
+    routes = []
+    for row in rows:
+        config = row.config or {}  # a run the gateway created on a first call stores {}: the defaults apply
+        sampling = config.get("sampling") or {}
+        on_policy = config.get("on_policy_sampling", True)
+        routes.append(RouteRow(row.name, row.base_model, row.step, row.served_name, sampling, on_policy))
+    return routes
 
 
 def upsert_run(

@@ -188,6 +188,7 @@ def load_groups(engine: Engine, group_ids: Sequence[str]) -> list[dict[str, Any]
                 Call.completion_token_ids,
                 Call.completion_logprobs,
                 Call.trainable,
+                Call.untrainable_reason,
             )
             .join(Trajectory, Trajectory.trajectory_id == Call.trajectory_id)
             .where(Trajectory.group_id.in_(ids))
@@ -204,6 +205,7 @@ def load_groups(engine: Engine, group_ids: Sequence[str]) -> list[dict[str, Any]
                 "completion_token_ids": decode_ids(row.completion_token_ids),
                 "completion_logprobs": decode_logprobs(row.completion_logprobs),
                 "trainable": row.trainable,
+                "untrainable_reason": row.untrainable_reason,
             }
         )
     groups: dict[str, dict[str, Any]] = {gid: {"group_id": gid, "trajectories": []} for gid in ids}
