@@ -12,10 +12,9 @@ import uuid
 from dataclasses import dataclass
 
 from gateway.errors import GatewayError
+from gateway.run_names import run_name_problem
 
 ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-# Run names come from the `model` field, where hub-style names with '/' are common.
-RUN_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
 MAX_GROUP_SIZE = 100_000
 
 # /eval?/g/{group}(/n/{size})?/t/{trajectory}/v1/...  or  /eval?/t/{trajectory}/v1/...
@@ -76,12 +75,11 @@ def check_id(value: str, what: str) -> str:
 
 
 def check_run(value: object) -> str:
-    if not isinstance(value, str) or not RUN_RE.match(value):
-        raise GatewayError(
-            400,
-            "`model` must name a run: 1-128 characters from [A-Za-z0-9._:/-]",
-            code="invalid_model",
-        )
+    """The run a call names (`X-Run`, else `model`); the rule is gateway.run_names', which the trainer shares."""
+    problem = run_name_problem(value)
+    if problem is not None:
+        raise GatewayError(400, f"`model` must name a run: {problem}", code="invalid_model")
+    assert isinstance(value, str)
     return value
 
 

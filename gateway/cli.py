@@ -123,10 +123,7 @@ def _export(settings: Settings, args: argparse.Namespace) -> int:
 
 def _train(settings: Settings, args: argparse.Namespace) -> int:
     # Imported here: only the trainer process pays for torch; `trajgate serve` never imports it.
-    import signal
-    import threading
-
-    from trainer.loop import Trainer, TrainerError, TrainerOptions
+    from trainer.loop import Trainer, TrainerOptions
 
     _setup_logging(args.log_level)
     options = TrainerOptions(
@@ -142,14 +139,22 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
         publish=not args.no_publish,
         wait_for_run=args.wait_for_run,
         keep_adapters=args.keep_adapters,
+        run_lease_s=args.run_lease_s,
+        wait_for_lease=not args.exit_if_busy,
     )
     if args.worker_id:
         options.worker_id = args.worker_id
+    trainer = Trainer(settings, options)  # errors (TrainerError, a waiting trainer's Ctrl-C): see main()
     try:
-        trainer = Trainer(settings, options)
-    except (TrainerError, RuntimeError) as exc:
-        print(f"trajgate train: {exc}", file=sys.stderr)
-        return 2
+        return _train_until_stopped(trainer, args)
+    finally:
+        trainer.close()  # gives the run up, so a waiting trainer takes over at once
+
+
+def _train_until_stopped(trainer: Any, args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
     stop = threading.Event()
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
@@ -306,6 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--keep-adapters", type=int, default=2, help="newest adapters per run kept loaded in vLLM")
     train.add_argument("--worker-id", help="name of this trainer in claims (default: host:pid)")
+    train.add_argument(
+        "--run-lease-s",
+        type=float,
+        default=60.0,
+        help="one trainer per run: its lease on the run, renewed in the background; another trainer takes over "
+        "this long after it dies (default: 60)",
+    )
+    train.add_argument(
+        "--exit-if-busy",
+        action="store_true",
+        help="if another trainer holds the run, exit (status 2) instead of waiting to take over",
+    )
     train.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     train.set_defaults(handler=_train)
 
@@ -358,7 +375,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"trajgate: {exc}", file=sys.stderr)
         return 2
-    return handler(settings, args)
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        return handler(settings, args)
+    except KeyboardInterrupt:
+        print(f"trajgate {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, OSError, SQLAlchemyError) as exc:
+        # What the user must fix (a bad run name, a run another trainer holds, a database that does not answer):
+        # one line, never a traceback.
+        print(f"trajgate {args.command}: {one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an error's message (SQLAlchemy appends the statement and a link below it)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.api_common import gateway_state, json_response, read_json, require_admin, validated, validation_message
-from gateway.attribution import RUN_RE
 from gateway.errors import GatewayError
+from gateway.run_names import run_name_problem
 from gateway.store.export import iter_trajectories
 from gateway.store.runs import MissingBaseModel, list_runs, run_exists, run_view, steps_after, upsert_run
 
@@ -45,8 +45,9 @@ class RunBody(BaseModel):
     @field_validator("name")
     @classmethod
     def _run_name(cls, name: str) -> str:
-        if not RUN_RE.match(name):
-            raise ValueError("use 1-128 characters from [A-Za-z0-9._:/-] (agents send it as `model`)")
+        problem = run_name_problem(name)
+        if problem is not None:
+            raise ValueError(f"{problem} (agents send it as `model`)")
         return name
 
 

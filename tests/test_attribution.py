@@ -68,9 +68,10 @@ def test_invalid_attribution_is_a_400(headers: dict[str, str]) -> None:
 def test_run_names() -> None:
     assert check_run("email-agent") == "email-agent"
     assert check_run("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    for bad in (None, 3, "", "a b", "x" * 129):
-        with pytest.raises(GatewayError):
+    for bad in (None, 3, "", "a b", "x" * 129, ".", "..", "a/b/..", "../b", "/a", "a/", "a//b", "a/./b"):
+        with pytest.raises(GatewayError) as info:
             check_run(bad)
+        assert info.value.status == 400
 
 
 def test_turn_counter_orders_and_replaces_retries() -> None:

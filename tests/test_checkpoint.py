@@ -12,7 +12,7 @@ import torch
 from tests.test_backends import build_tiny_llama, make, mixed_rows, set_behaviour
 from trainer.backends import HFBackend, LoraSpec, TrainerBackend
 from trainer.backends.base import Progress
-from trainer.checkpoint import discard_after, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import checkpoint_dir, discard_after, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.loss import LossConfig
 from trainer.samples import Row
 
@@ -152,10 +152,22 @@ def test_temp_dirs_are_ignored_and_discard_after_removes_uncommitted_steps(tmp_p
     assert latest_checkpoint(tmp_path, RUN) == (2, tmp_path / RUN / "00002")
 
 
-@pytest.mark.parametrize("run", ["", ".", "..", "a/b", "../other"])
+@pytest.mark.parametrize("run", ["", ".", "..", "../other", "a/../..", "a//b", "/abs"])
 def test_run_names_cannot_escape_the_checkpoint_root(tmp_path: Path, run: str) -> None:
     with pytest.raises(ValueError, match="run name"):
         save_checkpoint(FileBackend(), tmp_path / "root", run, 1, {})
     with pytest.raises(ValueError, match="run name"):
         discard_after(tmp_path / "root", run, 0)
     assert not (tmp_path / "00001").exists()
+
+
+def test_hub_style_run_names_get_one_directory_each(tmp_path: Path) -> None:
+    """The gateway accepts `org/model` as a run name, so the store must too: one directory per run, no nesting
+    (a run `org` and a run `org/model` must not share or contain each other's steps)."""
+    save_checkpoint(FileBackend(), tmp_path, "org/model", 1, {})
+    save_checkpoint(FileBackend(), tmp_path, "org", 2, {})
+    assert latest_checkpoint(tmp_path, "org/model") == (1, checkpoint_dir(tmp_path, "org/model", 1))
+    assert latest_checkpoint(tmp_path, "org") == (2, tmp_path / "org" / "00002")
+    assert checkpoint_dir(tmp_path, "org/model", 1).parent.parent == tmp_path
+    assert discard_after(tmp_path, "org", 0) == [2]
+    assert latest_checkpoint(tmp_path, "org/model") is not None

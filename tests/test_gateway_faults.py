@@ -33,6 +33,8 @@ def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]
         (b"[1, 2]", {}, 400, "invalid_json"),
         (b'{"messages": []}', {}, 400, "invalid_model"),
         (b'{"model": 7, "messages": []}', {}, 400, "invalid_model"),
+        (b'{"model": "..", "messages": []}', {}, 400, "invalid_model"),
+        (b'{"model": "r", "messages": []}', {"X-Run": "org/../r"}, 400, "invalid_model"),
         (b'{"model": "r", "messages": []}', {"X-Trajectory-Id": "bad id!"}, 400, "invalid_id"),
         (b'{"model": "r", "messages": []}', {"X-Trajectory-Id": "t", "X-Group-Size": "-1"}, 400, "invalid_id"),
         (b'{"model": "r", "messages": []}', {"X-Mode": "nope"}, 400, "invalid_mode"),

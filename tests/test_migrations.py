@@ -13,8 +13,8 @@ from sqlalchemy import inspect, text
 from gateway.store import db
 from gateway.store.models import Base
 
-TABLES = {"runs", "policy_versions", "groups", "trajectories", "calls", "train_steps"}
-HEAD = "0002"
+TABLES = {"runs", "policy_versions", "groups", "trajectories", "calls", "train_steps", "trainer_leases"}
+HEAD = "0003"
 
 
 def _tables(url: str) -> set[str]:

@@ -60,6 +60,9 @@ def test_run_config_create_merge_and_validate(gateway: RunningGateway) -> None:
         ({"name": "cfg", "config": {"sampling": {"top_p": 1.5}}}, "config.sampling.top_p"),
         ({"name": "cfg", "config": {"on_policy_sampling": "no"}}, "config.on_policy_sampling"),
         ({"name": "bad name!", "config": {}}, "name"),
+        ({"name": "..", "config": {}}, "name"),
+        ({"name": "org/../cfg", "config": {}}, "name"),
+        ({"name": "org//cfg", "config": {}}, "name"),
         ({"config": {}}, "name"),
         ({"name": "cfg", "cofig": {}}, "cofig"),
     ]

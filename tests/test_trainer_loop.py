@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import queue
 import random
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,13 @@ from gateway.store import db
 from gateway.store.records import write_calls
 from gateway.store.rewards import RewardItem, store_rewards
 from gateway.store.runs import steps_after, upsert_run
-from gateway.store.training import ReadyListener, group_states, loaded_versions
+from gateway.store.training import (
+    ReadyListener,
+    acquire_run_lease,
+    claim_ready_groups,
+    group_states,
+    loaded_versions,
+)
 from tests.factories import make_record
 from tests.test_backends import VOCAB, build_tiny_llama
 from trainer import loop
@@ -81,15 +92,22 @@ def adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
     return load_file(path)
 
 
-def make_trainer(url: str, tmp_path: Path, tiny: str, **options: object) -> Trainer:
+_made: list[Trainer] = []
+
+
+def make_trainer(
+    url: str, tmp_path: Path, tiny: str, echo: Callable[[str], None] = lambda line: None, **options: object
+) -> Trainer:
     settings = load_settings(_env_file=None, database_url=url, checkpoint_dir=tmp_path / "ckpt")
-    return Trainer(
+    trainer = Trainer(
         settings,
         TrainerOptions(
             run="loop", backend="hf", device="cpu", base_weights=tiny, poll_s=0.05, publish=False, **options
         ),
-        echo=lambda line: None,
+        echo=echo,
     )
+    _made.append(trainer)
+    return trainer
 
 
 def prepare(url: str, tiny: str) -> str:
@@ -105,8 +123,10 @@ def prepare(url: str, tiny: str) -> str:
 
 
 @pytest.fixture
-def seeded(db_url: str, tiny: str) -> str:
-    return prepare(db_url, tiny)
+def seeded(db_url: str, tiny: str) -> Iterator[str]:
+    yield prepare(db_url, tiny)
+    while _made:  # every trainer the test made gives its run up, as `trajgate train` does on exit
+        _made.pop().close()
 
 
 def test_two_steps_commit_groups_and_metrics(seeded: str, tmp_path: Path, tiny: str) -> None:
@@ -129,7 +149,7 @@ def test_two_steps_commit_groups_and_metrics(seeded: str, tmp_path: Path, tiny: 
 def test_crash_between_checkpoint_and_commit_leaves_nothing(
     seeded: str, tmp_path: Path, tiny: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    crashing = make_trainer(seeded, tmp_path, tiny, lease_s=0.5)
+    crashing = make_trainer(seeded, tmp_path, tiny, lease_s=0.5, run_lease_s=0.5)
 
     def die(*_: object, **__: object) -> None:
         raise SystemExit("killed after the checkpoint, before the commit")
@@ -137,6 +157,7 @@ def test_crash_between_checkpoint_and_commit_leaves_nothing(
     monkeypatch.setattr(loop, "commit_step", die)
     with pytest.raises(SystemExit):
         crashing.train_one_step()
+    crashing.lease.stop(release=False)  # a dead process renews nothing: its run lease runs out like its claims
     assert (tmp_path / "ckpt" / "loop" / "00001").exists()  # the orphan a crash leaves
     monkeypatch.undo()
     time.sleep(0.6)  # the dead trainer's lease runs out, so its groups are first in line again
@@ -144,6 +165,7 @@ def test_crash_between_checkpoint_and_commit_leaves_nothing(
     restarted = make_trainer(seeded, tmp_path, tiny, max_steps=2)
     assert restarted.step == 0 and not (tmp_path / "ckpt" / "loop" / "00001").exists()
     assert restarted.run() == 2  # the crashed step's groups came back once their lease expired
+    restarted.close()
     engine = db.make_engine(seeded)
     try:
         assert [s["step"] for s in steps_after(engine, "loop")] == [1, 2]
@@ -258,3 +280,148 @@ def test_restarted_vllm_gets_the_published_adapter_back(seeded: str, tmp_path: P
     assert trainer.publisher is not None
     trainer.publisher.reconcile()  # what a waiting trainer does every poll
     assert vllm.served == {"loop@1"}
+
+
+def trajectory_steps(url: str) -> dict[str, int | None]:
+    from sqlalchemy import select
+
+    from gateway.store.models import Trajectory
+
+    engine = db.make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return dict(conn.execute(select(Trajectory.trajectory_id, Trajectory.trained_step)).all())
+    finally:
+        engine.dispose()
+
+
+def join_late(url: str, group: str, trajectory: str, reward: float | None = None) -> None:
+    engine = db.make_engine(url)
+    try:
+        write_calls(engine, [make_record(trajectory, seq=1, seed=5, run="loop", group_id=group, group_size=4)])
+        if reward is not None:
+            store_rewards(engine, [RewardItem(trajectory, reward)])
+    finally:
+        engine.dispose()
+
+
+def test_group_joined_while_claimed_by_a_dead_trainer_does_not_crash_the_next(
+    seeded: str, tmp_path: Path, tiny: str
+) -> None:
+    """The crash loop: a trainer died holding g0 and g1, a new trajectory joined g0 meanwhile. The next trainer
+    must train what is complete, not die on the unrewarded newcomer and re-claim it forever."""
+    engine = db.make_engine(seeded)
+    try:
+        assert sorted(claim_ready_groups(engine, "loop", "dead", limit=2, lease_s=-1)) == ["g0", "g1"]
+    finally:
+        engine.dispose()
+    join_late(seeded, "g0", "late")
+    assert make_trainer(seeded, tmp_path, tiny, max_steps=1).run() == 1
+    engine = db.make_engine(seeded)
+    try:
+        states = group_states(engine, "loop")
+    finally:
+        engine.dispose()
+    assert states == {"g0": "open", "g1": "trained", "g2": "trained", "g3": "ready"}
+    steps = trajectory_steps(seeded)
+    assert {steps[f"g0-t{t}"] for t in range(4)} == {None} and steps["late"] is None
+
+
+def test_trajectory_joining_during_the_step_is_kept_for_the_next_claim(
+    seeded: str, tmp_path: Path, tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded_then_joined = loop.load_groups
+
+    def load_groups(engine: object, group_ids: list[str]) -> list[dict]:
+        loaded = loaded_then_joined(engine, group_ids)  # type: ignore[arg-type]
+        join_late(seeded, group_ids[0], "late", reward=1.0)  # arrives and is rewarded while the step trains
+        return loaded
+
+    monkeypatch.setattr(loop, "load_groups", load_groups)
+    assert make_trainer(seeded, tmp_path, tiny, max_steps=1).run() == 1
+    engine = db.make_engine(seeded)
+    try:
+        states = group_states(engine, "loop")
+    finally:
+        engine.dispose()
+    assert states == {"g0": "ready", "g1": "trained", "g2": "ready", "g3": "ready"}  # g0 again, for "late" only
+    steps = trajectory_steps(seeded)
+    assert steps.pop("late") is None and all(step == 1 for tid, step in steps.items() if tid[:2] in ("g0", "g1"))
+
+
+def test_a_group_that_cannot_be_built_is_dropped_with_its_reason(
+    seeded: str, tmp_path: Path, tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build = loop.build_samples
+
+    def fails_on_g0(groups: list, **kwargs: object) -> object:
+        if any(group.group_id == "g0" for group in groups):
+            raise ValueError("ids and logprobs disagree")
+        return build(groups, **kwargs)
+
+    monkeypatch.setattr(loop, "build_samples", fails_on_g0)
+    assert make_trainer(seeded, tmp_path, tiny, max_steps=1).run() == 1
+    engine = db.make_engine(seeded)
+    try:
+        states = group_states(engine, "loop")
+        (step,) = steps_after(engine, "loop")
+        with engine.connect() as conn:
+            from sqlalchemy import select
+
+            from gateway.store.models import Group
+
+            reason = conn.execute(select(Group.drop_reason).where(Group.group_id == "g0")).scalar_one()
+    finally:
+        engine.dispose()
+    assert states["g0"] == "dropped" and states["g1"] == "trained"
+    assert reason == "cannot build samples: ValueError: ids and logprobs disagree"
+    assert step["metrics"]["groups_used"] == 1 and step["metrics"]["groups_dropped"] == 1
+
+
+def test_second_trainer_on_a_run_exits_or_waits_then_takes_over(seeded: str, tmp_path: Path, tiny: str) -> None:
+    first = make_trainer(seeded, tmp_path, tiny, max_steps=1)
+    with pytest.raises(loop.TrainerError, match=r"run 'loop' is being trained by .*:\d+ \(\w+\) until .*--exit-if-busy"):
+        make_trainer(seeded, tmp_path, tiny, wait_for_lease=False)
+
+    lines: queue.Queue[str] = queue.Queue()
+    second: list[Trainer] = []
+    waiting = threading.Thread(target=lambda: second.append(make_trainer(seeded, tmp_path, tiny, echo=lines.put)))
+    waiting.start()
+    line = lines.get(timeout=60)
+    assert line.startswith("run 'loop' is being trained by ") and line.endswith("; waiting")
+    assert first.run() == 1
+    first.close()  # a clean exit gives the run up: the waiting trainer starts at once
+    waiting.join(60)
+    assert second and second[0].step == 1  # it resumed from what the first committed
+
+
+def test_trainer_that_lost_its_run_cannot_commit_and_the_new_one_trains_on(
+    seeded: str, tmp_path: Path, tiny: str
+) -> None:
+    stalled = make_trainer(seeded, tmp_path, tiny, run_lease_s=0.3)
+    stalled.lease.stop(release=False)  # frozen (or cut off from the database): it renews nothing
+    successor = make_trainer(seeded, tmp_path, tiny, max_steps=1)  # waits for the lease to run out
+    with pytest.raises(loop.TrainerError, match="taken over"):
+        stalled.train_one_step()
+    assert successor.run() == 1
+    assert [s["step"] for s in steps_after(successor.engine, "loop")] == [1]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "loop").iterdir()) == ["00001"]
+
+
+def test_cli_errors_are_one_line(seeded: str, tmp_path: Path, tiny: str) -> None:
+    engine = db.make_engine(seeded)
+    try:
+        upsert_run(engine, "..", {}, base_model="base")  # made before the gateway refused such names
+        acquire_run_lease(engine, "loop", "other-host:42", 60)
+    finally:
+        engine.dispose()
+    env = {**os.environ, "TRAJGATE_DATABASE_URL": seeded, "TRAJGATE_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    for run, expected in ((".." , "run name '..' is not valid"), ("loop", "being trained by other-host:42")):
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "train", "--run", run, "--base-weights", tiny, "--backend", "hf",
+             "--device", "cpu", "--no-publish", "--exit-if-busy"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0] and "Traceback" not in done.stderr, done.stderr

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gateway.run_names import check_run_name
 from trainer.backends.base import TrainerBackend
 
 EXTRA_FILE = "checkpoint.json"
@@ -27,11 +28,11 @@ _TRASH_PREFIX = ".trash-"
 
 
 def run_dir(root: Path, run: str) -> Path:
-    """``root/run``; a run name that is not a single path component (``..``, ``a/b``) is refused,
-    so no run can read or delete outside its own directory."""
-    if run in ("", ".", "..") or "/" in run or "\\" in run or "\0" in run:
-        raise ValueError(f"run name {run!r} cannot be a checkpoint directory name")
-    return root / run
+    """``root/NAME``: one directory per run, directly under ``root``. Run names follow the gateway's rule
+    (gateway.run_names, so every run the gateway accepts can be trained); hub-style names keep their '/' as
+    ``%2F`` ('%' is never in a run name, so the mapping is one-to-one), and no run can reach outside its own
+    directory or into another run's."""
+    return root / check_run_name(run).replace("/", "%2F")
 
 
 def checkpoint_dir(root: Path, run: str, step: int) -> Path:

@@ -13,8 +13,10 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +24,13 @@ from sqlalchemy import Engine
 
 from gateway.config import Settings
 from gateway.run_config import RunConfig
+from gateway.run_names import check_run_name
 from gateway.store import db
 from gateway.store.training import (
     LeaseLost,
     ReadyListener,
     RunSpec,
+    acquire_run_lease,
     claim_ready_groups,
     commit_step,
     count_ready_groups,
@@ -36,10 +40,20 @@ from gateway.store.training import (
     last_step,
     load_groups,
     release_expired_claims,
+    release_run_lease,
     renew_leases,
+    renew_run_lease,
+    run_lease,
 )
 from trainer.backends import LoraSpec, TrainerBackend, make_backend
-from trainer.checkpoint import checkpoint_dir, discard_after, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.checkpoint import (
+    checkpoint_dir,
+    discard_after,
+    latest_checkpoint,
+    load_checkpoint,
+    run_dir,
+    save_checkpoint,
+)
 from trainer.loss import LossConfig
 from trainer.publish import Publisher, VllmAdmin
 from trainer.samples import CallData, GroupData, SampleBatch, TrajectoryData, build_samples
@@ -67,6 +81,10 @@ class TrainerOptions:
     publish: bool = True
     wait_for_run: bool = False
     keep_adapters: int = 2
+    # One trainer per run: the run's lease, renewed every third of it; another trainer takes over once it expires.
+    run_lease_s: float = 60.0
+    # If another trainer holds the run: wait for it (True) or raise TrainerError saying who holds it (False).
+    wait_for_lease: bool = True
 
 
 def loss_config(config: RunConfig) -> LossConfig:
@@ -122,6 +140,47 @@ class LeaseKeeper:
         self._thread.join()
 
 
+class RunLeaseKeeper:
+    """Holds the run for this trainer: renews its lease in the background for as long as the trainer lives, so a
+    second trainer of the run waits, and takes over only once this one is gone (stopped renewing).
+
+    `lost` is set if another trainer took the run over (this one stalled past the lease); the trainer must stop,
+    and commit_step refuses its step anyway.
+    """
+
+    def __init__(self, engine: Engine, run: str, holder: str, lease_s: float) -> None:
+        self.run, self.holder = run, holder
+        self._engine, self._lease_s = engine, lease_s
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="run-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self._lease_s / 3):
+            try:
+                if not renew_run_lease(self._engine, self.run, self.holder, self._lease_s):
+                    log.warning("run %r was taken over by another trainer", self.run)
+                    self.lost.set()
+                    return
+            except Exception as exc:  # the database is away: keep trying until the lease really runs out
+                log.warning("could not renew the lease on run %r: %s", self.run, exc)
+
+    def stop(self, release: bool = True) -> None:
+        """Stop renewing; `release` gives the run up at once (a clean exit) rather than letting the lease expire."""
+        self._stop.set()
+        self._thread.join()
+        if release and not self.lost.is_set():
+            try:
+                release_run_lease(self._engine, self.run, self.holder)
+            except Exception as exc:  # the lease expires on its own; the next trainer just waits for that
+                log.warning("could not release the lease on run %r: %s", self.run, exc)
+
+
+def _local_time(value: datetime) -> str:
+    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
 def format_step(step: int, metrics: dict[str, Any]) -> str:
     """The one line per step a user watches."""
     return (
@@ -148,16 +207,72 @@ class Trainer:
         self.engine = engine or db.make_engine(settings.database_url)
         self.echo = echo
         self.checkpoints = Path(settings.checkpoint_dir)
+        try:
+            check_run_name(options.run)
+        except ValueError as exc:
+            raise TrainerError(f"{exc}; the gateway no longer accepts such a name, create the run under another") from None
         self.spec: RunSpec = self._run_spec()
         try:
             self.config = RunConfig.model_validate(self.spec.config)
         except ValueError as exc:
             raise TrainerError(f"run {options.run!r} has an invalid config: {exc}") from None
         self.loss = loss_config(self.config)
-        self.backend: TrainerBackend = self._load_backend()
-        self.step = self._resume()
-        self.listener = ReadyListener(self.engine, self.spec.name)
-        self.publisher = self._publisher() if options.publish else None
+        self.lease = self._take_run()
+        try:
+            self.backend: TrainerBackend = self._load_backend()
+            self.step = self._resume()
+            self.listener = ReadyListener(self.engine, self.spec.name)
+            self.publisher = self._publisher() if options.publish else None
+        except BaseException:
+            self.lease.stop()
+            raise
+
+    def _take_run(self) -> RunLeaseKeeper:
+        """Become the run's only trainer, waiting while another one holds it (or refusing, without
+        `wait_for_lease`). Taken before anything touches the run's checkpoints."""
+        name, lease_s = self.spec.name, self.options.run_lease_s
+        holder = f"{self.options.worker_id} ({uuid.uuid4().hex[:6]})"
+        announced = None
+        while True:
+            current = run_lease(self.engine, name)
+            if current is None or current.lease_until < datetime.now(timezone.utc):
+                current = acquire_run_lease(self.engine, name, holder, lease_s)
+                if current.holder == holder:
+                    return RunLeaseKeeper(self.engine, name, holder, lease_s)
+            if not self.options.wait_for_lease:
+                raise TrainerError(
+                    f"run {name!r} is being trained by {current.holder} until {_local_time(current.lease_until)} "
+                    "(renewed while it runs): stop that trainer first, or start this one without --exit-if-busy "
+                    "to wait and take over"
+                )
+            if current.holder != announced:
+                self.echo(
+                    f"run {name!r} is being trained by {current.holder} until {_local_time(current.lease_until)}; "
+                    "waiting"
+                )
+                announced = current.holder
+            time.sleep(self.options.poll_s)
+
+    def close(self) -> None:
+        """Give the run up (the next trainer starts at once) and close the database listener."""
+        self.lease.stop()
+        self.listener.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _check_lease(self) -> None:
+        """Raise TrainerError if another trainer took the run over (this one stalled past its lease): from then on
+        the run's checkpoints and steps are the other trainer's."""
+        current = run_lease(self.engine, self.spec.name)
+        if self.lease.lost.is_set() or current is None or current.holder != self.lease.holder:
+            raise TrainerError(
+                f"run {self.spec.name!r} was taken over by {current.holder if current else 'another trainer'} "
+                f"(this trainer stalled past its {self.options.run_lease_s:g}s lease); stopping at step {self.step}"
+            )
 
     def _run_spec(self) -> RunSpec:
         spec = get_run(self.engine, self.options.run)
@@ -216,7 +331,7 @@ class Trainer:
         if latest is None or latest[0] != committed:
             raise TrainerError(
                 f"run {self.spec.name!r} has committed step {committed} but its checkpoint is missing under "
-                f"{self.checkpoints / self.spec.name}: point TRAJGATE_CHECKPOINT_DIR at the directory the trainer used"
+                f"{run_dir(self.checkpoints, self.spec.name)}: point TRAJGATE_CHECKPOINT_DIR at the directory the trainer used"
             )
         load_checkpoint(self.backend, latest[1])
         self.echo(f"resumed run {self.spec.name!r} at step {committed} from {latest[1]}")
@@ -226,6 +341,7 @@ class Trainer:
         """Block until enough groups are ready (True) or `stop` is set (False); woken early by Postgres NOTIFY."""
         announced = False
         while not stop.is_set():
+            self._check_lease()
             if self.publisher is not None:
                 self.publisher.reconcile()
             release_expired_claims(self.engine, self.spec.name)
@@ -248,8 +364,9 @@ class Trainer:
         if not claimed:
             return None
         with LeaseKeeper(self.engine, claimed, worker, self.options.lease_s):
-            batch = self._samples(claimed)
-            drop_groups(self.engine, batch.dropped_groups, worker)
+            loaded, batch = self._samples(claimed)
+            seen = [t.trajectory_id for group in loaded for t in group.trajectories]
+            drop_groups(self.engine, batch.dropped_groups, worker, trajectory_ids=seen)
             if not batch.rows:
                 reasons = "; ".join(f"{gid}: {why}" for gid, why in batch.dropped_groups)
                 self.echo(f"no step: all {len(claimed)} claimed groups were dropped ({reasons})")
@@ -257,11 +374,20 @@ class Trainer:
             step = self.step + 1
             metrics = self._optimise(batch, step)
             used = sorted(set(claimed) - {gid for gid, _ in batch.dropped_groups})
+            trained = [t.trajectory_id for group in loaded if group.group_id in used for t in group.trajectories]
             metrics["step_seconds"] = time.perf_counter() - started
+            self._check_lease()  # a trainer that lost the run must not write into its checkpoints
+            # Holding the run, anything newer than the last committed step is an orphan (of a crash, or of a
+            # trainer that stalled and lost the run): it must not block this step's save.
+            discard_after(self.checkpoints, self.spec.name, self.step)
             save_checkpoint(self.backend, self.checkpoints, self.spec.name, step, {"metrics": metrics})
             try:
-                commit_step(self.engine, self.spec.name, step, worker, used, metrics)
+                commit_step(
+                    self.engine, self.spec.name, step, worker, used, metrics,
+                    trajectory_ids=trained, lease_holder=self.lease.holder,
+                )
             except LeaseLost as exc:
+                self._check_lease()  # lost the run: its checkpoints are the new trainer's now, touch nothing
                 self._roll_back(f"step {step} not committed: {exc}")
                 return None
         committed_at = time.perf_counter()
@@ -271,13 +397,40 @@ class Trainer:
             self.publisher.publish(step, committed_at)
         return metrics
 
-    def _samples(self, claimed: list[str]) -> SampleBatch:
+    def _samples(self, claimed: list[str]) -> tuple[list[GroupData], SampleBatch]:
+        """The claimed groups as loaded (what the step saw), and their training rows. A group that cannot be read
+        or built is dropped with the error as its reason: raising here would kill the worker, and the next one
+        would claim the same group once its lease expired, and crash the same way, forever."""
+        version = current_policy_version(self.engine, self.spec.name)
+        try:
+            groups = to_groups(load_groups(self.engine, claimed))
+            return groups, self._build(groups, version)
+        except Exception:
+            log.exception("could not build the step's samples; retrying group by group")
+        groups, broken, seen = [], [], []
+        for group_id in claimed:
+            try:
+                (group,) = to_groups(load_groups(self.engine, [group_id]))
+                seen.append(group)
+                self._build([group], version)
+            except Exception as exc:
+                broken.append((group_id, f"cannot build samples: {type(exc).__name__}: {exc}"[:500]))
+            else:
+                groups.append(group)
+        batch = self._build(groups, version)
+        batch.dropped_groups.extend(broken)
+        batch.stats["groups_dropped"] += len(broken)
+        reasons = batch.stats.setdefault("drop_reasons", {})
+        reasons["cannot build samples"] = reasons.get("cannot build samples", 0) + len(broken)
+        return seen, batch
+
+    def _build(self, groups: list[GroupData], version: int) -> SampleBatch:
         return build_samples(
-            to_groups(load_groups(self.engine, claimed)),
+            groups,
             advantage_mode=self.config.advantage,
             drop_zero_variance=self.config.drop_zero_variance,
             max_seq_len=self.config.max_seq_len,
-            current_policy_version=current_policy_version(self.engine, self.spec.name),
+            current_policy_version=version,
             max_staleness=self.config.max_staleness,
         )
 
@@ -337,5 +490,4 @@ class Trainer:
                 break
             if self.train_one_step() is not None:
                 done += 1
-        self.listener.close()
         return done

@@ -76,7 +76,9 @@ class PolicyVersion(Base):
 class Group(Base):
     """Trajectories scored against each other; the unit the trainer claims.
 
-    state: open -> ready -> claimed -> trained | dropped (a claim whose lease expires goes back to ready).
+    state: open -> ready -> claimed -> trained | dropped. A claim whose lease expires goes back to ready if the
+    group is still complete, else to open; a trajectory joining a claimed, trained or dropped group reopens it
+    (after the step, for a claimed one), and its next claim trains only trajectories no step has trained.
     """
 
     __tablename__ = "groups"
@@ -110,6 +112,8 @@ class Trajectory(Base):
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
     meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JsonType)
     untrainable_calls: Mapped[int] = mapped_column(Integer, default=0)
+    # The step that trained it; a group reopened by a late trajectory trains only those still None.
+    trained_step: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     rewarded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
@@ -148,6 +152,17 @@ class Call(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     __table_args__ = (UniqueConstraint("trajectory_id", "seq", "choice_index"),)
+
+
+class TrainerLease(Base):
+    """Which trainer process trains a run: one at a time, renewed while it lives, taken over once it expires."""
+
+    __tablename__ = "trainer_leases"
+
+    run: Mapped[str] = mapped_column(ForeignKey("runs.name", ondelete="CASCADE"), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(256))
+    lease_until: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class TrainStep(Base):

@@ -76,7 +76,9 @@ def _statements(dialect: str) -> _Statements:
         .values(untrainable_calls=untrainable_count)
     )
     # A trajectory that joins a ready group (more than the expected size, or after a close) has no reward yet, so
-    # the group is no longer ready; its reward will make it ready again (see gateway.store.rewards).
+    # the group is no longer ready; its reward will make it ready again (see gateway.store.rewards). One that joins
+    # a trained or dropped group reopens it the same way, and the group's next claim trains only what no step has
+    # trained (a claimed group is reopened when its step ends: gateway.store.training).
     unrewarded = (
         select(_trajectories.c.trajectory_id)
         .where(_trajectories.c.group_id == _groups.c.group_id, _trajectories.c.reward.is_(None))
@@ -84,7 +86,11 @@ def _statements(dialect: str) -> _Statements:
     )
     reopen = (
         update(_groups)
-        .where(_groups.c.group_id.in_(bindparam("group_ids", expanding=True)), _groups.c.state == "ready", unrewarded)
+        .where(
+            _groups.c.group_id.in_(bindparam("group_ids", expanding=True)),
+            _groups.c.state.in_(("ready", "trained", "dropped")),
+            unrewarded,
+        )
         .values(state="open", ready_at=None)
     )
     return _Statements(

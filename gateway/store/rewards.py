@@ -69,7 +69,7 @@ def store_rewards(engine: Engine, items: Sequence[RewardItem]) -> list[RewardRes
                 select(Trajectory.trajectory_id, Trajectory.group_id).where(Trajectory.trajectory_id.in_(ids))
             )
         }
-        groups = _lock_groups(conn, sorted(set(group_of.values())))
+        groups = lock_groups(conn, sorted(set(group_of.values())))
         # Read after the lock: a reward for the same group committed before we got it is now visible.
         stored = {
             row.trajectory_id: row
@@ -112,7 +112,7 @@ def store_rewards(engine: Engine, items: Sequence[RewardItem]) -> list[RewardRes
             if item.metadata is not None:
                 values["meta"] = item.metadata
             conn.execute(update(Trajectory).where(Trajectory.trajectory_id == item.trajectory_id).values(values))
-        states = {group_id: _settle(conn, group) for group_id, group in groups.items()}
+        states = {group_id: settle_group(conn, group) for group_id, group in groups.items()}
     results = []
     for item in items:
         group_id = group_of[item.trajectory_id]
@@ -124,13 +124,13 @@ def close_group(engine: Engine, group_id: str) -> str | None:
     """Declare the group complete: it is ready once every trajectory it has is rewarded, whatever its expected
     size. Returns the group's state afterwards, or None if no call of the group has been written."""
     with write_transaction(engine) as conn:
-        group = _lock_groups(conn, [group_id]).get(group_id)
+        group = lock_groups(conn, [group_id]).get(group_id)
         if group is None:
             return None
         if not group["closed"]:
             conn.execute(update(Group).where(Group.group_id == group_id).values(closed=True))
             group["closed"] = True
-        return _settle(conn, group)
+        return settle_group(conn, group)
 
 
 def _unknown(trajectory_id: str) -> str:
@@ -140,9 +140,9 @@ def _unknown(trajectory_id: str) -> str:
     )
 
 
-def _lock_groups(conn: Connection, group_ids: list[str]) -> dict[str, dict[str, Any]]:
-    """SELECT ... FOR UPDATE in id order on Postgres; on SQLite the IMMEDIATE transaction already excludes
-    other writers."""
+def lock_groups(conn: Connection, group_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """SELECT ... FOR UPDATE in id order on Postgres (call it in a `write_transaction`); on SQLite the IMMEDIATE
+    transaction already excludes other writers."""
     if not group_ids:
         return {}
     rows = conn.execute(
@@ -154,8 +154,9 @@ def _lock_groups(conn: Connection, group_ids: list[str]) -> dict[str, dict[str, 
     return {row.group_id: dict(row._mapping) for row in rows}
 
 
-def _settle(conn: Connection, group: dict[str, Any]) -> str:
-    """Flip a locked open group to ready if it now qualifies; returns its state."""
+def settle_group(conn: Connection, group: dict[str, Any]) -> str:
+    """Flip a locked open group to ready if it now qualifies; returns its state. `group` needs group_id, run,
+    state, closed and expected_size (the columns `lock_groups` reads)."""
     if group["state"] != "open":
         return str(group["state"])
     total, rewarded = conn.execute(
@@ -168,7 +169,8 @@ def _settle(conn: Connection, group: dict[str, Any]) -> str:
     conn.execute(
         update(Group)
         .where(Group.group_id == group["group_id"], Group.state == "open")
-        .values(state="ready", ready_at=utcnow())
+        # A group given back by a trainer keeps the place in the queue it had (see gateway.store.training).
+        .values(state="ready", ready_at=func.coalesce(Group.ready_at, utcnow()))
     )
     notify_ready(conn, group["run"])
     return "ready"

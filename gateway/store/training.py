@@ -1,8 +1,15 @@
-"""What the trainer asks of the database: claim ready groups under a lease, read them, commit a step.
+"""What the trainer asks of the database: hold its run, claim ready groups under a lease, read them, commit a step.
 
-A step is all-or-nothing: groups go `ready -> claimed` with a lease; the trainer commits `claimed -> trained`
-together with the step's metrics in one transaction, and only if it still holds every lease. A trainer that dies
-leaves claims whose leases expire, and those groups become ready again for the next trainer.
+One trainer per run: it holds the run's lease (trainer_leases), renews it while it lives, and a second trainer
+waits until it is released or expires. A step is all-or-nothing: groups go `ready -> claimed` with a lease; the
+trainer commits `claimed -> trained` together with the step's metrics in one transaction, and only if it still
+holds the run and every group. A trainer that dies leaves claims whose leases expire, and those groups go back to
+ready (or to open, if a trajectory joined them meanwhile and has no reward yet) for the next trainer.
+
+The step trains exactly the trajectories it loaded, and marks them with its step number. A trajectory that joins a
+group after the claim is kept and not trained by that step: when the step commits (or drops the group), the group
+goes back to open, ready again once the newcomers are rewarded, and its next claim loads only trajectories no step
+has trained. So nothing trains twice and nothing is lost.
 """
 
 from __future__ import annotations
@@ -14,11 +21,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Connection, Engine, case, delete, func, or_, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.db import READY_CHANNEL, write_transaction
-from gateway.store.models import Call, Group, PolicyVersion, Run, TrainStep, Trajectory
+from gateway.store.models import Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory
+from gateway.store.rewards import lock_groups, settle_group
 from gateway.store.runs import record_train_step
 
 
@@ -26,7 +35,16 @@ log = logging.getLogger("trajgate.store")
 
 
 class LeaseLost(RuntimeError):
-    """The trainer no longer holds a group it trained on (its lease expired and another trainer took it)."""
+    """The trainer no longer holds its run or a group it trained on (its lease expired and another trainer took
+    it)."""
+
+
+@dataclass(frozen=True)
+class RunLease:
+    """Who trains a run, and until when unless they renew."""
+
+    holder: str
+    lease_until: datetime
 
 
 @dataclass(frozen=True)
@@ -112,15 +130,88 @@ def current_policy_version(engine: Engine, run: str) -> int:
         ).scalar_one()
 
 
-def release_expired_claims(engine: Engine, run: str) -> int:
-    """Return groups whose trainer stopped renewing its lease to the ready pool; how many."""
+def acquire_run_lease(engine: Engine, run: str, holder: str, lease_s: float) -> RunLease:
+    """Take the run's trainer lease if nobody holds it, its holder stopped renewing it, or `holder` already has it;
+    returns the lease as it stands afterwards (ours if its holder is `holder`)."""
+    now = _now()
+    insert = postgresql.insert if engine.dialect.name == "postgresql" else sqlite.insert
+    with write_transaction(engine) as conn:
+        # The insert waits on (Postgres) or is excluded by (SQLite) a concurrent one, so one trainer wins.
+        conn.execute(
+            insert(TrainerLease)
+            .values(run=run, holder=holder, lease_until=now + timedelta(seconds=lease_s), acquired_at=now)
+            .on_conflict_do_nothing(index_elements=["run"])
+        )
+        conn.execute(
+            update(TrainerLease)
+            .where(TrainerLease.run == run, or_(TrainerLease.holder == holder, TrainerLease.lease_until < now))
+            .values(
+                holder=holder,
+                lease_until=now + timedelta(seconds=lease_s),
+                acquired_at=case((TrainerLease.holder == holder, TrainerLease.acquired_at), else_=now),
+            )
+        )
+        row = conn.execute(select(TrainerLease.holder, TrainerLease.lease_until).where(TrainerLease.run == run)).one()
+    until = _aware(row.lease_until)
+    assert until is not None
+    return RunLease(row.holder, until)
+
+
+def renew_run_lease(engine: Engine, run: str, holder: str, lease_s: float) -> bool:
+    """Extend `holder`'s lease on the run; False if another trainer has taken it over."""
     with engine.begin() as conn:
         result = conn.execute(
-            update(Group)
-            .where(Group.run == run, Group.state == "claimed", Group.lease_until < _now())
-            .values(state="ready", claimed_by=None, lease_until=None)
+            update(TrainerLease)
+            .where(TrainerLease.run == run, TrainerLease.holder == holder)
+            .values(lease_until=_now() + timedelta(seconds=lease_s))
         )
-    return result.rowcount
+    return result.rowcount == 1
+
+
+def release_run_lease(engine: Engine, run: str, holder: str) -> None:
+    """Give the run up (a clean exit), so the next trainer needn't wait for the lease to expire."""
+    with engine.begin() as conn:
+        conn.execute(delete(TrainerLease).where(TrainerLease.run == run, TrainerLease.holder == holder))
+
+
+def _hold_run(conn: Connection, run: str, holder: str) -> None:
+    current = conn.execute(
+        select(TrainerLease.holder).where(TrainerLease.run == run).with_for_update()
+    ).scalar_one_or_none()
+    if current != holder:
+        raise LeaseLost(f"run {run!r} is no longer trained by {holder} but by {current or 'nobody'}")
+
+
+def release_expired_claims(engine: Engine, run: str) -> int:
+    """Give back the groups whose trainer stopped renewing their lease; how many.
+
+    Readiness is decided again, as a reward would: a group a trajectory joined while it was claimed goes to open
+    until that trajectory is rewarded, never straight back to the ready pool.
+    """
+    with write_transaction(engine) as conn:
+        expired = list(
+            conn.execute(
+                select(Group.group_id)
+                .where(Group.run == run, Group.state == "claimed", Group.lease_until < _now())
+                .order_by(Group.group_id)
+                .with_for_update()
+            ).scalars()
+        )
+        if expired:
+            _reopen(conn, expired)
+    return len(expired)
+
+
+def _reopen(conn: Connection, group_ids: list[str]) -> None:
+    """Put locked groups back to open, then to ready if they are complete and every trajectory is rewarded; one
+    that is ready again keeps its place in the queue (its ready_at)."""
+    groups = lock_groups(conn, group_ids)
+    conn.execute(
+        update(Group).where(Group.group_id.in_(list(groups))).values(state="open", claimed_by=None, lease_until=None)
+    )
+    still_open = [gid for gid, group in groups.items() if settle_group(conn, {**group, "state": "open"}) == "open"]
+    if still_open:
+        conn.execute(update(Group).where(Group.group_id.in_(still_open)).values(ready_at=None))
 
 
 def count_ready_groups(engine: Engine, run: str) -> int:
@@ -166,8 +257,19 @@ def renew_leases(engine: Engine, group_ids: Sequence[str], worker: str, lease_s:
     return result.rowcount
 
 
+def _trainable_trajectories(ids: list[str]) -> Any:
+    """The trajectories a claim of these groups trains: rewarded, and not trained by an earlier step."""
+    return (
+        select(Trajectory.trajectory_id)
+        .where(Trajectory.group_id.in_(ids), Trajectory.reward.is_not(None), Trajectory.trained_step.is_(None))
+        .scalar_subquery()
+    )
+
+
 def load_groups(engine: Engine, group_ids: Sequence[str]) -> list[dict[str, Any]]:
-    """The claimed groups with their rewarded trajectories and every call, in order, arrays decoded.
+    """The claimed groups with their rewarded, not yet trained trajectories and every call, in order, arrays
+    decoded. A trajectory that joined a claimed group and has no reward yet is never returned (it waits for the
+    group's next claim); the step must pass the ids it trained to `commit_step`/`drop_groups`.
 
     Plain dicts whose call fields match the trainer's CallData, so the store stays free of trainer imports.
     """
@@ -175,7 +277,7 @@ def load_groups(engine: Engine, group_ids: Sequence[str]) -> list[dict[str, Any]
     with engine.connect() as conn:
         trajectories = conn.execute(
             select(Trajectory.trajectory_id, Trajectory.group_id, Trajectory.reward)
-            .where(Trajectory.group_id.in_(ids))
+            .where(Trajectory.trajectory_id.in_(_trainable_trajectories(ids)))
             .order_by(Trajectory.group_id, Trajectory.created_at, Trajectory.trajectory_id)
         ).all()
         calls = conn.execute(
@@ -190,8 +292,7 @@ def load_groups(engine: Engine, group_ids: Sequence[str]) -> list[dict[str, Any]
                 Call.trainable,
                 Call.untrainable_reason,
             )
-            .join(Trajectory, Trajectory.trajectory_id == Call.trajectory_id)
-            .where(Trajectory.group_id.in_(ids))
+            .where(Call.trajectory_id.in_(_trainable_trajectories(ids)))
             .order_by(Call.trajectory_id, Call.seq, Call.choice_index)
         ).all()
     by_trajectory: dict[str, list[dict[str, Any]]] = {}
@@ -228,36 +329,90 @@ def _held(conn: Any, group_ids: list[str], worker: str) -> None:
         raise LeaseLost(f"{len(lost)} claimed group(s) are no longer held by {worker}: {', '.join(lost[:5])}")
 
 
-def drop_groups(engine: Engine, drops: Sequence[tuple[str, str]], worker: str) -> None:
-    """Mark claimed groups as dropped (stale, zero variance, nothing trainable) with the reason, for good."""
+def _reopen_joined(conn: Connection, group_ids: list[str], seen: Sequence[str]) -> None:
+    """Groups that a trajectory joined after the step loaded them go back to open (ready once it is rewarded)."""
+    joined = list(
+        conn.execute(
+            select(Trajectory.group_id)
+            .where(
+                Trajectory.group_id.in_(group_ids),
+                Trajectory.trained_step.is_(None),
+                Trajectory.trajectory_id.not_in(list(seen)),
+            )
+            .distinct()
+        ).scalars()
+    )
+    if joined:
+        _reopen(conn, sorted(joined))
+
+
+def drop_groups(
+    engine: Engine, drops: Sequence[tuple[str, str]], worker: str, *, trajectory_ids: Sequence[str]
+) -> None:
+    """Mark claimed groups as dropped (stale, zero variance, nothing trainable) with the reason.
+
+    `trajectory_ids` are those the step loaded: a group a trajectory joined since goes back to open instead, and is
+    judged again, newcomers included, once they are rewarded.
+    """
     if not drops:
         return
+    ids = [gid for gid, _ in drops]
     with write_transaction(engine) as conn:
-        _held(conn, [gid for gid, _ in drops], worker)
+        _held(conn, ids, worker)
         for group_id, reason in drops:
             conn.execute(
                 update(Group)
                 .where(Group.group_id == group_id)
                 .values(state="dropped", drop_reason=reason, lease_until=None)
             )
+        _reopen_joined(conn, ids, trajectory_ids)
 
 
 def commit_step(
-    engine: Engine, run: str, step: int, worker: str, group_ids: Sequence[str], metrics: dict[str, Any]
+    engine: Engine,
+    run: str,
+    step: int,
+    worker: str,
+    group_ids: Sequence[str],
+    metrics: dict[str, Any],
+    *,
+    trajectory_ids: Sequence[str],
+    lease_holder: str,
 ) -> None:
-    """Record step `step` as done: its groups trained and its metrics, in one transaction or not at all.
+    """Record step `step` as done: its groups and the trajectories it trained (`trajectory_ids`, as loaded) marked
+    trained, and its metrics, in one transaction or not at all. A group a trajectory joined since the load goes
+    back to open for it.
 
-    Raises LeaseLost (and changes nothing) if another trainer took any of the groups meanwhile.
+    Raises LeaseLost (and changes nothing) if `lease_holder` no longer holds the run or another trainer took any
+    of the groups meanwhile.
     """
     ids = list(group_ids)
+    trained = list(trajectory_ids)
     with write_transaction(engine) as conn:
+        _hold_run(conn, run, lease_holder)
         _held(conn, ids, worker)
         conn.execute(
             update(Group)
             .where(Group.group_id.in_(ids))
             .values(state="trained", trained_step=step, lease_until=None)
         )
+        if trained:
+            conn.execute(
+                update(Trajectory).where(Trajectory.trajectory_id.in_(trained)).values(trained_step=step)
+            )
+        _reopen_joined(conn, ids, trained)
         record_train_step(conn, run, step, metrics)
+
+
+def run_lease(engine: Engine, run: str) -> RunLease | None:
+    """Who holds the run's trainer lease (diagnostics and tests)."""
+    with engine.connect() as conn:
+        row = conn.execute(select(TrainerLease.holder, TrainerLease.lease_until).where(TrainerLease.run == run)).first()
+    if row is None:
+        return None
+    until = _aware(row.lease_until)
+    assert until is not None
+    return RunLease(row.holder, until)
 
 
 def group_states(engine: Engine, run: str) -> dict[str, str]:
