@@ -557,3 +557,43 @@ def test_input_token_logprobs_are_aligned_to_targets() -> None:
         for t in range(1, T):  # token t is scored by the hidden state at t − 1
             expected = torch.log_softmax(hidden[b, t - 1] @ weight.T, dim=-1)[ids[b, t]]
             assert out[b, t].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+# ------------------------------------------------------------------------------- the run's config
+
+
+def test_run_config_keys_reach_the_objective() -> None:
+    from pydantic import ValidationError
+
+    from gateway.run_config import RunConfig
+    from trainer.loop import loss_config
+
+    default = loss_config(RunConfig())
+    assert (default.kind, default.aggregation, default.norm_tokens) == ("cispo", "token", None)
+    assert (default.gspo_clip_eps, default.gspo_clip_eps_high, default.gspo_is_cap) == (3e-4, 4e-4, 2.0)
+    gspo = loss_config(RunConfig(loss="gspo", gspo_clip_eps=0.01, gspo_clip_eps_high=0.02, gspo_is_cap=1.5))
+    assert (gspo.gspo_clip_eps, gspo.gspo_clip_eps_high, gspo.gspo_is_cap) == (0.01, 0.02, 1.5)
+    assert loss_config(RunConfig(loss="grpo", loss_aggregation="sequence")).aggregation == "sequence"
+    # Dr. GRPO's constant: max_seq_len unless given.
+    assert loss_config(RunConfig(loss_aggregation="constant", max_seq_len=512)).norm_tokens == 512
+    assert loss_config(RunConfig(loss_aggregation="constant", loss_norm_tokens=100)).norm_tokens == 100
+    for bad in (
+        {"loss_aggregation": "mean"},
+        {"loss_norm_tokens": 100},  # without the constant aggregation it would be ignored
+        {"gspo_is_cap": 0},
+        {"gspo_clip_eps": 1.0},
+        {"loss": "gspo", "truncated_is_cap": 2.0},
+    ):
+        with pytest.raises(ValidationError):
+            RunConfig.model_validate(bad)
+
+
+def test_the_step_line_shows_the_log_ratio() -> None:
+    from trainer.loop import format_step
+
+    metrics = {
+        "reward_mean": 0.5, "reward_std": 0.1, "groups_used": 4, "groups_dropped": 0, "tokens": 100,
+        "trainable_tokens": 40, "loss": -0.01, "ratio_mean": 1.001, "ratio_max": 1.2, "log_ratio_abs_mean": 0.0213,
+        "clip_frac": 0.0, "grad_norm": 0.5, "step_seconds": 2.0, "tokens_per_s": 50.0,
+    }  # fmt: skip
+    assert "| |log r| 0.0213 |" in format_step(3, metrics)
