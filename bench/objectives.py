@@ -146,7 +146,7 @@ def _measure(args: argparse.Namespace, base_url: str) -> int:
                 )
                 outside = vllm_sequence_ratio_outside_gspo_clip(rows, backend.token_logprobs(rows))
                 metrics = backend.train_step(rows, config, micro_batch_tokens=4096)
-                results.append({"objective": name, "step": step, "gspo_paper_clip_outside": outside, **metrics})
+                results.append({**metrics, "objective": name, "step": step, "gspo_paper_clip_outside": outside})
                 model = f"{served}@{step}"
                 backend.save(Path(tmp) / model)
                 admin.load(model, Path(tmp) / model)
@@ -155,13 +155,14 @@ def _measure(args: argparse.Namespace, base_url: str) -> int:
 
     print(f"\ntemperature {args.temperature}, lr {args.lr}, {len(PROMPTS)} prompts × {len(REWARDS)} samples ≤ "
           f"{args.max_tokens} tokens per step; metrics on each step's fresh data, before its update\n")  # fmt: skip
-    print("| objective | step | trained tokens | mean abs log ratio | ratio mean | clip frac | approx KL | grad norm "
-          "| seqs outside GSPO paper clip vs vLLM |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| objective | step | trained tokens | mean abs log ratio | ratio mean | clip frac | IS capped | approx KL "
+          "| grad norm | seqs outside GSPO paper clip vs vLLM |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
+        capped = f"{r['tis_frac']:.3f}" if "tis_frac" in r else "–"
         print(
             f"| {r['objective']} | {r['step']} | {r['tokens']:.0f} | {r['log_ratio_abs_mean']:.4f} | "
-            f"{r['ratio_mean']:.4f} | {r['clip_frac']:.3f} | {r['approx_kl']:.2e} | {r['grad_norm']:.3f} | "
+            f"{r['ratio_mean']:.4f} | {r['clip_frac']:.3f} | {capped} | {r['approx_kl']:.2e} | {r['grad_norm']:.3f} | "
             f"{r['gspo_paper_clip_outside']:.0%} |"
         )
     if args.json:

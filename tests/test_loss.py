@@ -200,19 +200,19 @@ def test_gspo_sequence_ids_share_one_ratio_across_rows() -> None:
 
 
 def test_gspo_trains_every_sequence_under_realistic_vllm_noise() -> None:
-    """vLLM (bf16) and the trainer (fp32) disagree by |Δlogπ| ≈ 0.02 per token on the same weights.
+    """vLLM (bf16) and the trainer (fp32) disagree by |Δlogπ| ≈ 0.04 per token on the same weights.
     GSPO's paper clip range (3e-4 / 4e-4) must not turn that noise into zero gradients: its ratio is
     against the trainer's own π_old (1 here), the gap goes into a truncated IS weight."""
     g = torch.Generator().manual_seed(3)
     rows, length = 8, 24
     blp = -torch.rand(rows, length, generator=g, dtype=torch.float64) * 3
-    lp = (blp + torch.randn(rows, length, generator=g, dtype=torch.float64) * 0.025).requires_grad_(True)
+    lp = (blp + torch.randn(rows, length, generator=g, dtype=torch.float64) * 0.05).requires_grad_(True)
     mask = torch.ones(rows, length)
     mask[:, :4] = 0  # a prompt
     adv = torch.tensor([1.0, -1.0] * (rows // 2), dtype=torch.float64)
     n = int(mask.sum())
     noise = ((lp - blp).abs() * mask).sum() / n
-    assert 0.015 < noise.item() < 0.025  # what the e2e tier measures on real vLLM CPU
+    assert 0.03 < noise.item() < 0.05  # bench/objectives.py measured 0.039 on real vLLM CPU (SmolLM2, temperature 1)
 
     out = policy_loss(lp, blp, adv, mask, n, LossConfig(kind="gspo"))
     out.loss.backward()
