@@ -6,9 +6,9 @@ vLLM CPU (the base model for step 1, then the adapter the previous step saved, l
 at `--temperature` (1.0: vLLM's logprobs are raw, so only then is the behaviour policy the model's distribution),
 with content-blind rewards (by sample index: the figures must not depend on what the model writes), then one
 optimizer step. Reported per step, on that fresh data before the update: the token-weighted mean |logπ_θ −
-logπ_vllm| (`log_ratio_abs_mean`), the ratio mean, clip fraction and k3 KL, and the share of sequences whose
-length-normalised vLLM ratio exp(mean_t log r) falls outside GSPO's paper clip range 1 ± 3e-4/4e-4 (what made the
-old GSPO clip them).
+logπ_vllm| (`log_ratio_abs_mean`), the ratio mean, clip fraction, IS-capped share and k3 KL, and what GSPO as it
+was (its ratio exp(mean_t log r) against vLLM, the paper's clip 1 − 3e-4 .. 1 + 4e-4) would have done: the share of
+sequences outside that range, and of those it clipped to zero gradient.
 
     .venv/bin/python bench/objectives.py                         # starts vLLM CPU itself, ~5 min on 2 cores
     .venv/bin/python bench/objectives.py --base-url http://127.0.0.1:8000/v1 --steps 3 --temperature 0.7
@@ -106,14 +106,17 @@ def on_policy_rows(groups: list[GroupData]) -> list[Row]:
     return build_samples(groups, advantage_mode="group", drop_zero_variance=True, max_seq_len=2048).rows
 
 
-def vllm_sequence_ratio_outside_gspo_clip(rows: Sequence[Row], trainer_logprobs: Sequence[Sequence[float]]) -> float:
-    """Share of sequences whose exp(mean_t (logπ_θ − logπ_vllm)) is outside [1 − 3e-4, 1 + 4e-4]."""
-    outside = 0
+def old_gspo_shares(rows: Sequence[Row], trainer_logprobs: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """GSPO as it was, with s = exp(mean_t (logπ_θ − logπ_vllm)) and the paper's clip 1 − 3e-4 .. 1 + 4e-4:
+    the share of sequences with s outside that range, and of those it clipped to no gradient (outside on the
+    side their advantage points to)."""
+    outside = clipped = 0
     for row, lps in zip(rows, trainer_logprobs, strict=True):
         diffs = [lp - blp for lp, blp, m in zip(lps, row.behaviour_logprobs, row.loss_mask, strict=True) if m]
         s = math.exp(sum(diffs) / len(diffs))
         outside += not (1 - 3e-4 <= s <= 1 + 4e-4)
-    return outside / len(rows)
+        clipped += (row.advantage > 0 and s > 1 + 4e-4) or (row.advantage < 0 and s < 1 - 3e-4)
+    return outside / len(rows), clipped / len(rows)
 
 
 def main() -> int:
@@ -144,9 +147,11 @@ def _measure(args: argparse.Namespace, base_url: str) -> int:
                 rows = on_policy_rows(
                     sample_groups(base_url, model, max_tokens=args.max_tokens, temperature=args.temperature, seed=step)
                 )
-                outside = vllm_sequence_ratio_outside_gspo_clip(rows, backend.token_logprobs(rows))
+                outside, clipped = old_gspo_shares(rows, backend.token_logprobs(rows))
                 metrics = backend.train_step(rows, config, micro_batch_tokens=4096)
-                results.append({**metrics, "objective": name, "step": step, "gspo_paper_clip_outside": outside})
+                results.append(
+                    {**metrics, "objective": name, "step": step, "old_gspo_outside": outside, "old_gspo_clipped": clipped}
+                )
                 model = f"{served}@{step}"
                 backend.save(Path(tmp) / model)
                 admin.load(model, Path(tmp) / model)
@@ -156,14 +161,14 @@ def _measure(args: argparse.Namespace, base_url: str) -> int:
     print(f"\ntemperature {args.temperature}, lr {args.lr}, {len(PROMPTS)} prompts × {len(REWARDS)} samples ≤ "
           f"{args.max_tokens} tokens per step; metrics on each step's fresh data, before its update\n")  # fmt: skip
     print("| objective | step | trained tokens | mean abs log ratio | ratio mean | clip frac | IS capped | approx KL "
-          "| grad norm | seqs outside GSPO paper clip vs vLLM |")  # fmt: skip
+          "| grad norm | old GSPO: seqs outside clip / clipped |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         capped = f"{r['tis_frac']:.3f}" if "tis_frac" in r else "–"
         print(
             f"| {r['objective']} | {r['step']} | {r['tokens']:.0f} | {r['log_ratio_abs_mean']:.4f} | "
             f"{r['ratio_mean']:.4f} | {r['clip_frac']:.3f} | {capped} | {r['approx_kl']:.2e} | {r['grad_norm']:.3f} | "
-            f"{r['gspo_paper_clip_outside']:.0%} |"
+            f"{r['old_gspo_outside']:.0%} / {r['old_gspo_clipped']:.0%} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": results}))
