@@ -9,8 +9,8 @@ Measured in the same run (DESIGN §8):
     trained, `--trained-fraction`), split with the trainer's own micro-batching;
   * (a) bare: forward + backward of those micro-batches with plain cross-entropy on full logits,
     LoRA attached, no optimizer — the floor any trainer pays;
-  * (b) step: `TrainerBackend.train_step` with CISPO: chunked LM-head logprobs, the objective,
-    backward, grad clip, AdamW.
+  * (b) step: `trainer.step.train_step` (what `TrainerBackend.train_step` runs) with CISPO: chunked
+    LM-head logprobs, the objective, backward, grad clip, AdamW.
 One warm-up of each, then (a) and (b) alternate `--repeats` times (drift hits both alike); medians.
 Reports tokens/s, the step/bare time ratio (target ≤ 1.5), MFU = flops_per_token · tokens / time /
 peak (the backend's honest LoRA count, 4·N_frozen + 6·N_lora; the 6·N convention is shown beside it)

@@ -101,6 +101,11 @@ class RunConfig(BaseModel):
     clip_eps_high: Finite = Field(0.28, gt=0)
     cispo_max_ratio: Finite = Field(5.0, gt=0)
     truncated_is_cap: Finite | None = Field(None, gt=0)
+    gspo_clip_eps: Finite = Field(3e-4, gt=0, lt=1)
+    gspo_clip_eps_high: Finite = Field(4e-4, gt=0)
+    gspo_is_cap: Finite = Field(2.0, gt=0)
+    loss_aggregation: Literal["token", "sequence", "constant"] = "token"
+    loss_norm_tokens: int | None = Field(None, ge=1)
     max_grad_norm: Finite = Field(1.0, gt=0)
     lora_rank: int = 16
     lora_alpha: int = Field(32, ge=1)
@@ -128,7 +133,13 @@ class RunConfig(BaseModel):
         # CISPO already caps the importance weight and GSPO's ratio is per sequence: a token-level cap there is
         # either redundant or meaningless, so refuse it rather than silently ignore it.
         if self.truncated_is_cap is not None and self.loss != "grpo":
-            raise ValueError("truncated_is_cap applies to loss 'grpo' only")
+            raise ValueError("truncated_is_cap applies to loss 'grpo' only (gspo has gspo_is_cap)")
+        return self
+
+    @model_validator(mode="after")
+    def _norm_tokens_needs_constant(self) -> RunConfig:
+        if self.loss_norm_tokens is not None and self.loss_aggregation != "constant":
+            raise ValueError("loss_norm_tokens is the constant of loss_aggregation 'constant' only")
         return self
 
     def stored(self) -> dict[str, Any]:

@@ -15,8 +15,9 @@ from torch import nn
 from trainer.backends import HFBackend, LoraSpec, UnslothBackend, make_backend, resolve_backend_name
 from trainer.backends.hf import check_logprob_support
 from trainer.lora import check_vllm_adapter
-from trainer.loss import LossConfig, LossKind
-from trainer.samples import Row
+from trainer.loss import LossConfig, StepTotals, policy_loss
+from trainer.samples import Row, collate
+from trainer.step import make_optimizer, train_step
 
 VOCAB = 512
 HIDDEN = 64
@@ -123,6 +124,7 @@ def test_on_policy_first_step_has_ratio_one_and_nothing_clipped(tiny: str) -> No
     assert abs(metrics["ratio_max"] - 1) < 1e-5 and abs(metrics["ratio_min"] - 1) < 1e-5  # measured ±1.5e-6
     assert metrics["clip_frac"] == 0.0
     assert metrics["approx_kl"] < 1e-8
+    assert metrics["log_ratio_abs_mean"] < 2e-6  # measured ~3e-7: same weights, recomputed
     n = int(metrics["micro_batches"])
     assert n > 1 and calls == [(i, n) for i in range(1, n + 1)]
     assert metrics["tokens"] == sum(r.trainable_tokens for r in rows)
@@ -165,10 +167,21 @@ def test_learning_raises_the_rewarded_pattern(tiny: str) -> None:
     assert before_bad - after_bad > 0.5, (before_bad, after_bad)
 
 
-@pytest.mark.parametrize("kind", ["grpo", "cispo", "gspo"])
-def test_micro_batching_does_not_change_the_step(tiny: str, kind: LossKind) -> None:
-    """Token-level normalisation over the whole step: one big batch and many small ones give the
-    same loss and the same accumulated gradient."""
+@pytest.mark.parametrize(
+    "config",
+    [
+        LossConfig(kind="grpo"),
+        LossConfig(kind="cispo"),
+        LossConfig(kind="gspo"),
+        LossConfig(kind="grpo", aggregation="sequence"),
+        LossConfig(kind="gspo", aggregation="sequence"),
+        LossConfig(kind="cispo", aggregation="constant", norm_tokens=8),
+    ],
+    ids=lambda c: f"{c.kind}-{c.aggregation}",
+)
+def test_micro_batching_does_not_change_the_step(tiny: str, config: LossConfig) -> None:
+    """Normalisers over the whole step, whatever the aggregation: one big batch and many small ones
+    give the same loss and the same accumulated gradient."""
     rows = mixed_rows(seed=3)
     results = []
     for budget in (1000, 20):
@@ -182,15 +195,69 @@ def test_micro_batching_does_not_change_the_step(tiny: str, kind: LossKind) -> N
                 p.register_post_accumulate_grad_hook(
                     lambda p, name=name, grads=grads: grads.__setitem__(name, p.grad.clone())
                 )
-        metrics = backend.train_step(rows, LossConfig(kind=kind), micro_batch_tokens=budget)
+        metrics = backend.train_step(rows, config, micro_batch_tokens=budget)
         results.append((metrics, grads))
     (big, big_grads), (small, small_grads) = results
     assert small["micro_batches"] > 1 == big["micro_batches"]
-    for key in ("loss", "grad_norm", "ratio_mean", "clip_frac", "approx_kl", "tokens"):
+    assert big["log_ratio_abs_mean"] == pytest.approx(0.3, rel=1e-4)  # the shift above
+    for key in ("loss", "grad_norm", "ratio_mean", "log_ratio_abs_mean", "clip_frac", "approx_kl", "tokens"):
         assert small[key] == pytest.approx(big[key], rel=1e-5, abs=1e-7), key
     assert big_grads.keys() == small_grads.keys() and big_grads
     for name, grad in big_grads.items():
         torch.testing.assert_close(small_grads[name], grad, rtol=1e-4, atol=1e-7)
+
+
+class BigramPolicy:
+    """A policy that is no TrainerBackend (one table of next-token logits): ``trainer.step`` needs
+    only ``trainer.step.Policy``."""
+
+    def __init__(self, vocab: int = 16, learning_rate: float = 0.05, grad_clip: float = 0.2) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Module()
+        self.model.table = nn.Parameter(torch.randn(vocab, vocab, dtype=torch.float64))
+        self.device = torch.device("cpu")
+        self.trainable = [self.model.table]
+        self.optimizer = make_optimizer(self.trainable, learning_rate, weight_decay=0.01)
+        self.learning_rate, self.grad_clip, self.step = learning_rate, grad_clip, 0
+
+    def logprobs(self, batch: dict[str, torch.Tensor], *, trained_only: bool) -> torch.Tensor:
+        ids = batch["input_ids"]
+        lp = torch.log_softmax(self.model.table[ids[:, :-1]], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return torch.nn.functional.pad(lp, (1, 0))
+
+
+def test_the_step_is_the_algorithm_for_any_policy() -> None:
+    """trainer.step on micro-batches = the whole batch's loss, backward, clip, AdamW, done by hand."""
+    rng = random.Random(5)
+    rows = [
+        row([rng.randrange(16) for _ in range(rng.randint(1, 4))], [rng.randrange(16) for _ in range(rng.randint(1, 6))],
+            advantage=rng.choice([-1.0, 1.0]), sequence_id=i)
+        for i in range(7)
+    ]  # fmt: skip
+    rows.append(row([1, 2], [3], 1.0, 7))
+    rows[-1].loss_mask = [0, 0, 0]  # context only: skipped, and not counted as a sequence
+    config = LossConfig(kind="cispo", aggregation="sequence")
+    policy, by_hand = BigramPolicy(), BigramPolicy()
+    for r, lps in zip(rows, by_hand.logprobs(collate(rows), trained_only=False).tolist(), strict=True):
+        r.behaviour_logprobs = [lp - 0.1 if m else 0.0 for lp, m in zip(lps[: len(r)], r.loss_mask, strict=True)]
+
+    metrics = train_step(policy, rows, config, micro_batch_tokens=12)
+
+    trained = rows[:-1]
+    batch = collate(trained)
+    out = policy_loss(
+        by_hand.logprobs(batch, trained_only=True), batch["behaviour_logprobs"], batch["advantages"],
+        batch["loss_mask"], StepTotals(tokens=sum(r.trainable_tokens for r in trained), sequences=7), config,
+    )  # fmt: skip
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(by_hand.trainable, 0.2)
+    by_hand.optimizer.step()
+    assert metrics["micro_batches"] > 1 and policy.step == 1
+    assert metrics["loss"] == pytest.approx(out.loss.item(), rel=1e-6)  # the step sums in float32
+    assert metrics["grad_norm"] == pytest.approx(grad_norm.item(), rel=1e-9) and metrics["grad_norm"] > 0.2  # clipped
+    assert metrics["log_ratio_abs_mean"] == pytest.approx(0.1, rel=1e-6)  # behaviour logprobs are float32
+    torch.testing.assert_close(policy.model.table, by_hand.model.table, rtol=1e-12, atol=1e-12)
+    assert policy.model.table.grad is None  # cleared for the next step
 
 
 def test_gradient_checkpointing_changes_memory_not_results(tiny: str) -> None:

@@ -11,10 +11,8 @@ import torch
 
 from tests.test_backends import build_tiny_llama, make, mixed_rows, set_behaviour
 from trainer.backends import HFBackend, LoraSpec, TrainerBackend
-from trainer.backends.base import Progress
 from trainer.checkpoint import checkpoint_dir, discard_after, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.loss import LossConfig
-from trainer.samples import Row
 
 RUN = "email-agent"
 
@@ -29,7 +27,7 @@ def trainable(backend: HFBackend) -> dict[str, torch.Tensor]:
 
 
 def optimizer_state(backend: HFBackend) -> list[dict[str, torch.Tensor]]:
-    return [backend.optimizer.state[p] for p in backend._params]
+    return [backend.optimizer.state[p] for p in backend.trainable]
 
 
 def test_kill_and_resume_equals_an_uninterrupted_run(tiny: str, tmp_path: Path) -> None:
@@ -103,12 +101,7 @@ class FileBackend(TrainerBackend):
         super().__init__("none", LoraSpec(), 1e-5, device="cpu")
         self.fail = fail
 
-    def train_step(
-        self, rows: list[Row], loss_config: LossConfig, micro_batch_tokens: int, progress: Progress | None = None
-    ) -> dict[str, float]:
-        raise NotImplementedError
-
-    def token_logprobs(self, rows: list[Row]) -> list[list[float]]:
+    def logprobs(self, batch: dict[str, torch.Tensor], *, trained_only: bool) -> torch.Tensor:
         raise NotImplementedError
 
     def save(self, directory: Path) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from trainer.loss import (
     LossConfig,
+    StepTotals,
     aggregate_metrics,
     chunked_token_logprobs,
     input_token_logprobs,
@@ -31,8 +32,9 @@ def _leaf(values: list[list[float]]) -> torch.Tensor:
 
 def _run(cfg: LossConfig, lp=LP, blp=BLP, adv=ADV, mask=MASK, total=N, **kw):
     leaf = _leaf(lp)
+    totals = StepTotals(tokens=total, sequences=len(lp)) if total > 0 else total
     out = policy_loss(
-        leaf, torch.tensor(blp, dtype=torch.float64), torch.tensor(adv), torch.tensor(mask, dtype=torch.float32), total, cfg, **kw
+        leaf, torch.tensor(blp, dtype=torch.float64), torch.tensor(adv), torch.tensor(mask, dtype=torch.float32), totals, cfg, **kw
     )
     out.loss.backward()
     return out, leaf.grad
@@ -89,6 +91,7 @@ def test_grpo_metrics_ratio_and_k3_kl() -> None:
     assert m["ratio_max"].item() == pytest.approx(max(r), rel=1e-6)
     assert m["ratio_min"].item() == pytest.approx(min(r), rel=1e-6)
     assert m["approx_kl"].item() == pytest.approx(sum(x - 1 - math.log(x) for x in r) / 5, rel=1e-5)
+    assert m["log_ratio_abs_mean"].item() == pytest.approx(sum(abs(x) for x in log_r) / 5, rel=1e-6)
     assert not any(v.requires_grad for v in m.values())
 
 
@@ -125,51 +128,103 @@ def test_cispo_lower_bound_is_exposed() -> None:
 
 # ------------------------------------------------------------------------------------------ gspo
 
+# π_old for the tests that give it explicitly (several updates per batch): log(π_θ/π_old) on row 0's
+# masked tokens is +0.2, −0.05, +0.05 (mean 0.067, s = 1.069, A > 0); on row 1's −0.15, +0.1 (mean
+# −0.025, s = 0.975, A < 0). log(π_old/π_b): row 0 +0.3, −0.05, +0.05 (mean 0.1); row 1 −0.35, +0.1.
+OLD = [[0.0, -1.2, -0.45, -2.05], [0.0, -0.15, -1.3, -0.9]]
 
-def _gspo_reference(lp, blp, adv, mask, total, groups, eps_low, eps_high):
-    """Loops: per sequence s = exp(mean log r), ℓ = −min(sA, clip(s)A), weighted by its token count."""
+
+def _gspo_reference(lp, blp, adv, mask, total, groups, eps_low, eps_high, cap=2.0, old=None):
+    """Loops: per sequence s = exp(mean log π_θ/π_old), w = min(exp(mean log π_old/π_b), C),
+    ℓ = −w·min(sA, clip(s)A), weighted by its token count (token aggregation)."""
     leaf = _leaf(lp)
+    old = leaf.detach() if old is None else torch.tensor(old, dtype=torch.float64)
     loss = leaf.sum() * 0  # part of the graph even when every term is clipped to a constant
     for rows in groups:  # each sequence: list of row indices
         tokens = [(b, t) for b in rows for t in range(len(lp[b])) if mask[b][t]]
-        mean_log_r = sum(leaf[b, t] - blp[b][t] for b, t in tokens) / len(tokens)
-        s = torch.exp(mean_log_r)
+        s = torch.exp(sum(leaf[b, t] - old[b, t] for b, t in tokens) / len(tokens))
+        w = min(math.exp(sum(old[b, t].item() - blp[b][t] for b, t in tokens) / len(tokens)), cap)
         a = adv[rows[0]]
-        seq_loss = -min(s * a, _clip(s, 1 - eps_low, 1 + eps_high) * a)
+        seq_loss = -w * min(s * a, _clip(s, 1 - eps_low, 1 + eps_high) * a)
         loss = loss + len(tokens) * seq_loss
     loss = loss / total
     loss.backward()
     return loss.item(), leaf.grad
 
 
-@pytest.mark.parametrize("eps", [(3e-4, 4e-4), (0.2, 0.28)])
-def test_gspo_value_and_gradient_match_hand_computation(eps) -> None:
-    # Row 0: mean log r = 0.5/3 = 0.167 (s = 1.18, A > 0); row 1: mean = -0.15 (s = 0.86, A < 0).
-    cfg = LossConfig(kind="gspo", gspo_eps=eps[0], gspo_eps_high=eps[1])
-    out, grad = _run(cfg)
-    ref_loss, ref_grad = _gspo_reference(LP, BLP, ADV, MASK, N, [[0], [1]], *eps)
+@pytest.mark.parametrize(("eps", "cap"), [((3e-4, 4e-4), 2.0), ((0.2, 0.28), 1.05)])
+def test_gspo_value_and_gradient_match_hand_computation(eps, cap) -> None:
+    cfg = LossConfig(kind="gspo", gspo_clip_eps=eps[0], gspo_clip_eps_high=eps[1], gspo_is_cap=cap)
+    out, grad = _run(cfg, old_logprobs=torch.tensor(OLD, dtype=torch.float64))
+    ref_loss, ref_grad = _gspo_reference(LP, BLP, ADV, MASK, N, [[0], [1]], *eps, cap=cap, old=OLD)
     assert out.loss.item() == pytest.approx(ref_loss, rel=1e-6)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-8)
-    # Tiny eps: both sequences clipped (no gradient). Wide eps: row 0 (s=1.18 < 1.28) and row 1
-    # (s=0.86 > 0.8) unclipped.
-    expected_clip = 1.0 if eps[0] < 0.01 else 0.0
-    assert out.metrics["clip_frac"].item() == pytest.approx(expected_clip)
-    if eps[0] > 0.01:
-        # Loss = |o|·(−A·s)/N, and ∂s/∂lp_t = s/|o|: each token of row 0 gets −A·s/N.
-        s0 = math.exp(0.5 / 3)
-        assert grad[0, 1].item() == pytest.approx(-1.5 * s0 / N, rel=1e-6)
+    # The paper's eps: both sequences moved past the range the way their advantage points, so both
+    # are clipped (no gradient). Wide eps: neither is; row 0's weight e^0.1 is capped at 1.05.
+    if eps[0] < 0.01:
+        assert out.metrics["clip_frac"].item() == 1.0
+        assert torch.count_nonzero(grad) == 0
+        assert out.metrics["tis_frac"].item() == 0.0
+    else:
+        assert out.metrics["clip_frac"].item() == 0.0
+        assert out.metrics["tis_frac"].item() == pytest.approx(3 / 5)
+        # Loss = |o|·(−w·A·s)/N, and ∂s/∂lp_t = s/|o|: each token of row 0 gets −w·A·s/N.
+        s0 = math.exp((0.2 - 0.05 + 0.05) / 3)
+        assert grad[0, 1].item() == pytest.approx(-1.05 * 1.5 * s0 / N, rel=1e-6)
+
+
+def test_gspo_ratio_is_against_the_trainers_own_old_policy() -> None:
+    """One update per batch: π_old = sg(π_θ), so s ≡ 1 whatever vLLM recorded; the vLLM gap is
+    only a truncated weight. Row 0's gap e^{0.5/3} = 1.18 (bypass GSPO: clipped, A > 0), row 1's
+    e^{−0.15} = 0.86 (A < 0: clipped too): both train."""
+    out, grad = _run(LossConfig(kind="gspo"))
+    ref_loss, ref_grad = _gspo_reference(LP, BLP, ADV, MASK, N, [[0], [1]], 3e-4, 4e-4)
+    assert out.loss.item() == pytest.approx(ref_loss, rel=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-8)
+    assert out.metrics["clip_frac"].item() == 0.0
+    assert grad[0, 1].item() == pytest.approx(-math.exp(0.5 / 3) * 1.5 / N, rel=1e-6)
+    assert grad[1, 1].item() == pytest.approx(-math.exp(-0.15) * -0.8 / N, rel=1e-6)
 
 
 def test_gspo_sequence_ids_share_one_ratio_across_rows() -> None:
-    cfg = LossConfig(kind="gspo", gspo_eps=0.2, gspo_eps_high=0.28)
+    cfg = LossConfig(kind="gspo", gspo_clip_eps=0.2, gspo_clip_eps_high=0.28)
     adv = [0.7, 0.7]  # one sequence, one advantage
-    out, grad = _run(cfg, adv=adv, sequence_ids=torch.tensor([4, 4]))
-    ref_loss, ref_grad = _gspo_reference(LP, BLP, adv, MASK, N, [[0, 1]], 0.2, 0.28)
+    old = torch.tensor(OLD, dtype=torch.float64)
+    out, grad = _run(cfg, adv=adv, sequence_ids=torch.tensor([4, 4]), old_logprobs=old)
+    ref_loss, ref_grad = _gspo_reference(LP, BLP, adv, MASK, N, [[0, 1]], 0.2, 0.28, old=OLD)
     assert out.loss.item() == pytest.approx(ref_loss, rel=1e-6)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-8)
     # Per-token [B, T] ids (packed rows) group the same way.
-    out2, grad2 = _run(cfg, adv=adv, sequence_ids=torch.full((2, 4), 9))
+    out2, grad2 = _run(cfg, adv=adv, sequence_ids=torch.full((2, 4), 9), old_logprobs=old)
     torch.testing.assert_close(grad2, ref_grad, rtol=1e-5, atol=1e-8)
+
+
+def test_gspo_trains_every_sequence_under_realistic_vllm_noise() -> None:
+    """vLLM (bf16) and the trainer (fp32) disagree by |Δlogπ| ≈ 0.04 per token on the same weights.
+    GSPO's paper clip range (3e-4 / 4e-4) must not turn that noise into zero gradients: its ratio is
+    against the trainer's own π_old (1 here), the gap goes into a truncated IS weight."""
+    g = torch.Generator().manual_seed(3)
+    rows, length = 8, 24
+    blp = -torch.rand(rows, length, generator=g, dtype=torch.float64) * 3
+    lp = (blp + torch.randn(rows, length, generator=g, dtype=torch.float64) * 0.05).requires_grad_(True)
+    mask = torch.ones(rows, length)
+    mask[:, :4] = 0  # a prompt
+    adv = torch.tensor([1.0, -1.0] * (rows // 2), dtype=torch.float64)
+    n = int(mask.sum())
+    noise = ((lp - blp).abs() * mask).sum() / n
+    assert 0.03 < noise.item() < 0.05  # bench/objectives.py measured 0.039 on real vLLM CPU (SmolLM2, temperature 1)
+
+    out = policy_loss(lp, blp, adv, mask, n, LossConfig(kind="gspo"))
+    out.loss.backward()
+    assert out.metrics["clip_frac"].item() == 0.0
+    for b in range(rows):  # every sequence is trained, whichever way its noise points
+        assert torch.count_nonzero(lp.grad[b] * mask[b]) == int(mask[b].sum()), b
+    # On-policy GSPO (s = 1, ∂s/∂logπ_t = 1/|o|, |o| tokens) times the sequence's truncated IS weight:
+    # every token of sequence i gets −w_i·A_i/N with w_i = min(exp(mean_t(logπ_old − logπ_vllm)), 2).
+    with torch.no_grad():
+        gap = torch.exp(((lp - blp) * mask).sum(1) / mask.sum(1)).clamp(max=2.0)
+        expected = -(gap * adv)[:, None] * mask / n
+    torch.testing.assert_close(lp.grad, expected, rtol=1e-9, atol=1e-12)
 
 
 # ------------------------------------------------------------------------------------------- TIS
@@ -226,6 +281,80 @@ def test_config_validation() -> None:
         _run(LossConfig(kind="grpo"), total=0)
     with pytest.raises(ValueError):
         _run(LossConfig(kind="grpo"), old_logprobs=torch.zeros(2, 4))
+    with pytest.raises(ValueError):
+        LossConfig(kind="gspo", tis_cap=2.0)  # gspo has its own, sequence-level cap
+    with pytest.raises(ValueError):
+        LossConfig(kind="gspo", gspo_is_cap=0.0)
+    with pytest.raises(ValueError):
+        LossConfig(aggregation="constant")  # needs its constant
+    with pytest.raises(ValueError):
+        LossConfig(norm_tokens=128)  # a constant another aggregation would silently ignore
+    with pytest.raises(ValueError):
+        LossConfig(aggregation="mean")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        StepTotals(tokens=5, sequences=0)
+    with pytest.raises(ValueError, match="StepTotals"):  # a token count cannot normalise per sequence
+        policy_loss(_leaf(LP), torch.tensor(BLP), torch.tensor(ADV), torch.tensor(MASK), N, LossConfig(aggregation="sequence"))
+
+
+# ---------------------------------------------------------------------------------- aggregation
+
+C = 6  # Dr. GRPO's constant (e.g. the longest completion allowed)
+
+
+def _published_objective(aggregation: str, seqs: list) -> torch.Tensor:
+    """J from the papers' formulas, given each sequence's per-token objective terms."""
+    G = len(seqs)
+    if aggregation == "token":  # DAPO: (1/Σ_i |o_i|) Σ_i Σ_t
+        return sum(sum(ts) for ts in seqs) / sum(len(ts) for ts in seqs)
+    if aggregation == "sequence":  # DeepSeekMath GRPO: (1/G) Σ_i (1/|o_i|) Σ_t
+        return sum(sum(ts) / len(ts) for ts in seqs) / G
+    return sum(sum(ts) for ts in seqs) / (G * C)  # Dr. GRPO: (1/G) Σ_i Σ_t, the sum over a constant
+
+
+def _objective_terms(kind: str, leaf: torch.Tensor) -> list:
+    """Per sequence (= row here), the objective's term of each masked token, by loops, in float64."""
+    seqs = []
+    for b, a in enumerate(ADV):
+        ts = [t for t in range(4) if MASK[b][t]]
+        if kind == "grpo":
+            rs = [torch.exp(leaf[b, t] - BLP[b][t]) for t in ts]
+            seqs.append([min(r * a, _clip(r, 0.8, 1.28) * a) for r in rs])
+        elif kind == "cispo":
+            seqs.append([_clip(math.exp(leaf[b, t].item() - BLP[b][t]), 0.0, 5.0) * a * leaf[b, t] for t in ts])
+        else:  # GSPO's one term per sequence, on each of its tokens
+            s = torch.exp(sum(leaf[b, t] - leaf[b, t].detach() for t in ts) / len(ts))
+            w = min(math.exp(sum(leaf[b, t].item() - BLP[b][t] for t in ts) / len(ts)), 2.0)
+            seqs.append([w * min(s * a, _clip(s, 1 - 3e-4, 1 + 4e-4) * a)] * len(ts))
+    return seqs
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence", "constant"])
+@pytest.mark.parametrize("kind", ["grpo", "cispo", "gspo"])
+def test_each_aggregation_is_the_published_formula(kind: str, aggregation: str) -> None:
+    cfg = LossConfig(kind=kind, aggregation=aggregation, norm_tokens=C if aggregation == "constant" else None)
+    out, grad = _run(cfg)
+    leaf = _leaf(LP)
+    reference = -_published_objective(aggregation, _objective_terms(kind, leaf))
+    reference.backward()
+    # (rel 1e-6: the advantages enter policy_loss as float32, -0.8 is not exact there)
+    assert out.loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    torch.testing.assert_close(grad, leaf.grad, rtol=1e-6, atol=1e-9)
+    if kind == "gspo" and aggregation == "sequence":
+        # The paper's J_GSPO = (1/G) Σ_i min(s_i Â_i, clip(s_i) Â_i) (here times w_i, the vLLM gap).
+        paper = sum(ts[0] for ts in _objective_terms(kind, _leaf(LP))) / len(ADV)
+        assert out.loss.item() == pytest.approx(-paper.item(), rel=1e-6)
+
+
+def test_aggregations_weigh_sequences_differently() -> None:
+    """The same data, three different gradients: row 0 (3 tokens) vs row 1 (2 tokens) per token."""
+    _, token = _run(LossConfig(kind="grpo"))
+    _, sequence = _run(LossConfig(kind="grpo", aggregation="sequence"))
+    _, constant = _run(LossConfig(kind="grpo", aggregation="constant", norm_tokens=C))
+    r = math.exp(-0.1)  # row 0, position 2: unclipped, ∂(−r·A)/∂lp = −r·A
+    assert token[0, 2].item() == pytest.approx(-r * 1.5 / N)  # 1/Σ|o_i|
+    assert sequence[0, 2].item() == pytest.approx(-r * 1.5 / (2 * 3))  # 1/(G·|o_0|)
+    assert constant[0, 2].item() == pytest.approx(-r * 1.5 / (2 * C))  # 1/(G·C)
 
 
 # -------------------------------------------------------------------- micro-batching invariance
@@ -234,8 +363,22 @@ CONFIGS = [
     LossConfig(kind="grpo"),
     LossConfig(kind="grpo", tis_cap=1.5),
     LossConfig(kind="cispo", cispo_max_ratio=1.5),
-    LossConfig(kind="gspo", gspo_eps=0.05, gspo_eps_high=0.05),
+    LossConfig(kind="gspo", gspo_clip_eps=0.05, gspo_clip_eps_high=0.05, gspo_is_cap=1.1),
+    LossConfig(kind="grpo", aggregation="sequence"),
+    LossConfig(kind="grpo", aggregation="constant", norm_tokens=16),
+    LossConfig(kind="cispo", aggregation="sequence"),
+    LossConfig(kind="gspo", gspo_clip_eps=0.05, gspo_clip_eps_high=0.05, aggregation="sequence"),
+    LossConfig(kind="gspo", gspo_clip_eps=0.05, gspo_clip_eps_high=0.05, aggregation="constant", norm_tokens=16),
 ]
+
+
+def _config_id(c: LossConfig) -> str:
+    return f"{c.kind}{'-tis' if c.tis_cap else ''}-{c.aggregation}"
+
+
+def _needs_old(c: LossConfig) -> bool:
+    """The configs whose clip acts only against an explicit π_old (several updates per batch)."""
+    return c.kind == "gspo" or c.tis_cap is not None
 
 
 def _random_rows(seed: int = 0):
@@ -245,33 +388,37 @@ def _random_rows(seed: int = 0):
     for n in lengths:
         blp = -torch.rand(n, generator=g, dtype=torch.float64) * 3
         lp = blp + torch.randn(n, generator=g, dtype=torch.float64) * 0.4
+        old = lp + torch.randn(n, generator=g, dtype=torch.float64) * 0.3
         mask = (torch.rand(n, generator=g) < 0.7).float()
         mask[0] = 0
         mask[1] = 1
-        rows.append((lp, blp.float(), mask, torch.randn((), generator=g).item()))
+        rows.append((lp, blp.float(), mask, torch.randn((), generator=g).item(), old))
     return rows
 
 
 def _pad(rows, leafs):
     T = max(len(r[0]) for r in rows)
     B = len(rows)
-    lp = torch.zeros(B, T, dtype=torch.float64)
+    lp, old = torch.zeros(B, T, dtype=torch.float64), torch.zeros(B, T, dtype=torch.float64)
     blp, mask = torch.zeros(B, T), torch.zeros(B, T)
-    for b, ((_, row_blp, row_mask, _), leaf) in enumerate(zip(rows, leafs, strict=True)):
+    for b, ((_, row_blp, row_mask, _, row_old), leaf) in enumerate(zip(rows, leafs, strict=True)):
         n = len(leaf)
         lp = lp.index_put((torch.full((n,), b), torch.arange(n)), leaf)
-        blp[b, :n], mask[b, :n] = row_blp, row_mask
-    return lp, blp, mask, torch.tensor([r[3] for r in rows])
+        blp[b, :n], mask[b, :n], old[b, :n] = row_blp, row_mask, row_old
+    return lp, blp, mask, torch.tensor([r[3] for r in rows]), old
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.kind}{'-tis' if c.tis_cap else ''}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_config_id)
 def test_micro_batching_gives_the_same_loss_and_gradient(cfg: LossConfig) -> None:
     rows = _random_rows()
-    total = int(sum(r[2].sum().item() for r in rows))
+    totals = StepTotals(tokens=int(sum(r[2].sum().item() for r in rows)), sequences=len(rows))
+
+    def loss(lp, blp, mask, adv, old):
+        return policy_loss(lp, blp, adv, mask, totals, cfg, old_logprobs=old if _needs_old(cfg) else None)
 
     full_leafs = [r[0].clone().requires_grad_(True) for r in rows]
-    lp, blp, mask, adv = _pad(rows, full_leafs)
-    full = policy_loss(lp, blp, adv, mask, total, cfg)
+    lp, blp, mask, adv, old = _pad(rows, full_leafs)
+    full = loss(lp, blp, mask, adv, old)
     full.loss.backward()
 
     micro_leafs = [r[0].clone().requires_grad_(True) for r in rows]
@@ -279,8 +426,8 @@ def test_micro_batching_gives_the_same_loss_and_gradient(cfg: LossConfig) -> Non
     metrics = []
     for idx in ([0, 1], [2, 3, 4], [5]):
         sub_rows = [rows[i] for i in idx]
-        lp, blp, mask, adv = _pad(sub_rows, [micro_leafs[i] for i in idx])
-        out = policy_loss(lp, blp, adv, mask, total, cfg)
+        lp, blp, mask, adv, old = _pad(sub_rows, [micro_leafs[i] for i in idx])
+        out = loss(lp, blp, mask, adv, old)
         out.loss.backward()  # gradients accumulate in the leaves, as over micro-steps
         micro_loss += out.loss.item()
         metrics.append(out.metrics)
@@ -292,7 +439,7 @@ def test_micro_batching_gives_the_same_loss_and_gradient(cfg: LossConfig) -> Non
     agg = aggregate_metrics(metrics)
     for key, value in full.metrics.items():
         assert agg[key] == pytest.approx(value.item(), rel=1e-5), key
-    if cfg.kind != "cispo" and cfg.tis_cap is None:
+    if cfg.kind != "cispo":
         assert agg["clip_frac"] > 0  # the test exercises clipping
 
 
@@ -310,7 +457,7 @@ def test_on_policy_is_the_plain_policy_gradient(kind: str) -> None:
     torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-9)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.kind}{'-tis' if c.tis_cap else ''}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=_config_id)
 def test_zero_advantage_gives_zero_gradient(cfg: LossConfig) -> None:
     out, grad = _run(cfg, adv=[0.0, 0.0])
     assert torch.count_nonzero(grad) == 0
@@ -410,3 +557,43 @@ def test_input_token_logprobs_are_aligned_to_targets() -> None:
         for t in range(1, T):  # token t is scored by the hidden state at t − 1
             expected = torch.log_softmax(hidden[b, t - 1] @ weight.T, dim=-1)[ids[b, t]]
             assert out[b, t].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+# ------------------------------------------------------------------------------- the run's config
+
+
+def test_run_config_keys_reach_the_objective() -> None:
+    from pydantic import ValidationError
+
+    from gateway.run_config import RunConfig
+    from trainer.loop import loss_config
+
+    default = loss_config(RunConfig())
+    assert (default.kind, default.aggregation, default.norm_tokens) == ("cispo", "token", None)
+    assert (default.gspo_clip_eps, default.gspo_clip_eps_high, default.gspo_is_cap) == (3e-4, 4e-4, 2.0)
+    gspo = loss_config(RunConfig(loss="gspo", gspo_clip_eps=0.01, gspo_clip_eps_high=0.02, gspo_is_cap=1.5))
+    assert (gspo.gspo_clip_eps, gspo.gspo_clip_eps_high, gspo.gspo_is_cap) == (0.01, 0.02, 1.5)
+    assert loss_config(RunConfig(loss="grpo", loss_aggregation="sequence")).aggregation == "sequence"
+    # Dr. GRPO's constant: max_seq_len unless given.
+    assert loss_config(RunConfig(loss_aggregation="constant", max_seq_len=512)).norm_tokens == 512
+    assert loss_config(RunConfig(loss_aggregation="constant", loss_norm_tokens=100)).norm_tokens == 100
+    for bad in (
+        {"loss_aggregation": "mean"},
+        {"loss_norm_tokens": 100},  # without the constant aggregation it would be ignored
+        {"gspo_is_cap": 0},
+        {"gspo_clip_eps": 1.0},
+        {"loss": "gspo", "truncated_is_cap": 2.0},
+    ):
+        with pytest.raises(ValidationError):
+            RunConfig.model_validate(bad)
+
+
+def test_the_step_line_shows_the_log_ratio() -> None:
+    from trainer.loop import format_step
+
+    metrics = {
+        "reward_mean": 0.5, "reward_std": 0.1, "groups_used": 4, "groups_dropped": 0, "tokens": 100,
+        "trainable_tokens": 40, "loss": -0.01, "ratio_mean": 1.001, "ratio_max": 1.2, "log_ratio_abs_mean": 0.0213,
+        "clip_frac": 0.0, "grad_norm": 0.5, "step_seconds": 2.0, "tokens_per_s": 50.0,
+    }  # fmt: skip
+    assert "| |log r| 0.0213 |" in format_step(3, metrics)

@@ -88,12 +88,20 @@ class TrainerOptions:
 
 
 def loss_config(config: RunConfig) -> LossConfig:
+    """The objective's settings from the run's; Dr. GRPO's constant defaults to ``max_seq_len``, the
+    most trained tokens a row can hold."""
+    constant = config.loss_aggregation == "constant"
     return LossConfig(
         kind=config.loss,
         clip_eps=config.clip_eps,
         clip_eps_high=config.clip_eps_high,
         cispo_max_ratio=config.cispo_max_ratio,
+        gspo_clip_eps=config.gspo_clip_eps,
+        gspo_clip_eps_high=config.gspo_clip_eps_high,
+        gspo_is_cap=config.gspo_is_cap,
         tis_cap=config.truncated_is_cap,
+        aggregation=config.loss_aggregation,
+        norm_tokens=(config.loss_norm_tokens or config.max_seq_len) if constant else None,
     )
 
 
@@ -188,7 +196,7 @@ def format_step(step: int, metrics: dict[str, Any]) -> str:
         f" | groups {metrics['groups_used']} used / {metrics['groups_dropped']} dropped"
         f" | tokens {metrics['tokens']} ({metrics['trainable_tokens']} trained)"
         f" | loss {metrics['loss']:+.4f} | ratio {metrics['ratio_mean']:.3f} (max {metrics['ratio_max']:.2f})"
-        f" | clip {metrics['clip_frac']:.3f} | grad {metrics['grad_norm']:.3f}"
+        f" | |log r| {metrics['log_ratio_abs_mean']:.4f} | clip {metrics['clip_frac']:.3f} | grad {metrics['grad_norm']:.3f}"
         f" | {metrics['step_seconds']:.1f}s | {metrics['tokens_per_s']:.0f} tok/s"
     )
 

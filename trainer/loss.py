@@ -8,11 +8,18 @@ Bypass mode: the behaviour policy is what vLLM actually sampled from, scored by 
 logprobs, so the importance ratio is ``r_t = exp(logπ_θ(t) − logπ_b(t))``. vLLM reports *raw*
 logprobs (before temperature, top-p, …), so nothing here scales by a temperature either.
 
-Normalisation: every objective returns ``Σ_t mask_t · ℓ_t / total_tokens`` where ``total_tokens`` is
-the number of mask-1 tokens in the **whole step**, across all micro-batches (DAPO's token-level
-loss). A micro-batch's loss is then its exact share of the step's loss, and summing micro-batch
-losses (and accumulating their gradients) gives the full-batch loss and gradient, whatever the
-micro-batching.
+Aggregation (``LossConfig.aggregation``) turns per-token losses ``ℓ_t`` into the step's loss. With
+``m_t`` the loss mask, ``N`` the trained tokens of the whole step, ``S`` its sequences, ``|o_i|`` the
+trained tokens of sequence ``i`` and ``C`` a constant:
+
+- ``token`` (DAPO, the default): ``Σ_t m_t ℓ_t / N``;
+- ``sequence`` (DeepSeekMath's GRPO): ``(1/S) Σ_i (1/|o_i|) Σ_{t∈i} m_t ℓ_t``;
+- ``constant`` (Dr. GRPO): ``Σ_t m_t ℓ_t / (S · C)``.
+
+``N`` and ``S`` are the whole step's (``StepTotals``), across all micro-batches, and ``|o_i|`` is
+local to a sequence (which never spans micro-batches): a micro-batch's loss is then its exact share
+of the step's loss, and summing micro-batch losses (and accumulating their gradients) gives the
+full-batch loss and gradient, whatever the micro-batching.
 """
 
 from __future__ import annotations
@@ -27,19 +34,22 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 LossKind = Literal["grpo", "cispo", "gspo"]
+Aggregation = Literal["token", "sequence", "constant"]
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Which objective, and its clip ranges.
+    """Which objective, its clip ranges, and how per-token losses are aggregated.
 
     - ``grpo``: PPO-clip with DAPO's asymmetric range ``[1 − clip_eps, 1 + clip_eps_high]``.
     - ``cispo``: IS weight clipped to ``[cispo_min_ratio, cispo_max_ratio]``. The paper writes
       ``clip(r, 1 − ε_low, 1 + ε_high)`` and effectively disables the lower bound; DESIGN's default
       ``clip(r, 0, 5)`` is ε_low = 1, ε_high = 4 (ScaleRL's ε_max = 5, ART's default).
-    - ``gspo``: sequence-level ratio clipped to ``[1 − gspo_eps, 1 + gspo_eps_high]``; the paper's
-      ranges are tiny (3e-4 / 4e-4) because ``s`` is a geometric mean of token ratios.
+    - ``gspo``: sequence-level ratio against the trainer's own π_old, clipped to
+      ``[1 − gspo_clip_eps, 1 + gspo_clip_eps_high]`` (the paper's 3e-4 / 4e-4: ``s`` is a geometric
+      mean of token ratios), times a truncated IS weight for the vLLM gap capped at ``gspo_is_cap``.
     - ``tis_cap``: truncated importance sampling for ``grpo`` (see ``policy_loss``); ``None`` = off.
+    - ``aggregation``/``norm_tokens``: see the module docstring; ``norm_tokens`` is ``constant``'s C.
     """
 
     kind: LossKind = "cispo"
@@ -47,9 +57,12 @@ class LossConfig:
     clip_eps_high: float = 0.28
     cispo_max_ratio: float = 5.0
     cispo_min_ratio: float = 0.0
-    gspo_eps: float = 3e-4
-    gspo_eps_high: float = 4e-4
+    gspo_clip_eps: float = 3e-4
+    gspo_clip_eps_high: float = 4e-4
+    gspo_is_cap: float = 2.0
     tis_cap: float | None = None
+    aggregation: Aggregation = "token"
+    norm_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("grpo", "cispo", "gspo"):
@@ -58,15 +71,42 @@ class LossConfig:
             raise ValueError("grpo clip range must satisfy 0 <= clip_eps < 1 and clip_eps_high >= 0")
         if not (0 <= self.cispo_min_ratio <= self.cispo_max_ratio):
             raise ValueError("cispo needs 0 <= cispo_min_ratio <= cispo_max_ratio")
-        if not (0 <= self.gspo_eps < 1 and self.gspo_eps_high >= 0):
-            raise ValueError("gspo clip range must satisfy 0 <= gspo_eps < 1 and gspo_eps_high >= 0")
+        if not (0 <= self.gspo_clip_eps < 1 and self.gspo_clip_eps_high >= 0):
+            raise ValueError("gspo clip range must satisfy 0 <= gspo_clip_eps < 1 and gspo_clip_eps_high >= 0")
+        if not self.gspo_is_cap > 0:
+            raise ValueError("gspo_is_cap must be positive")
         if self.tis_cap is not None:
             if self.tis_cap <= 0:
                 raise ValueError("tis_cap must be positive")
             if self.kind != "grpo":
-                # cispo's clipped IS weight already *is* truncated IS; gspo's ratio is per sequence.
-                # Refuse rather than silently double-weight or ignore the setting.
-                raise ValueError(f"tis_cap applies to grpo only, not {self.kind} (cispo already truncates its IS weight)")
+                # cispo's clipped IS weight already *is* truncated IS; gspo has its own sequence-level
+                # cap. Refuse rather than silently double-weight or ignore the setting.
+                raise ValueError(
+                    f"tis_cap applies to grpo only, not {self.kind} (cispo already truncates its IS weight, "
+                    "gspo has gspo_is_cap)"
+                )
+        if self.aggregation not in ("token", "sequence", "constant"):
+            raise ValueError(f"unknown aggregation {self.aggregation!r} (expected token, sequence or constant)")
+        if (self.aggregation == "constant") != (self.norm_tokens is not None):
+            raise ValueError("norm_tokens is the constant of aggregation 'constant': set it exactly for that one")
+        if self.norm_tokens is not None and self.norm_tokens <= 0:
+            raise ValueError("norm_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """What the whole step holds, computed once before its first micro-batch: the normalisers.
+
+    ``tokens``: trained (mask-1) tokens (the mask's sum); ``sequences``: sequences with at least one
+    trained token.
+    """
+
+    tokens: float
+    sequences: int
+
+    def __post_init__(self) -> None:
+        if self.tokens <= 0 or self.sequences <= 0:
+            raise ValueError("a step with no trainable tokens cannot train")
 
 
 @dataclass
@@ -75,9 +115,11 @@ class LossOutput:
 
     ``metrics``: detached 0-d tensors over this micro-batch's masked tokens (no host sync here):
     ``tokens``, ``ratio_mean``/``ratio_max``/``ratio_min`` (behaviour ratio π_θ/π_b),
-    ``clip_frac`` (fraction of tokens the objective clipped, see each objective), ``approx_kl``
-    (k3 estimate of KL(π_b ‖ π_θ)), and for grpo with TIS ``tis_frac`` (fraction of tokens whose IS
-    weight hit the cap). Combine micro-batches with ``aggregate_metrics``.
+    ``log_ratio_abs_mean`` (mean ``|logπ_θ − logπ_b|``: on fresh data, how far the trainer's policy
+    is from the one vLLM sampled), ``clip_frac`` (fraction of tokens the objective clipped, see each
+    objective), ``approx_kl`` (k3 estimate of KL(π_b ‖ π_θ)), and for grpo with TIS and for gspo
+    ``tis_frac`` (fraction of tokens whose IS weight hit the cap). Combine micro-batches with
+    ``aggregate_metrics``.
     """
 
     loss: Tensor
@@ -111,29 +153,53 @@ def _cispo(ratio: Tensor, logprobs: Tensor, adv: Tensor, lo: float, hi: float) -
     return -weight * adv * logprobs, (ratio < lo) | (ratio > hi)
 
 
-def _gspo(
-    log_ratio: Tensor, adv: Tensor, mask: Tensor, sequence_ids: Tensor, eps_low: float, eps_high: float
-) -> tuple[Tensor, Tensor]:
-    """GSPO: one ratio per sequence, ``s_i = exp(mean_{t ∈ i} (logπ_θ − logπ_b))``, then PPO-clip on it.
+class _Sequences:
+    """Which sequence each token belongs to, and per-sequence sums over the masked tokens."""
 
-    ``s_i`` (and whether it was clipped) is broadcast to every masked token of sequence ``i``:
-    ``ℓ_t = −min(s_i·A_t, clip(s_i)·A_t)``. With the step's token-level normalisation a sequence
-    therefore weighs ``|o_i| · ℓ_i / total_tokens`` — longer sequences count more, as in DAPO's
-    token-level loss — instead of the paper's ``(1/G) Σ_i ℓ_i``; that keeps the loss additive over
-    micro-batches like the other objectives. The per-token gradient is
-    ``−A·s_i/|o_i| · ∇logπ_θ(t)`` summed over the sequence's ``|o_i|`` tokens.
+    def __init__(self, sequence_ids: Tensor, mask: Tensor) -> None:
+        self.index = torch.unique(sequence_ids, return_inverse=True)[1]  # [B, T] → 0..S-1
+        self.count = int(self.index.max()) + 1
+        self.mask = mask
+        self.lengths = self.sum(torch.ones_like(mask))  # |o_i|, masked tokens (or mask weights)
+
+    def sum(self, values: Tensor) -> Tensor:
+        """``Σ_{t∈i} m_t · values_t`` for every sequence ``i``: [S]."""
+        out = torch.zeros(self.count, dtype=values.dtype, device=values.device)
+        return out.index_add(0, self.index.flatten(), (values * self.mask).flatten())
+
+    def mean(self, values: Tensor) -> Tensor:
+        """The masked mean over each sequence's tokens: [S]."""
+        return self.sum(values) / self.lengths.clamp(min=torch.finfo(self.lengths.dtype).tiny)
+
+    def per_token(self, per_sequence: Tensor) -> Tensor:
+        """Broadcast one value per sequence back to its tokens: [S] → [B, T]."""
+        return per_sequence[self.index]
+
+
+def _gspo(
+    logprobs: Tensor, old: Tensor, behaviour: Tensor, adv: Tensor, seqs: _Sequences, config: LossConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """GSPO with the vLLM gap corrected by truncated IS; returns (ℓ_t, clipped, weight capped).
+
+    ``s_i = exp(mean_{t∈i}(logπ_θ − logπ_old))`` is the paper's sequence ratio against the trainer's
+    own π_old, PPO-clipped with the paper's tiny range. The behaviour policy is vLLM's, so the
+    sequence is weighted by ``w_i = sg(min(exp(mean_{t∈i}(logπ_old − logπ_b)), C))``: the
+    length-normalised (geometric-mean) IS ratio old/vLLM, truncated at ``C`` as in TIS. The product
+    ``s_i · g_i`` (untruncated) is exactly the ratio against vLLM that GSPO was naively given before;
+    separating the factors lets the clip act on the policy change only — vLLM-vs-trainer numeric
+    noise (|Δlogπ| ≈ 0.02 per token) moves ``g_i`` by far more than 4e-4 and would otherwise clip
+    about every sequence whose advantage points the way the noise does.
+
+    With one optimizer step per batch π_old is the current weights, ``old = sg(logπ_θ)``: ``s_i`` is
+    1 in value (nothing is clipped) and ``∇s_i = mean_{t∈i} ∇logπ_θ(t)``, the paper's on-policy
+    gradient. ``ℓ_t = −w_i · min(s_i A_t, clip(s_i) A_t)`` on every token of sequence ``i``; with
+    ``sequence`` aggregation that is the paper's ``(1/G) Σ_i`` exactly.
     """
-    ids = torch.unique(sequence_ids, return_inverse=True)[1]  # [B, T] → 0..S-1
-    num_seqs = int(ids.max()) + 1
-    on = mask > 0
-    weights = mask.to(log_ratio.dtype)
-    log_ratio_sum = torch.zeros(num_seqs, dtype=log_ratio.dtype, device=log_ratio.device)
-    log_ratio_sum = log_ratio_sum.index_add(0, ids.flatten(), (log_ratio * weights).flatten())
-    counts = torch.zeros_like(log_ratio_sum).index_add(0, ids.flatten(), weights.flatten())
-    seq_ratio = torch.exp(log_ratio_sum / counts.clamp(min=1))  # [S]
-    s = seq_ratio[ids]  # broadcast back to tokens
-    loss, clipped = _ppo_clip(s, adv, eps_low, eps_high)
-    return loss, clipped & on
+    s = torch.exp(seqs.mean(logprobs - old))
+    gap = torch.exp(seqs.mean(old - behaviour)).detach()
+    weight = gap.clamp(max=config.gspo_is_cap)
+    loss, clipped = _ppo_clip(seqs.per_token(s), adv, config.gspo_clip_eps, config.gspo_clip_eps_high)
+    return seqs.per_token(weight) * loss, clipped, seqs.per_token(gap > config.gspo_is_cap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,29 +207,42 @@ def _gspo(
 # ---------------------------------------------------------------------------------------------
 
 
+def _token_weights(config: LossConfig, mask: Tensor, totals: StepTotals, seqs: _Sequences | None) -> Tensor:
+    """Each token's factor in the step's loss (the aggregation, module docstring): [B, T]."""
+    if config.aggregation == "token":
+        return mask / totals.tokens
+    if config.aggregation == "constant":
+        assert config.norm_tokens is not None  # LossConfig checked it
+        return mask / (totals.sequences * config.norm_tokens)
+    assert seqs is not None
+    return mask / (seqs.per_token(seqs.lengths).clamp(min=torch.finfo(mask.dtype).tiny) * totals.sequences)
+
+
 def policy_loss(
     logprobs: Tensor,
     behaviour_logprobs: Tensor,
     advantages: Tensor,
     loss_mask: Tensor,
-    total_tokens: int | Tensor,
+    totals: StepTotals | float | Tensor,
     config: LossConfig = LossConfig(),
     *,
     sequence_ids: Tensor | None = None,
     old_logprobs: Tensor | None = None,
 ) -> LossOutput:
-    """The configured objective on one micro-batch, normalised by the step's ``total_tokens``.
+    """The configured objective on one micro-batch, aggregated with the step's normalisers.
 
     Args:
         logprobs: [B, T] current policy's logprob of each target (differentiable).
         behaviour_logprobs: [B, T] vLLM's recorded logprob of the same targets (0 where unmasked).
         advantages: [B] (one per row) or [B, T].
         loss_mask: [B, T], 1 on trained targets (fractional weights also work).
-        total_tokens: mask-1 tokens in the whole step, all micro-batches (``SampleBatch.trainable_tokens``).
-        config: which objective and its clip ranges.
-        sequence_ids: GSPO only: [B] or [B, T] ids of the sequence-level ratio each token belongs to;
-            default one sequence per row. A sequence must not span micro-batches.
-        old_logprobs: grpo + TIS only: [B, T] the trainer's own logprobs at the step's starting
+        totals: the whole step's ``StepTotals``, all micro-batches. A bare count of trained tokens is
+            accepted for the ``token`` aggregation, the only one that needs nothing else.
+        config: which objective, its clip ranges and the aggregation.
+        sequence_ids: [B] or [B, T] ids of the sequence each token belongs to (GSPO's ratio, the
+            ``sequence``/``constant`` aggregations); default one sequence per row. A sequence must
+            not span micro-batches.
+        old_logprobs: grpo + TIS and gspo: [B, T] the trainer's own logprobs at the step's starting
             weights θ_old, computed without grad. Needed only when one batch serves several
             optimizer updates; by default θ_old is the weights ``logprobs`` were computed with.
 
@@ -173,14 +252,17 @@ def policy_loss(
     update per batch ``π_old = sg(π_θ)``, so ρ ≡ 1, the clip is inactive, and the gradient is
     ``−min(π_θ/π_b, C)·A·∇logπ_θ`` — which is exactly CISPO with ``clip(r, 0, C)``, hence TIS is
     refused for cispo. (Multiplying the bypass PPO term ``r·A`` by ``min(r, C)`` instead would weight
-    each token by r twice.)
+    each token by r twice.) GSPO does the same per sequence (``_gspo``).
     """
-    if isinstance(total_tokens, Tensor):
-        total_tokens = total_tokens.detach()
-    if total_tokens <= 0:
-        raise ValueError("total_tokens must be positive: a step with no trainable tokens cannot train")
-    if old_logprobs is not None and not (config.kind == "grpo" and config.tis_cap is not None):
-        raise ValueError("old_logprobs is used only by grpo with tis_cap")
+    if not isinstance(totals, StepTotals):
+        tokens = float(totals.detach()) if isinstance(totals, Tensor) else float(totals)
+        if tokens <= 0:
+            raise ValueError("total_tokens must be positive: a step with no trainable tokens cannot train")
+        if config.aggregation != "token":
+            raise ValueError(f"aggregation {config.aggregation!r} needs the step's StepTotals, not a token count")
+        totals = StepTotals(tokens=tokens, sequences=1)
+    if old_logprobs is not None and not (config.kind == "gspo" or config.tis_cap is not None):
+        raise ValueError("old_logprobs is used only by gspo and by grpo with tis_cap")
 
     # At least float32 (bf16 logprobs would make ratios of nearly equal numbers meaningless).
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
@@ -188,20 +270,28 @@ def policy_loss(
     on = mask > 0
     logprobs = logprobs.to(dtype)
     behaviour = behaviour_logprobs.to(dtype)
+    zero = torch.zeros_like(logprobs)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs.to(dtype)
     adv = advantages.to(dtype)
     adv = adv[:, None] if adv.dim() == 1 else adv
     adv = adv.expand_as(logprobs)
 
+    seqs = None
+    if config.kind == "gspo" or config.aggregation == "sequence":
+        if sequence_ids is None:
+            sequence_ids = torch.arange(logprobs.shape[0], device=logprobs.device)
+        if sequence_ids.dim() == 1:
+            sequence_ids = sequence_ids[:, None]
+        seqs = _Sequences(sequence_ids.expand_as(logprobs), mask)
+
     # log r_t, exactly 0 off the mask (so padding never produces an inf or a gradient)
-    log_ratio = torch.where(on, logprobs - behaviour, torch.zeros_like(logprobs))
+    log_ratio = torch.where(on, logprobs - behaviour, zero)
     ratio = torch.exp(log_ratio)
 
     extra: dict[str, Tensor] = {}
     if config.kind == "grpo" and config.tis_cap is None:
         per_token, clipped = _ppo_clip(ratio, adv, config.clip_eps, config.clip_eps_high)
     elif config.kind == "grpo":
-        old = logprobs.detach() if old_logprobs is None else old_logprobs.to(dtype)
-        zero = torch.zeros_like(logprobs)
         is_ratio = torch.exp(torch.where(on, old - behaviour, zero))
         weight = is_ratio.clamp(max=config.tis_cap)
         ppo_ratio = torch.exp(torch.where(on, logprobs - old, zero))
@@ -211,14 +301,13 @@ def policy_loss(
     elif config.kind == "cispo":
         per_token, clipped = _cispo(ratio, logprobs, adv, config.cispo_min_ratio, config.cispo_max_ratio)
     else:
-        if sequence_ids is None:
-            sequence_ids = torch.arange(logprobs.shape[0], device=logprobs.device)
-        if sequence_ids.dim() == 1:
-            sequence_ids = sequence_ids[:, None]
-        sequence_ids = sequence_ids.expand_as(logprobs)
-        per_token, clipped = _gspo(log_ratio, adv, mask, sequence_ids, config.gspo_eps, config.gspo_eps_high)
+        assert seqs is not None
+        masked = torch.where(on, logprobs, zero), torch.where(on, old, zero), torch.where(on, behaviour, zero)
+        per_token, clipped, capped = _gspo(*masked, adv, seqs, config)
+        extra["tis_frac"] = _masked_mean(capped, on)
 
-    loss = torch.where(on, per_token * mask, torch.zeros_like(per_token)).sum() / total_tokens
+    weights = _token_weights(config, mask, totals, seqs)
+    loss = torch.where(on, per_token * weights, zero).sum()
 
     with torch.no_grad():
         inf = torch.full_like(ratio, float("inf"))
@@ -227,7 +316,8 @@ def policy_loss(
             "ratio_mean": _masked_mean(ratio, on),
             "ratio_max": torch.where(on, ratio, -inf).max(),  # -inf / +inf when nothing is masked
             "ratio_min": torch.where(on, ratio, inf).min(),
-            "clip_frac": _masked_mean(clipped, on),
+            "log_ratio_abs_mean": _masked_mean(log_ratio.abs(), on),
+            "clip_frac": _masked_mean(clipped & on, on),
             # k3: E_{x~π_b}[r − 1 − log r] ≥ 0 estimates KL(π_b ‖ π_θ) without bias.
             "approx_kl": _masked_mean(ratio - 1 - log_ratio, on),
             **extra,

@@ -1,27 +1,29 @@
 """The interface the training loop drives, independent of how the model was loaded.
 
-A backend owns the policy (base weights + a LoRA adapter) and its optimizer. The loop hands it the
-rows of one step (``trainer.samples``) and gets metrics back; it saves and restores the adapter with
-everything needed to continue exactly (optimizer moments, RNG states, the step count). The objective
-itself is ``trainer.loss`` — pure tensors shared by every backend — so backends differ only in how
-they load the model and compute its final hidden states.
+A backend owns the policy (base weights + a LoRA adapter) and its optimizer. It loads the model,
+computes the per-token logprobs of a batch, and saves and restores the adapter with everything
+needed to continue exactly (optimizer moments, RNG states, the step count). The step itself —
+micro-batching, the objective, backward, clipping, AdamW — is ``trainer.step``, shared by every
+backend; so is the objective (``trainer.loss``, pure tensors).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 from trainer.lora import ALL_LINEAR, VLLM_LORA_RANKS
 from trainer.loss import LossConfig
-from trainer.samples import Row
+from trainer.samples import Row, collate, micro_batches
+from trainer.step import Progress, train_step
 
-Progress = Callable[[int, int], None]
+__all__ = ["LoraSpec", "Progress", "TrainerBackend", "resolve_device", "resolve_dtype"]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -96,9 +98,16 @@ class TrainerBackend(ABC):
 
     Logprob convention (DESIGN §3): logprobs are vLLM's raw ones — ``log_softmax`` of the logits,
     no temperature — aligned to ``input_ids`` as targets (``trainer.samples``).
+
+    A backend sets ``model``, ``trainable`` (the adapter's parameters) and ``optimizer``
+    (``trainer.step.make_optimizer``) when it loads, and implements ``logprobs``; that makes it a
+    ``trainer.step.Policy``.
     """
 
     name: str
+    model: nn.Module
+    trainable: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
 
     def __init__(
         self,
@@ -133,6 +142,14 @@ class TrainerBackend(ABC):
         self.step = 0  # optimizer steps taken, restored by load()
 
     @abstractmethod
+    def logprobs(self, batch: dict[str, Tensor], *, trained_only: bool) -> Tensor:
+        """[B, T] logprobs of a ``trainer.samples.collate`` batch already on ``self.device``, in
+        ``trainer.loss.input_token_logprobs``'s target-aligned layout, differentiable.
+
+        ``trained_only``: only positions where ``loss_mask`` is on need a value (others may be 0);
+        backends use it to skip the LM head on context tokens.
+        """
+
     def train_step(
         self,
         rows: list[Row],
@@ -140,26 +157,36 @@ class TrainerBackend(ABC):
         micro_batch_tokens: int,
         progress: Progress | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over all ``rows``.
+        """One optimizer step over all ``rows`` (``trainer.step.train_step``).
 
         Rows are split with ``trainer.samples.micro_batches`` (padded size ≤ ``micro_batch_tokens``);
-        the loss of each micro-batch is normalised by the trainable tokens of the *whole* step, so
-        the accumulated gradient does not depend on the split. Then grad-norm clipping, one AdamW
-        step, gradients cleared. ``progress(done, total)`` is called after each micro-batch. Rows
-        without a trainable token are skipped (they add nothing to the loss); a step with no
-        trainable token at all is an error, never a silent no-op.
+        the loss of each micro-batch is normalised by totals of the *whole* step, so the accumulated
+        gradient does not depend on the split. Then grad-norm clipping, one AdamW step, gradients
+        cleared. ``progress(done, total)`` is called after each micro-batch. Rows without a
+        trainable token are skipped (they add nothing to the loss); a step with no trainable token
+        at all is an error, never a silent no-op.
 
         Returns floats: ``loss``, ``grad_norm`` (before clipping), ``ratio_mean/max/min``,
-        ``clip_frac``, ``approx_kl`` (token-weighted over the step), ``tokens`` (trainable),
-        ``input_tokens`` (real tokens of all rows), ``padded_tokens`` (``B × T`` summed over
-        micro-batches: what the model computed, padding included), ``micro_batches``, ``seconds``,
-        ``tokens_per_s`` (``input_tokens / seconds``), ``learning_rate``, ``step``.
+        ``log_ratio_abs_mean``, ``clip_frac``, ``approx_kl`` (token-weighted over the step, on the
+        rows' fresh data before the update), ``tis_frac`` (grpo with TIS, gspo), ``tokens``
+        (trainable), ``input_tokens`` (real tokens of all rows), ``padded_tokens`` (``B × T`` summed
+        over micro-batches: what the model computed, padding included), ``micro_batches``,
+        ``seconds``, ``tokens_per_s`` (``input_tokens / seconds``), ``learning_rate``, ``step``.
         """
+        return train_step(self, rows, loss_config, micro_batch_tokens, progress)
 
-    @abstractmethod
-    def token_logprobs(self, rows: list[Row]) -> list[list[float]]:
+    @torch.no_grad()
+    def token_logprobs(self, rows: list[Row], micro_batch_tokens: int = 8192) -> list[list[float]]:
         """The current policy's logprob of every token of each row, target-aligned (entry 0 is 0.0),
         without gradients or dropout: diagnostics, and the on-policy check (ratio ≈ 1)."""
+        self.model.eval()
+        by_row: dict[int, list[float]] = {}
+        for rows_mb in micro_batches(rows, micro_batch_tokens):
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in collate(rows_mb).items()}
+            logprobs = self.logprobs(batch, trained_only=False).cpu()
+            for b, row in enumerate(rows_mb):
+                by_row[id(row)] = logprobs[b, : len(row)].tolist()
+        return [by_row[id(row)] for row in rows]
 
     @abstractmethod
     def save(self, directory: Path) -> None:

@@ -9,9 +9,7 @@ before them to patch them, and the unsloth backend builds on this one.
 from __future__ import annotations
 
 import json
-import math
 import random
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -19,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from trainer.backends.base import LoraSpec, Progress, TrainerBackend, resolve_dtype
+from trainer.backends.base import LoraSpec, TrainerBackend, resolve_dtype
 from trainer.lora import ADAPTER_WEIGHTS, check_vllm_adapter, resolve_target_modules
-from trainer.loss import LossConfig, aggregate_metrics, chunked_token_logprobs, input_token_logprobs, policy_loss
-from trainer.samples import Row, collate, micro_batches
+from trainer.loss import chunked_token_logprobs, input_token_logprobs
+from trainer.step import make_optimizer
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -123,13 +121,8 @@ class HFBackend(TrainerBackend):
         if not named:
             raise RuntimeError("the LoRA adapter has no trainable parameters")
         self._param_names = [n for n, _ in named]
-        self._params = [p for _, p in named]
-        self.optimizer = torch.optim.AdamW(
-            self._params,
-            lr=learning_rate,
-            weight_decay=weight_decay,
-            fused=self.device.type == "cuda",  # one kernel for all params; foreach elsewhere
-        )
+        self.trainable = [p for _, p in named]
+        self.optimizer = make_optimizer(self.trainable, learning_rate, weight_decay)
         self._flops_per_token = _linear_flops_per_token(self.model)
 
     # -- loading --------------------------------------------------------------------------------
@@ -168,7 +161,9 @@ class HFBackend(TrainerBackend):
         decoder = cast("PreTrainedModel", self.model.get_base_model()).get_decoder()
         return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
-    def _logprobs(self, batch: dict[str, Tensor], *, trained_only: bool) -> Tensor:
+    # -- the interface --------------------------------------------------------------------------
+
+    def logprobs(self, batch: dict[str, Tensor], *, trained_only: bool) -> Tensor:
         """[B, T] target-aligned logprobs (``trainer.loss.input_token_logprobs``'s layout).
 
         ``trained_only``: the LM head runs only where ``loss_mask`` is on; other entries are 0.
@@ -191,87 +186,6 @@ class HFBackend(TrainerBackend):
         )
         shifted = torch.zeros(on.shape, dtype=picked.dtype, device=picked.device).masked_scatter(on, picked[0])
         return F.pad(shifted, (1, 0), value=0.0)
-
-    def _to_device(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-
-    # -- the interface --------------------------------------------------------------------------
-
-    def train_step(
-        self,
-        rows: list[Row],
-        loss_config: LossConfig,
-        micro_batch_tokens: int,
-        progress: Progress | None = None,
-    ) -> dict[str, float]:
-        rows = [row for row in rows if row.trainable_tokens > 0]  # context-only rows add nothing
-        total_tokens = sum(row.trainable_tokens for row in rows)
-        if total_tokens <= 0:
-            raise ValueError("train_step got no trainable tokens: a step must never be a silent no-op")
-        gspo = loss_config.kind == "gspo"
-        if gspo and any(row.sequence_id < 0 for row in rows):
-            raise ValueError("gspo needs every row's sequence_id (build_samples numbers them)")
-        batches = micro_batches(rows, micro_batch_tokens)
-        started = time.perf_counter()
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)  # a step that failed midway leaves no stale grads
-        loss_sum = torch.zeros((), device=self.device)
-        per_batch: list[dict[str, Tensor]] = []
-        padded_tokens = 0
-        for done, rows_mb in enumerate(batches, start=1):
-            batch = self._to_device(collate(rows_mb))
-            out = policy_loss(
-                self._logprobs(batch, trained_only=True),
-                batch["behaviour_logprobs"],
-                batch["advantages"],
-                batch["loss_mask"],
-                total_tokens,
-                loss_config,
-                sequence_ids=batch["sequence_ids"] if gspo else None,
-            )
-            out.loss.backward()
-            loss_sum += out.loss.detach()
-            per_batch.append(out.metrics)
-            padded_tokens += batch["input_ids"].numel()
-            if progress is not None:
-                progress(done, len(batches))
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
-        if not math.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(
-                f"non-finite gradient norm ({grad_norm}) at step {self.step + 1}: the adapter and optimizer were "
-                "left unchanged"
-            )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        metrics = aggregate_metrics(per_batch)
-        metrics["loss"] = float(loss_sum)  # host sync: the timing below includes the device work
-        seconds = time.perf_counter() - started
-        input_tokens = sum(len(row) for row in rows)
-        metrics.update(
-            grad_norm=grad_norm,
-            input_tokens=float(input_tokens),
-            padded_tokens=float(padded_tokens),
-            micro_batches=float(len(batches)),
-            seconds=seconds,
-            tokens_per_s=input_tokens / seconds,
-            learning_rate=self.learning_rate,
-            step=float(self.step),
-        )
-        return metrics
-
-    @torch.no_grad()
-    def token_logprobs(self, rows: list[Row], micro_batch_tokens: int = 8192) -> list[list[float]]:
-        self.model.eval()
-        by_row: dict[int, list[float]] = {}
-        for rows_mb in micro_batches(rows, micro_batch_tokens):
-            batch = self._to_device(collate(rows_mb))
-            logprobs = self._logprobs(batch, trained_only=False).cpu()
-            for b, row in enumerate(rows_mb):
-                by_row[id(row)] = logprobs[b, : len(row)].tolist()
-        return [by_row[id(row)] for row in rows]
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """unsloth on CUDA: the same backend with unsloth's fused kernels and offloaded gradient checkpointing.
 
-Everything but loading and the hidden-state forward is ``HFBackend``'s: the objective, the
-micro-batching, the optimizer and the checkpoint format (a peft adapter vLLM loads) are shared, so a
-run can move between backends. unsloth is imported lazily and only here: it needs CUDA, and
+Everything but loading and the hidden-state forward is ``HFBackend``'s (the chunked logprobs, the
+checkpoint format: a peft adapter vLLM loads), and the step is ``trainer.step``'s, so a run can move
+between backends. unsloth is imported lazily and only here: it needs CUDA, and
 installed outside a no-deps install it pulls a CUDA torch (DESIGN §9), so it is an optional extra.
 """
 

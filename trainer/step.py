@@ -1,0 +1,130 @@
+"""One optimizer step over a step's rows, the same for every backend: the algorithm in one place.
+
+    rows with a trained token  →  the step's totals (the loss's normalisers)
+    for each micro-batch:         collate → logprobs (the backend) → policy_loss → backward
+    clip the gradient norm  →  one AdamW step  →  the step's metrics
+
+A backend (``trainer.backends``) only loads the model and its adapter, computes per-token logprobs
+of a batch, and saves and restores itself; it hands this module a ``Policy``. The objective is
+``trainer.loss`` (pure tensors). Gradients of the micro-batches accumulate: each micro-batch's loss
+is already its exact share of the step's loss (normalisers computed over the whole step before the
+first micro-batch), so the update does not depend on how the rows were split.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from trainer.loss import LossConfig, StepTotals, aggregate_metrics, policy_loss
+from trainer.samples import Row, collate, micro_batches
+
+Progress = Callable[[int, int], None]
+
+
+class Policy(Protocol):
+    """What a step needs from a backend: the model (for train mode), its trainable parameters and
+    their optimizer, the logprobs of a collated batch, and the step counter it advances."""
+
+    model: nn.Module
+    device: torch.device
+    trainable: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    learning_rate: float
+    grad_clip: float
+    step: int
+
+    def logprobs(self, batch: dict[str, Tensor], *, trained_only: bool) -> Tensor: ...
+
+
+def make_optimizer(params: Sequence[nn.Parameter], learning_rate: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over the adapter's parameters; fused (one kernel for all of them) on CUDA."""
+    on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, fused=on_cuda)
+
+
+def step_totals(rows: Sequence[Row], loss_config: LossConfig) -> StepTotals:
+    """The whole step's trained tokens and sequences: a row is a sequence, except that GSPO groups
+    rows by ``sequence_id`` (``build_samples`` gives each row its own)."""
+    sequences = len({row.sequence_id for row in rows}) if loss_config.kind == "gspo" else len(rows)
+    return StepTotals(tokens=sum(row.trainable_tokens for row in rows), sequences=sequences)
+
+
+def train_step(
+    policy: Policy,
+    rows: list[Row],
+    loss_config: LossConfig,
+    micro_batch_tokens: int,
+    progress: Progress | None = None,
+) -> dict[str, float]:
+    """One optimizer step over all ``rows`` (``TrainerBackend.train_step`` documents the metrics).
+
+    Rows without a trained token are skipped (they add nothing to the loss); a step with no trained
+    token at all is an error, never a silent no-op. A non-finite gradient norm leaves the adapter and
+    the optimizer untouched and raises.
+    """
+    rows = [row for row in rows if row.trainable_tokens > 0]
+    if not rows:
+        raise ValueError("train_step got no trainable tokens: a step must never be a silent no-op")
+    gspo = loss_config.kind == "gspo"
+    if gspo and any(row.sequence_id < 0 for row in rows):
+        raise ValueError("gspo needs every row's sequence_id (build_samples numbers them)")
+    totals = step_totals(rows, loss_config)
+    batches = micro_batches(rows, micro_batch_tokens)
+    started = time.perf_counter()
+
+    policy.model.train()
+    policy.optimizer.zero_grad(set_to_none=True)  # a step that failed midway leaves no stale grads
+    loss_sum = torch.zeros((), device=policy.device)
+    per_batch: list[dict[str, Tensor]] = []
+    padded_tokens = 0
+    for done, rows_mb in enumerate(batches, start=1):
+        batch = {k: v.to(policy.device, non_blocking=True) for k, v in collate(rows_mb).items()}
+        out = policy_loss(
+            policy.logprobs(batch, trained_only=True),
+            batch["behaviour_logprobs"],
+            batch["advantages"],
+            batch["loss_mask"],
+            totals,
+            loss_config,
+            sequence_ids=batch["sequence_ids"] if gspo else None,
+        )
+        out.loss.backward()
+        loss_sum += out.loss.detach()
+        per_batch.append(out.metrics)
+        padded_tokens += batch["input_ids"].numel()
+        if progress is not None:
+            progress(done, len(batches))
+
+    max_norm = policy.grad_clip if policy.grad_clip > 0 else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable, max_norm))
+    if not math.isfinite(grad_norm):
+        policy.optimizer.zero_grad(set_to_none=True)
+        raise FloatingPointError(
+            f"non-finite gradient norm ({grad_norm}) at step {policy.step + 1}: the adapter and optimizer were "
+            "left unchanged"
+        )
+    policy.optimizer.step()
+    policy.optimizer.zero_grad(set_to_none=True)
+    policy.step += 1
+
+    metrics = aggregate_metrics(per_batch)
+    metrics["loss"] = float(loss_sum)  # host sync: the timing below includes the device work
+    seconds = time.perf_counter() - started
+    input_tokens = sum(len(row) for row in rows)
+    metrics.update(
+        grad_norm=grad_norm,
+        input_tokens=float(input_tokens),
+        padded_tokens=float(padded_tokens),
+        micro_batches=float(len(batches)),
+        seconds=seconds,
+        tokens_per_s=input_tokens / seconds,
+        learning_rate=policy.learning_rate,
+        step=float(policy.step),
+    )
+    return metrics
