@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,13 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.store import db
 from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import running_gateway
-from tests.pgcluster import PgCluster, create_database, free_port
+from tests.gateway_harness import running_gateway, start_serve
+from tests.pgcluster import PgCluster, create_database
 from tests.stored import count_calls
 from tests.test_gateway_capture import client_body
-from tests.waiting import OutputLines, SocketReader, wait_until
+from tests.waiting import SocketReader, wait_until
 
 
 @pytest.fixture
@@ -86,48 +82,12 @@ def test_database_outage_during_burst_loses_nothing(
     )
 
 
-def start_serve(upstream: FakeUpstream, sqlite_url: str, tmp_path: Path) -> tuple[subprocess.Popen[str], OutputLines, int]:
-    """`trajgate serve` as users run it, on a free port, once it answers /health; its output drained as it comes."""
-    db.upgrade(sqlite_url)
-    port = free_port()
-    env = {
-        **os.environ,
-        "TRAJGATE_DATABASE_URL": sqlite_url,
-        "TRAJGATE_UPSTREAM_URL": upstream.base_url,
-        "TRAJGATE_BASE_MODEL": "smollm2",
-        "TRAJGATE_SPOOL_DIR": str(tmp_path / "spool"),
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    output = OutputLines(process)
-
-    def healthy() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"gateway exited ({process.returncode}):\n{output.finish()}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(healthy, 30, "the gateway to answer /health")
-    except AssertionError:
-        process.kill()
-        raise
-    return process, output, port
-
-
 def test_idle_keep_alive_connection_outlives_client_pools(
     upstream: FakeUpstream, sqlite_url: str, tmp_path: Path
 ) -> None:
     """A connection a client's pool kept idle for 6 s (httpx and the OpenAI SDK keep them 5 s) is still open:
     the server never closes one just as the client reuses it."""
-    process, _, port = start_serve(upstream, sqlite_url, tmp_path)
+    process, _, port = start_serve(upstream.base_url, sqlite_url, tmp_path / "spool")
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
             reader = SocketReader(conn)
@@ -147,7 +107,7 @@ def test_idle_keep_alive_connection_outlives_client_pools(
 def test_sigterm_mid_burst_finishes_calls_and_loses_nothing(
     upstream: FakeUpstream, sqlite_url: str, tmp_path: Path
 ) -> None:
-    process, output, port = start_serve(upstream, sqlite_url, tmp_path)
+    process, output, port = start_serve(upstream.base_url, sqlite_url, tmp_path / "spool")
     base = f"http://127.0.0.1:{port}/v1"
     try:
         upstream.mode = "slow_stream"  # each stream takes ~2 s
