@@ -199,3 +199,16 @@ def test_interrupt_stops_the_children_however_the_demo_was_started(sigint: str, 
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_an_interrupt_while_a_process_starts_waits_until_its_stop_is_registered() -> None:
+    from trainer.demo import _interrupts_held
+
+    registered = []
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C just after the process was started ...
+            registered.append("stop")  # ... still lets the demo register how to stop it
+    assert registered == ["stop"]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # handlers restored

@@ -289,6 +289,28 @@ def _stopping_everything_on_exit() -> Iterator[contextlib.ExitStack]:
 
 
 @contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """A Ctrl-C landing between starting a process and registering its stop would leave that process running:
+    SIGINT and SIGTERM are held until the block is done, then raised as KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def _hold(signum: int, frame: FrameType | None) -> None:
+        held.append(signum)
+
+    previous = {signum: signal.signal(signum, _hold) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if held:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def _only_demo_in(workdir: Path) -> Iterator[None]:
     """A second demo in the same directory would wipe the first one's database under it: refuse instead."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -354,8 +376,9 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         }
 
         def start(name: str, argv: Sequence[str], grace_s: float) -> Child:
-            child = Child(name, argv, env, echo)
-            stack.callback(child.stop, grace_s)
+            with _interrupts_held():
+                child = Child(name, argv, env, echo)
+                stack.callback(child.stop, grace_s)
             return child
 
         gateway, gateway_url = start_gateway(start, iter(free_port, None))
