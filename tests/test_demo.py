@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from trainer.demo import (
     run_demo,
     start_gateway,
 )
+from tests.waiting import OutputLines
 from trainer.vllm_cpu import free_port
 
 
@@ -159,3 +161,54 @@ def test_cli_defaults_are_the_demo_defaults() -> None:
 def test_negative_ahead_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DemoError, match="--ahead must be 0"):
         run_demo(DemoOptions(ahead=-1, workdir=tmp_path))
+
+
+# A stand-in for the demo: a child process registered the way run_demo registers each of its processes, then the
+# wait for the agent's rounds. The CLI turns the KeyboardInterrupt into exit status 130.
+_INTERRUPTED_DEMO = """
+import sys, time
+from trainer.demo import _stopping_everything_on_exit
+try:
+    with _stopping_everything_on_exit() as stack:
+        stack.callback(print, "children stopped", flush=True)
+        print("running", flush=True)
+        time.sleep(60)
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_stops_the_children_however_the_demo_was_started(sigint: str, signum: int) -> None:
+    """A shell without job control starts `cmd &` with SIGINT ignored, and Python then installs no handler of its
+    own: the demo ignored Ctrl-C, ran to the end and exited 0 (issue 23's "race" in the Ctrl-C e2e test). The demo
+    handles SIGINT itself, whatever disposition it inherited."""
+    trap = "trap '' INT; " if sigint == "ignored" else ""
+    process = subprocess.Popen(
+        ["/bin/sh", "-c", f'{trap}exec "$0" -c "$1"', sys.executable, _INTERRUPTED_DEMO],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    output = OutputLines(process)
+    try:
+        output.wait_for(lambda line: line == "running", 30, "the demo stand-in to start")
+        process.send_signal(signum)
+        assert process.wait(10) == 130, output.text()
+        assert output.finish() == "running\nchildren stopped"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_an_interrupt_while_a_process_starts_waits_until_its_stop_is_registered() -> None:
+    from trainer.demo import _interrupts_held
+
+    registered = []
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C just after the process was started ...
+            registered.append("stop")  # ... still lets the demo register how to stop it
+    assert registered == ["stop"]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # handlers restored

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import os
+import json
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.store import db
 from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import running_gateway
-from tests.pgcluster import PgCluster, create_database, free_port
+from tests.gateway_harness import running_gateway, start_serve
+from tests.pgcluster import PgCluster, create_database
 from tests.stored import count_calls
 from tests.test_gateway_capture import client_body
+from tests.waiting import SocketReader, wait_until
 
 
 @pytest.fixture
@@ -35,17 +33,14 @@ def own_cluster() -> Iterator[PgCluster]:
 
 
 def wait_for_count(url: str, expected: int, timeout_s: float = 30) -> int:
-    deadline = time.monotonic() + timeout_s
-    seen = -1
-    while time.monotonic() < deadline:
+    def seen() -> int:
         try:
-            seen = count_calls(url)
+            return count_calls(url)
         except Exception:  # the database may still be coming back
-            seen = -1
-        if seen >= expected:
-            return seen
-        time.sleep(0.2)
-    return seen
+            return -1
+
+    wait_until(lambda: seen() >= expected, timeout_s, f"{expected} calls stored")
+    return seen()
 
 
 async def _burst(url: str, body: dict, n: int, concurrency: int, on_half: object) -> list[int]:
@@ -87,50 +82,23 @@ def test_database_outage_during_burst_loses_nothing(
     )
 
 
-def start_serve(upstream: FakeUpstream, sqlite_url: str, tmp_path: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """`trajgate serve` as users run it, on a free port, once it answers /health."""
-    db.upgrade(sqlite_url)
-    port = free_port()
-    env = {
-        **os.environ,
-        "TRAJGATE_DATABASE_URL": sqlite_url,
-        "TRAJGATE_UPSTREAM_URL": upstream.base_url,
-        "TRAJGATE_BASE_MODEL": "smollm2",
-        "TRAJGATE_SPOOL_DIR": str(tmp_path / "spool"),
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return process, port
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or process.poll() is not None:
-            process.kill()
-            raise AssertionError("gateway did not start")
-        time.sleep(0.1)
-
-
 def test_idle_keep_alive_connection_outlives_client_pools(
     upstream: FakeUpstream, sqlite_url: str, tmp_path: Path
 ) -> None:
     """A connection a client's pool kept idle for 6 s (httpx and the OpenAI SDK keep them 5 s) is still open:
     the server never closes one just as the client reuses it."""
-    process, port = start_serve(upstream, sqlite_url, tmp_path)
+    process, _, port = start_serve(upstream.base_url, sqlite_url, tmp_path / "spool")
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            reader = SocketReader(conn)
             request = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
             for idle_s in (0, 6):
-                time.sleep(idle_s)
+                time.sleep(idle_s)  # the idle time under test, not a wait for anything
                 conn.sendall(request)
-                reply = conn.recv(65536)
-                assert reply.startswith(b"HTTP/1.1 200"), reply
+                head, body = reader.http_response(timeout_s=10)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                assert json.loads(body)["status"] == "ok", body
+            assert reader.buffer == b""  # nothing more was sent than the two responses
     finally:
         process.terminate()
         process.wait(30)
@@ -139,7 +107,7 @@ def test_idle_keep_alive_connection_outlives_client_pools(
 def test_sigterm_mid_burst_finishes_calls_and_loses_nothing(
     upstream: FakeUpstream, sqlite_url: str, tmp_path: Path
 ) -> None:
-    process, port = start_serve(upstream, sqlite_url, tmp_path)
+    process, output, port = start_serve(upstream.base_url, sqlite_url, tmp_path / "spool")
     base = f"http://127.0.0.1:{port}/v1"
     try:
         upstream.mode = "slow_stream"  # each stream takes ~2 s
@@ -147,16 +115,23 @@ def test_sigterm_mid_burst_finishes_calls_and_loses_nothing(
         n = 12
 
         async def stream_all() -> list[bytes]:
-            async with httpx.AsyncClient(timeout=30) as client:
+            streaming: list[int] = []
+            all_streaming = asyncio.Event()
+            async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=n)) as client:
 
                 async def one(i: int) -> bytes:
                     async with client.stream(
                         "POST", base + "/chat/completions", json=body, headers={"X-Trajectory-Id": f"term-{i}"}
                     ) as response:
-                        return b"".join([chunk async for chunk in response.aiter_bytes()])
+                        chunks = response.aiter_bytes()
+                        first = await anext(chunks)  # the upstream stream has begun: this call is in flight
+                        streaming.append(i)
+                        if len(streaming) == n:
+                            all_streaming.set()
+                        return first + b"".join([chunk async for chunk in chunks])
 
                 async def terminate() -> None:
-                    await asyncio.sleep(0.6)
+                    await asyncio.wait_for(all_streaming.wait(), 30)
                     process.send_signal(signal.SIGTERM)
 
                 results = await asyncio.gather(*(one(i) for i in range(n)), terminate())
@@ -166,7 +141,7 @@ def test_sigterm_mid_burst_finishes_calls_and_loses_nothing(
         assert all(out.rstrip().endswith(b"data: [DONE]") for out in outputs)  # in-flight calls finished
         # uvicorn re-raises the signal once its graceful shutdown is done, so -SIGTERM is a clean exit here.
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)
-        log = process.stdout.read().decode() if process.stdout else ""
+        log = output.finish()
         assert "Traceback" not in log, log
     finally:
         upstream.mode = "replay"

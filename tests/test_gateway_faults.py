@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from typing import Any
 
 import httpx
@@ -16,6 +15,7 @@ from tests.gateway_harness import RunningGateway, running_gateway
 from tests.pgcluster import free_port
 from tests.stored import count_calls, stored_calls
 from tests.test_gateway_capture import client_body
+from tests.waiting import SocketReader, wait_until
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
@@ -144,13 +144,9 @@ def test_client_disconnect_cancels_upstream_and_records_partial(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"X-Trajectory-Id: t-gone\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
-        received = b""
-        while received.count(b"data: ") < 2:
-            received += sock.recv(65536)
-    deadline = time.monotonic() + 5
-    while upstream.cancelled_streams == cancelled_before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert upstream.cancelled_streams > cancelled_before, "upstream request was not cancelled"
+        # Two whole events reached the client (each ends with a blank line), then it goes away mid-stream.
+        SocketReader(sock).until(lambda got: len(got) if got.count(b"\n\n") >= 2 else None, 10, "two events")
+    wait_until(lambda: upstream.cancelled_streams > cancelled_before, 10, "the upstream request to be cancelled")
     gateway.flush()
     (call,) = stored_calls(db_url, "t-gone")
     assert call["error"] == "client disconnected mid-stream" and not call["trainable"]

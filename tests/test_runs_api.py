@@ -4,12 +4,8 @@ the gateway, progress counts, steps, and the live progress stream."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,16 +16,15 @@ import pytest
 
 from gateway.capture import CHAT, COMPLETIONS, prepare_upstream
 from gateway.run_config import RunConfig
-from gateway.store import db
 from gateway.store.db import make_engine
 from gateway.store.models import PolicyVersion
 from gateway.store.runs import record_train_step
 from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.pgcluster import free_port
+from tests.gateway_harness import RunningGateway, running_gateway, start_serve
 from tests.test_gateway_capture import client_body
 from tests.test_gateway_faults import assert_openai_error
 from tests.trajectories import make_calls, reward
+from tests.waiting import wait_until
 
 
 def post_run(gw: RunningGateway, body: dict[str, Any], **headers: str) -> httpx.Response:
@@ -93,9 +88,7 @@ def test_run_routes_and_sampling_reach_the_gateway(
             )
     finally:
         engine.dispose()
-    deadline = time.monotonic() + 5
-    while router.resolve("org/agent", "smollm2").version != 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: router.resolve("org/agent", "smollm2").version == 3, 10, "the refresh to pick up version 3")
     assert router.resolve("org/agent", "smollm2").served_name == "org/agent@3"
     body = {**client_body(upstream.fixture("chat")), "model": "org/agent"}
     response = httpx.post(gateway.base_url + "/chat/completions", json=body)
@@ -178,7 +171,7 @@ def test_event_stream_follows_training_steps(
     )
     reader.start()
     assert ready.wait(10)
-    time.sleep(0.3)
+    wait_until(lambda: any('"step"' in line for line in lines), 10, "the history to reach the client")
     stepping("live", 2)  # live: recorded while the client reads
     stepping("live", 3)
     reader.join(10)
@@ -213,39 +206,20 @@ def test_runs_need_the_admin_key(gateway_settings: dict[str, object]) -> None:
 def test_sigterm_ends_open_event_streams(sqlite_url: str, upstream: FakeUpstream, tmp_path: Path) -> None:
     """A live stream never finishes by itself; `trajgate serve` must end it on SIGTERM, not wait out the graceful
     timeout (after which an orchestrator's SIGKILL would cost the writer's queued records)."""
-    db.upgrade(sqlite_url)
-    port = free_port()
-    env = {
-        **os.environ,
-        "TRAJGATE_DATABASE_URL": sqlite_url,
-        "TRAJGATE_UPSTREAM_URL": upstream.base_url,
-        "TRAJGATE_BASE_MODEL": "smollm2",
-        "TRAJGATE_SPOOL_DIR": str(tmp_path / "spool"),
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level", "warning"], env=env
-    )
+    # A graceful timeout far above the wait below: a stream left open would hold the shutdown for all of it.
+    process, _, port = start_serve(upstream.base_url, sqlite_url, tmp_path / "spool", "--graceful-timeout", "300")
     base = f"http://127.0.0.1:{port}/v1"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                if httpx.post(base + "/runs", json={"name": "term", "config": {}}).status_code == 201:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and process.poll() is None, "gateway did not start"
-            time.sleep(0.1)
+        assert httpx.post(base + "/runs", json={"name": "term", "config": {}}).status_code == 201
         lines: list[str] = []
         ready = threading.Event()
         reader = threading.Thread(target=_read_events, args=(base + "/runs/term/events", {}, 1, lines, ready))
         reader.start()
         assert ready.wait(10)
-        started = time.monotonic()
         process.send_signal(signal.SIGTERM)
-        process.wait(15)
-        reader.join(5)
-        assert time.monotonic() - started < 5 and not reader.is_alive()
+        process.wait(30)
+        reader.join(10)
+        assert not reader.is_alive()
     finally:
         if process.poll() is None:
             process.kill()

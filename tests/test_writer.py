@@ -8,7 +8,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +22,7 @@ from gateway.store.records import count_calls, write_calls
 from gateway.writer import RecordWriter, read_spool_line, spool_line
 from tests.factories import make_record
 from tests.pgcluster import PgCluster, free_port
+from tests.waiting import wait_until
 
 FAST = {"flush_interval_s": 0.01, "retry_interval_s": 0.1}
 
@@ -52,15 +53,6 @@ def _ids(engine: Engine) -> list[str]:
 
 def _segments(spool_dir: Path) -> list[Path]:
     return sorted(spool_dir.glob("spool-*.jsonl"))
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 def test_spool_line_round_trips_exactly() -> None:
@@ -118,7 +110,7 @@ async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: P
         def all_in() -> bool:
             return writer.db_up and not _segments(tmp_path / "spool") and count_calls(engine) == len(records)
 
-        assert await asyncio.to_thread(_wait_until, all_in, 15)
+        await asyncio.to_thread(wait_until, all_in, 30, "every record in the database and the spool empty")
         assert sorted(_ids(engine)) == sorted(r.id for r in records)
         assert writer.records_spooled > 0 and writer.write_errors > 0  # the outage really was hit
         assert slowest < 0.05, f"submit took {slowest * 1000:.1f} ms"
@@ -224,7 +216,7 @@ def test_a_segment_another_writer_still_appends_to_is_left_alone(sqlite_url: str
 
     other = RecordWriter(engine, spool_dir, **FAST)
     other.start()
-    assert _wait_until(lambda: count_calls(engine) == 1, 5)
+    wait_until(lambda: count_calls(engine) == 1, 10, "the dead writer's segment to be replayed")
     assert owned.exists() and _segments(spool_dir) == [owned]
 
     owner.close()  # closes and unlocks its segment; the queued record is spooled too

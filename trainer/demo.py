@@ -264,26 +264,50 @@ def start_gateway(start: Callable[[str, Sequence[str], float], Child], ports: It
 @contextlib.contextmanager
 def _stopping_everything_on_exit() -> Iterator[contextlib.ExitStack]:
     """Whatever ends the demo (done, an error, Ctrl-C, SIGTERM from a supervisor), every process it started is
-    stopped, newest first; a second Ctrl-C while that happens cannot cut it short and leave one running."""
+    stopped, newest first; a second Ctrl-C while that happens cannot cut it short and leave one running.
+
+    SIGINT gets a handler of our own, not Python's: a shell without job control starts `cmd &` with SIGINT
+    ignored, Python then installs none, and Ctrl-C (or a supervisor's SIGINT) would let the demo run on to its end.
+    """
     main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
 
     def _interrupt(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main else None
+    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGINT, signal.SIGTERM)} if main else {}
     stack = contextlib.ExitStack()
     try:
         yield stack
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for signum in previous:
+            signal.signal(signum, signal.SIG_IGN)
         try:
             stack.close()
         finally:
-            if main:
-                signal.signal(signal.SIGINT, interrupt)
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """A Ctrl-C landing between starting a process and registering its stop would leave that process running:
+    SIGINT and SIGTERM are held until the block is done, then raised as KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def _hold(signum: int, frame: FrameType | None) -> None:
+        held.append(signum)
+
+    previous = {signum: signal.signal(signum, _hold) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
@@ -352,8 +376,9 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         }
 
         def start(name: str, argv: Sequence[str], grace_s: float) -> Child:
-            child = Child(name, argv, env, echo)
-            stack.callback(child.stop, grace_s)
+            with _interrupts_held():
+                child = Child(name, argv, env, echo)
+                stack.callback(child.stop, grace_s)
             return child
 
         gateway, gateway_url = start_gateway(start, iter(free_port, None))

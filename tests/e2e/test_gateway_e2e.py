@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessage
 
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import stored_calls
+from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
+from trainer.vllm_cpu import ensure_smollm2
+
+CALL_FIELDS = [f.name for f in fields(CallData)]
 
 WEATHER_TOOL = {
     "type": "function",
@@ -30,42 +37,91 @@ def real_gateway(vllm_base_url: str, vllm_model_name: str, pg_url: str, tmp_path
         yield gw
 
 
+@pytest.fixture(scope="module")
+def tokenizer(vllm_model_name: str) -> Any:
+    """SmolLM2's tokenizer from the weights vLLM serves: what turns the captured ids back into text."""
+    if vllm_model_name != "smollm2":
+        pytest.skip("detokenizing needs the served model's tokenizer; only smollm2's is at hand")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(ensure_smollm2())
+
+
 def extends(previous: dict, following: dict) -> bool:
     prefix = previous["prompt_token_ids"] + previous["completion_token_ids"]
     return following["prompt_token_ids"][: len(prefix)] == prefix
 
 
-def test_three_turn_conversation_with_tool_result(real_gateway: RunningGateway, pg_url: str) -> None:
+def tool_call_turn(message: ChatCompletionMessage) -> tuple[dict, str]:
+    """The assistant turn the client sends back after asking for a tool, and the id of its call.
+
+    The model's own call when vLLM parsed one; otherwise the client builds it, as an agent framework that forces a
+    tool would: whether a 135M model emits well-formed hermes markup is up to the model (on some CPU builds it does
+    not), and the history a client sends next is the client's business. Capture must hold either way.
+    """
+    if message.tool_calls:
+        return message.model_dump(exclude_none=True), message.tool_calls[0].id
+    call = {"id": "call_weather_paris", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}  # fmt: skip
+    return {"role": "assistant", "content": None, "tool_calls": [call]}, call["id"]
+
+
+def test_three_turn_conversation_with_tool_result(real_gateway: RunningGateway, pg_url: str, tokenizer: Any) -> None:
     client = openai.OpenAI(
         base_url=real_gateway.url + "/g/conv/t/conv-1/v1", api_key="sk", max_retries=0
     )
     messages: list[dict] = [{"role": "user", "content": "Say hello in one short sentence."}]
     first = client.chat.completions.create(model="agent", messages=messages, max_tokens=24, temperature=0)
     messages.append({"role": "assistant", "content": first.choices[0].message.content})
-    # Named tool_choice is not enforced by vLLM 0.32 CPU: the question is one SmolLM2 answers with a valid call.
     messages.append({"role": "user", "content": "What is the weather in Paris?"})
     second = client.chat.completions.create(
         model="agent", messages=messages, max_tokens=48, temperature=0, tools=[WEATHER_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
-    call = second.choices[0].message.tool_calls[0]
-    messages.append(second.choices[0].message.model_dump(exclude_none=True))
-    messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 18, "sky": "clear"})})
+    assistant, call_id = tool_call_turn(second.choices[0].message)
+    messages.append(assistant)
+    messages.append({"role": "tool", "tool_call_id": call_id, "content": json.dumps({"temp_c": 18, "sky": "clear"})})
     third = client.chat.completions.create(model="agent", messages=messages, max_tokens=24, temperature=0)
-    assert third.choices[0].message.content
     real_gateway.flush()
 
     calls = stored_calls(pg_url, "conv-1")
-    assert len(calls) == 3 and all(c["trainable"] for c in calls)
+    assert len(calls) == 3 and calls[0]["seq"] < calls[1]["seq"] < calls[2]["seq"]  # every call, in order
+    assert [c["choice_index"] for c in calls] == [0, 0, 0]
+    assert all(c["trainable"] and c["group"]["group_id"] == "conv" for c in calls)
     assert all(len(c["completion_token_ids"]) == len(c["completion_logprobs"]) > 0 for c in calls)
-    # A plain chat turn extends the previous prompt + completion exactly: the trainer can merge it.
+    # The captured ids are what the client was shown: decoded, they give back each reply exactly.
+    for call, reply in zip(calls, (first, second, third)):
+        message = reply.choices[0].message
+        text = tokenizer.decode(call["completion_token_ids"], skip_special_tokens=True)
+        if message.tool_calls:  # vLLM parsed the markup: the call's name and arguments came from these ids
+            parsed = message.tool_calls[0].function
+            assert parsed.name in text and all(str(v) in text for v in json.loads(parsed.arguments).values()), text
+        else:
+            assert text == (message.content or ""), (text, message.content)
+
+    # A plain chat turn re-renders the history byte for byte: turn 2's prompt extends turn 1's prompt + reply.
     assert extends(calls[0], calls[1])
-    # SmolLM2's template drops an assistant message's tool_calls, so the turn after a tool call does not
-    # extend it (DESIGN §3); the trainer must start a new row there. Report what we see.
-    print(f"turn 3 extends turn 2 after a tool call: {extends(calls[1], calls[2])}")
+    # SmolLM2's template renders an assistant turn's content only, so a tool-call turn comes back as an empty
+    # assistant message: turn 3's prompt does not extend turn 2's reply (DESIGN §3).
+    assert not extends(calls[1], calls[2])
+    # The trainer merges what extends and starts a new row where the history was re-rendered: two rows, and the
+    # trained tokens are exactly the three replies with vLLM's logprobs.
+    trajectory = TrajectoryData("conv-1", 1.0, [CallData(**{f: c[f] for f in CALL_FIELDS}) for c in calls])
+    baseline = TrajectoryData("conv-2", 0.0, trajectory.calls)
+    batch = build_samples([GroupData("conv", [trajectory, baseline])])
+    merged, alone = (row for row in batch.rows if row.trajectory_id == "conv-1")
+    assert batch.stats["merged_calls"] == 2  # turn 2 of each trajectory; never turn 3
+    assert merged.input_ids == calls[1]["prompt_token_ids"] + calls[1]["completion_token_ids"]
+    assert alone.input_ids == calls[2]["prompt_token_ids"] + calls[2]["completion_token_ids"]
+    for row, replies in ((merged, calls[:2]), (alone, calls[2:])):
+        trained = [lp for lp, m in zip(row.behaviour_logprobs, row.loss_mask) if m]
+        assert trained == [lp for c in replies for lp in c["completion_logprobs"]]
+        assert [t for t, m in zip(row.input_ids, row.loss_mask) if m] == [
+            t for c in replies for t in c["completion_token_ids"]
+        ]
 
 
-def test_stream_ids_match_what_vllm_sent(real_gateway: RunningGateway, pg_url: str) -> None:
+def test_stream_ids_match_what_vllm_sent(real_gateway: RunningGateway, pg_url: str, tokenizer: Any) -> None:
     client = openai.OpenAI(base_url=real_gateway.base_url, api_key="sk", max_retries=0)
     stream = client.chat.completions.create(
         model="agent",
@@ -79,13 +135,16 @@ def test_stream_ids_match_what_vllm_sent(real_gateway: RunningGateway, pg_url: s
     )
     prompt_ids: list[int] = []
     ids: list[int] = []
+    text = ""
     for chunk in stream:
         extra = chunk.model_extra or {}
         prompt_ids = extra.get("prompt_token_ids") or prompt_ids
         for choice in chunk.choices:
             ids.extend((choice.model_extra or {}).get("token_ids") or [])
+            text += choice.delta.content or ""
         assert not any(choice.logprobs for choice in chunk.choices)  # not asked for, so stripped
     real_gateway.flush()
     (stored,) = stored_calls(pg_url, "stream-1")
     assert stored["prompt_token_ids"] == prompt_ids and stored["completion_token_ids"] == ids
     assert len(stored["completion_logprobs"]) == len(ids) and stored["trainable"]
+    assert tokenizer.decode(stored["completion_token_ids"], skip_special_tokens=True) == text

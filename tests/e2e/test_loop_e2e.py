@@ -8,7 +8,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,9 +17,10 @@ import pytest
 
 from gateway.config import load_settings
 from gateway.store import db
-from gateway.store.runs import steps_after, upsert_run
+from gateway.store.runs import steps_after
 from gateway.store.training import group_states
 from tests.gateway_harness import RunningGateway, running_gateway
+from tests.waiting import OutputLines, wait_until
 from trainer.loop import Trainer, TrainerOptions
 from trainer.vllm_cpu import ensure_tiny_model
 
@@ -95,13 +95,9 @@ def greedy_logprobs(upstream: str, model: str) -> list[float]:
     return [entry["logprob"] for entry in response["choices"][0]["logprobs"]["content"]]
 
 
-def wait_for_version(gw: RunningGateway, version: int, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if gw.app.state.router.resolve(RUN, "tiny").version >= version:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"gateway never routed {RUN} to version {version}")
+def wait_for_version(gw: RunningGateway, version: int, timeout_s: float = 30) -> None:
+    wait_until(lambda: gw.app.state.router.resolve(RUN, "tiny").version >= version, timeout_s,
+               f"the gateway to route {RUN} to version {version}")  # fmt: skip
 
 
 def test_two_steps_publish_adapters_that_the_gateway_routes_to(
@@ -148,13 +144,16 @@ def test_killed_trainer_loses_and_duplicates_nothing(
     }
     command = [sys.executable, "-m", "gateway.cli", "train", "--run", KILL_RUN, "--backend", "hf", "--device", "cpu",
                "--steps", "1", "--lease-s", "3", "--poll-s", "0.2"]
-    victim = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    victim = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = OutputLines(victim)
     engine = db.make_engine(url)
     try:
-        deadline = time.monotonic() + 120
-        while "claimed" not in group_states(engine, KILL_RUN).values():  # mid-step: it holds the groups
-            assert victim.poll() is None and time.monotonic() < deadline, victim.stdout.read().decode()
-            time.sleep(0.05)
+
+        def mid_step() -> bool:  # it holds the groups
+            assert victim.poll() is None, f"the trainer exited ({victim.returncode}) before claiming:\n{output.text()}"
+            return "claimed" in group_states(engine, KILL_RUN).values()
+
+        wait_until(mid_step, 120, "the trainer to claim the groups")
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
         assert steps_after(engine, KILL_RUN) == []
