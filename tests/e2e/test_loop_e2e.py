@@ -105,14 +105,14 @@ def test_two_steps_publish_adapters_that_the_gateway_routes_to(
 ) -> None:
     gw, url = stack
     assert set(play_groups(gw, "a")) == {"0"}
-    trainer = trainer_for(url, tmp_path, vllm_tiny_base_url, max_steps=1)
-    assert trainer.run() == 1
-    assert f"{RUN}@1" in vllm_models(vllm_tiny_base_url)
-    wait_for_version(gw, 1)
+    with trainer_for(url, tmp_path, vllm_tiny_base_url, max_steps=1) as trainer:
+        assert trainer.run() == 1
+        assert f"{RUN}@1" in vllm_models(vllm_tiny_base_url)
+        wait_for_version(gw, 1)
 
-    assert set(play_groups(gw, "b")) == {"1"}  # calls after publication are served by the adapter
-    trainer.options.max_steps = 1
-    assert trainer.run() == 1
+        assert set(play_groups(gw, "b")) == {"1"}  # calls after publication are served by the adapter
+        trainer.options.max_steps = 1
+        assert trainer.run() == 1
     served = vllm_models(vllm_tiny_base_url)
     assert {f"{RUN}@1", f"{RUN}@2"} <= served
 
@@ -143,7 +143,7 @@ def test_killed_trainer_loses_and_duplicates_nothing(
         "TRAJGATE_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
     }
     command = [sys.executable, "-m", "gateway.cli", "train", "--run", KILL_RUN, "--backend", "hf", "--device", "cpu",
-               "--steps", "1", "--lease-s", "3", "--poll-s", "0.2"]
+               "--steps", "1", "--lease-s", "3", "--run-lease-s", "3", "--poll-s", "0.2"]
     victim = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = OutputLines(victim)
     engine = db.make_engine(url)
