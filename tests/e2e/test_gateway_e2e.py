@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -66,14 +67,26 @@ def tool_call_turn(message: ChatCompletionMessage) -> tuple[dict, str]:
     return {"role": "assistant", "content": None, "tool_calls": [call]}, call["id"]
 
 
+def tool_call_in(text: str) -> dict | None:
+    """The first hermes `<tool_call>{...}</tool_call>` block of a reply, parsed the way vLLM's hermes parser does (an
+    unterminated block at the end counts): what `message.tool_calls` must have been derived from."""
+    match = re.search(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, re.DOTALL)
+    return json.loads((match.group(1) or match.group(2)).strip()) if match else None
+
+
 def test_three_turn_conversation_with_tool_result(real_gateway: RunningGateway, pg_url: str, tokenizer: Any) -> None:
+    # Evaluation mode keeps the client's temperature 0 (train mode samples at 1, `gateway.sampling`): greedy replies
+    # keep the decoded-text comparisons below about capture, not about odd bytes a random sample may end on. Nothing
+    # asserted depends on what the model says: every expectation is derived from the ids vLLM returned.
     client = openai.OpenAI(
-        base_url=real_gateway.url + "/g/conv/t/conv-1/v1", api_key="sk", max_retries=0
+        base_url=real_gateway.url + "/eval/g/conv/t/conv-1/v1", api_key="sk", max_retries=0
     )
     messages: list[dict] = [{"role": "user", "content": "Say hello in one short sentence."}]
+    sent: list[list[dict]] = [[*messages]]
     first = client.chat.completions.create(model="agent", messages=messages, max_tokens=24, temperature=0)
     messages.append({"role": "assistant", "content": first.choices[0].message.content})
     messages.append({"role": "user", "content": "What is the weather in Paris?"})
+    sent.append([*messages])
     second = client.chat.completions.create(
         model="agent", messages=messages, max_tokens=48, temperature=0, tools=[WEATHER_TOOL],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -81,6 +94,7 @@ def test_three_turn_conversation_with_tool_result(real_gateway: RunningGateway, 
     assistant, call_id = tool_call_turn(second.choices[0].message)
     messages.append(assistant)
     messages.append({"role": "tool", "tool_call_id": call_id, "content": json.dumps({"temp_c": 18, "sky": "clear"})})
+    sent.append([*messages])
     third = client.chat.completions.create(model="agent", messages=messages, max_tokens=24, temperature=0)
     real_gateway.flush()
 
@@ -89,35 +103,46 @@ def test_three_turn_conversation_with_tool_result(real_gateway: RunningGateway, 
     assert [c["choice_index"] for c in calls] == [0, 0, 0]
     assert all(c["trainable"] and c["group"]["group_id"] == "conv" for c in calls)
     assert all(len(c["completion_token_ids"]) == len(c["completion_logprobs"]) > 0 for c in calls)
-    # The captured ids are what the client was shown: decoded, they give back each reply exactly.
-    for call, reply in zip(calls, (first, second, third)):
+    for call, reply, history in zip(calls, (first, second, third), sent):
+        # The captured prompt is the one this call sent: it ends with the client's last message and the generation
+        # prompt (the template's own rendering of the rest is vLLM's business).
+        prompt = tokenizer.decode(call["prompt_token_ids"], skip_special_tokens=False)
+        assert prompt.endswith(history[-1]["content"] + "<|im_end|>\n<|im_start|>assistant\n"), prompt[-200:]
+        # The captured completion is what the client was shown: the text, or the tool call parsed from the markup.
         message = reply.choices[0].message
-        text = tokenizer.decode(call["completion_token_ids"], skip_special_tokens=True)
-        if message.tool_calls:  # vLLM parsed the markup: the call's name and arguments came from these ids
+        if message.tool_calls:
+            block = tool_call_in(tokenizer.decode(call["completion_token_ids"], skip_special_tokens=False))
             parsed = message.tool_calls[0].function
-            assert parsed.name in text and all(str(v) in text for v in json.loads(parsed.arguments).values()), text
+            assert block is not None and block["name"] == parsed.name
+            assert block["arguments"] == json.loads(parsed.arguments)
         else:
+            text = tokenizer.decode(call["completion_token_ids"], skip_special_tokens=True)
             assert text == (message.content or ""), (text, message.content)
 
-    # A plain chat turn re-renders the history byte for byte: turn 2's prompt extends turn 1's prompt + reply.
-    assert extends(calls[0], calls[1])
     # SmolLM2's template renders an assistant turn's content only, so a tool-call turn comes back as an empty
-    # assistant message: turn 3's prompt does not extend turn 2's reply (DESIGN §3).
-    assert not extends(calls[1], calls[2])
-    # The trainer merges what extends and starts a new row where the history was re-rendered: two rows, and the
-    # trained tokens are exactly the three replies with vLLM's logprobs.
+    # assistant message (DESIGN §3): turn 3's prompt holds none of turn 2's reply but its end-of-turn token.
+    reply_tokens = [t for t in calls[1]["completion_token_ids"] if t != tokenizer.eos_token_id]
+    assert not reply_tokens or not extends(calls[1], calls[2])
+    # The trainer merges a call into the previous one's row exactly when its prompt extends that row, and starts a
+    # new row otherwise; trained tokens are exactly the replies, with vLLM's logprobs.
     trajectory = TrajectoryData("conv-1", 1.0, [CallData(**{f: c[f] for f in CALL_FIELDS}) for c in calls])
     baseline = TrajectoryData("conv-2", 0.0, trajectory.calls)
     batch = build_samples([GroupData("conv", [trajectory, baseline])])
-    merged, alone = (row for row in batch.rows if row.trajectory_id == "conv-1")
-    assert batch.stats["merged_calls"] == 2  # turn 2 of each trajectory; never turn 3
-    assert merged.input_ids == calls[1]["prompt_token_ids"] + calls[1]["completion_token_ids"]
-    assert alone.input_ids == calls[2]["prompt_token_ids"] + calls[2]["completion_token_ids"]
-    for row, replies in ((merged, calls[:2]), (alone, calls[2:])):
+    rows = [row for row in batch.rows if row.trajectory_id == "conv-1"]
+    segments: list[list[dict]] = [[calls[0]]]
+    for previous, following in zip(calls, calls[1:]):
+        if extends(previous, following):
+            segments[-1].append(following)
+        else:
+            segments.append([following])
+    assert batch.stats["merged_calls"] == 2 * (len(calls) - len(segments))
+    assert len(rows) == len(segments)
+    for row, segment in zip(rows, segments):
+        assert row.input_ids == segment[-1]["prompt_token_ids"] + segment[-1]["completion_token_ids"]
         trained = [lp for lp, m in zip(row.behaviour_logprobs, row.loss_mask) if m]
-        assert trained == [lp for c in replies for lp in c["completion_logprobs"]]
+        assert trained == [lp for c in segment for lp in c["completion_logprobs"]]
         assert [t for t, m in zip(row.input_ids, row.loss_mask) if m] == [
-            t for c in replies for t in c["completion_token_ids"]
+            t for c in segment for t in c["completion_token_ids"]
         ]
 
 
@@ -131,7 +156,8 @@ def test_stream_ids_match_what_vllm_sent(real_gateway: RunningGateway, pg_url: s
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"return_token_ids": True},
-        extra_headers={"X-Trajectory-Id": "stream-1", "X-Group-Id": "gs"},
+        # Evaluation mode keeps temperature 0 (see the three-turn test).
+        extra_headers={"X-Trajectory-Id": "stream-1", "X-Group-Id": "gs", "X-Mode": "eval"},
     )
     prompt_ids: list[int] = []
     ids: list[int] = []
