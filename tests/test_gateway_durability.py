@@ -117,6 +117,27 @@ def start_serve(upstream: FakeUpstream, sqlite_url: str, tmp_path: Path) -> tupl
         time.sleep(0.1)
 
 
+def read_http_response(conn: socket.socket) -> bytes:
+    """One whole response (head and its content-length body) off a raw connection: a single recv may return the
+    head alone, and the body would then be read as the next response."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0
+    )
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def test_idle_keep_alive_connection_outlives_client_pools(
     upstream: FakeUpstream, sqlite_url: str, tmp_path: Path
 ) -> None:
@@ -129,7 +150,7 @@ def test_idle_keep_alive_connection_outlives_client_pools(
             for idle_s in (0, 6):
                 time.sleep(idle_s)
                 conn.sendall(request)
-                reply = conn.recv(65536)
+                reply = read_http_response(conn)
                 assert reply.startswith(b"HTTP/1.1 200"), reply
     finally:
         process.terminate()
