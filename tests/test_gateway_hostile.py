@@ -87,3 +87,49 @@ def test_stream_is_read_the_way_vllm_reads_it(
     gateway.flush()
     (call,) = stored_calls(db_url, trajectory)
     assert call["stream"] and call["error"] is None and call["trainable"]
+
+
+def _post_raw(gw: RunningGateway, path: str, raw: str) -> httpx.Response:
+    return httpx.post(gw.url + path, content=raw.encode(), headers={"content-type": "application/json"}, timeout=30)
+
+
+@pytest.mark.parametrize(
+    "config",
+    ['{"sampling": {"seed": 18446744073709551616}}', '{"sampling": {"max_tokens": 9223372036854775808}}',
+     '{"groups_per_step": 100000000000000000000}'],
+    ids=["seed", "max_tokens", "groups_per_step"],
+)
+def test_integers_the_store_cannot_hold_are_422(gateway: RunningGateway, config: str) -> None:
+    response = _post_raw(gateway, "/v1/runs", '{"name": "big-ints", "config": %s}' % config)
+    assert "out of range" in assert_openai_error(response, 422)["message"]
+
+
+def test_reward_metadata_the_store_cannot_hold_is_refused_or_stored(
+    gateway: RunningGateway, upstream: FakeUpstream, db_url: str
+) -> None:
+    response = httpx.post(
+        gateway.base_url + "/chat/completions", json=client_body(upstream.fixture("chat")), headers={"X-Trajectory-Id": "t-meta"}
+    )
+    assert response.status_code == 200
+    gateway.flush()
+    path = "/v1/trajectories/t-meta/reward"
+    deep = json.dumps({"reward": 1.0, "metadata": {"x": _nested(300)}})
+    assert assert_openai_error(_post_raw(gateway, path, deep), 400)["code"] == "invalid_json"
+    surrogate = '{"reward": 1.0, "metadata": {"x": "\\ud800"}}'
+    assert assert_openai_error(_post_raw(gateway, path, surrogate), 400)["code"] == "invalid_json"
+    response = _post_raw(gateway, path, '{"reward": 1.0, "metadata": {"x": "a\\u0000b"}}')
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("suffix", ["", "/steps", "/export", "/events"])
+def test_a_run_name_that_cannot_exist_is_a_4xx(gateway: RunningGateway, suffix: str) -> None:
+    response = httpx.get(gateway.url + "/v1/runs/bad%00name" + suffix, timeout=10)
+    assert assert_openai_error(response, 400)["code"] == "invalid_run_name"
+
+
+@pytest.mark.parametrize("after", ["1e30", "99999999999999999999", "x"])
+@pytest.mark.parametrize("route", ["steps", "events"])
+def test_a_bad_after_is_a_400(gateway: RunningGateway, route: str, after: str) -> None:
+    assert _post_raw(gateway, "/v1/runs", '{"name": "after-run"}').status_code in (200, 201)
+    response = httpx.get(gateway.url + f"/v1/runs/after-run/{route}?after={after}", timeout=10)
+    assert assert_openai_error(response, 400)["code"] == "invalid_value"
