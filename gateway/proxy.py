@@ -7,6 +7,7 @@ every model call; everything it records goes to the writer's queue and it never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -252,30 +253,49 @@ class Proxy:
             }
         )
 
+        async def relay_line(line: bytes) -> None:
+            if not line.startswith(_SSE_DATA):
+                return
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                state["done"] = True
+                record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                return
+            if call.first_chunk is None:
+                call.first_chunk = time.perf_counter()
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                call.error = "upstream sent an SSE event that is not JSON"
+                return
+            if "error" in chunk and "choices" not in chunk:
+                call.error = orjson.dumps(chunk["error"]).decode()
+            else:
+                assembler.feed(chunk)
+                capture.strip_for_client(chunk, asks)
+                payload = orjson.dumps(chunk)
+            await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+
         async def pump() -> None:
-            async for line in upstream.content:
-                if not line.startswith(_SSE_DATA):
+            # Lines are framed here, not by aiohttp's line reader: vLLM sends all of a prompt's token ids in the
+            # first event, and the reader refuses a line over its limit (128 KiB on aiohttp 3.10) with a ValueError.
+            partial: list[bytes] = []  # an unfinished line, kept in pieces so a long one costs one join
+            async for data in upstream.content.iter_any():
+                if b"\n" not in data:
+                    partial.append(data)
                     continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    state["done"] = True
-                    record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
-                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
-                    continue
-                if call.first_chunk is None:
-                    call.first_chunk = time.perf_counter()
-                try:
-                    chunk = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    call.error = "upstream sent an SSE event that is not JSON"
-                    continue
-                if "error" in chunk and "choices" not in chunk:
-                    call.error = orjson.dumps(chunk["error"]).decode()
-                else:
-                    assembler.feed(chunk)
-                    capture.strip_for_client(chunk, asks)
-                    payload = orjson.dumps(chunk)
-                await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+                if partial:
+                    partial.append(data)
+                    data = b"".join(partial)
+                    partial.clear()
+                *lines, rest = data.split(b"\n")
+                if rest:
+                    partial.append(rest)
+                for line in lines:
+                    await relay_line(line)
+            if partial:
+                await relay_line(b"".join(partial))
             state["done"] = True
 
         relay = asyncio.ensure_future(pump())
@@ -296,6 +316,11 @@ class Proxy:
             except OSError:  # a write to a client that already left (aiohttp's own OSErrors are caught above)
                 if not state["done"]:
                     call.error = "client disconnected mid-stream"
+            except Exception as exc:  # whatever else breaks the relay: told in-band, recorded, never a cut stream
+                log.exception("stream relay failed")
+                call.error = f"stream relay failed: {type(exc).__name__}: {exc}"
+                with contextlib.suppress(OSError):
+                    await _send_sse_error(send, "the gateway could not relay vLLM's stream")
         finally:
             hangup.cancel()
             if not state["done"]:

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from tests.fake_upstream import FakeUpstream
+from tests.fake_upstream import FakeUpstream, load_fixtures
 from tests.gateway_harness import RunningGateway
 from tests.stored import count_calls, stored_calls
 from tests.test_gateway_capture import client_body
@@ -133,3 +133,41 @@ def test_a_bad_after_is_a_400(gateway: RunningGateway, route: str, after: str) -
     assert _post_raw(gateway, "/v1/runs", '{"name": "after-run"}').status_code in (200, 201)
     response = httpx.get(gateway.url + f"/v1/runs/after-run/{route}?after={after}", timeout=10)
     assert assert_openai_error(response, 400)["code"] == "invalid_value"
+
+
+def _long_prompt_stream(prompt_tokens: int) -> dict[str, object]:
+    """The recorded stream with a prompt of `prompt_tokens` ids: vLLM sends them all in the first SSE line."""
+    fixture = load_fixtures()["chat_stream"]
+    first = json.loads(fixture["chunks"][0])
+    first["prompt_token_ids"] = [(i * 7919) % 49152 for i in range(prompt_tokens)]
+    fixture["chunks"][0] = json.dumps(first, separators=(",", ":"))
+    return fixture
+
+
+def test_a_stream_with_a_100k_token_prompt_is_relayed_and_recorded(
+    gateway_settings: dict[str, object], db_url: str
+) -> None:
+    """The first line is ~700 KB: past aiohttp's line-reader limit (128 KiB on 3.10, ~75k ids on 3.14)."""
+    from openai import OpenAI
+
+    from tests.gateway_harness import running_gateway
+    from tests.test_gateway_capture import sdk_kwargs
+
+    fixture = _long_prompt_stream(100_000)
+    upstream = FakeUpstream({"long": fixture}).start()
+    try:
+        with running_gateway(**{**gateway_settings, "upstream_url": upstream.base_url}) as gw:
+            client = OpenAI(base_url=gw.base_url, api_key="k", max_retries=0)
+            stream = client.chat.completions.create(
+                **sdk_kwargs(fixture), extra_headers={"X-Trajectory-Id": "t-long"}
+            )
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+            gw.flush()
+    finally:
+        upstream.stop()
+    chunks = [json.loads(chunk) for chunk in fixture["chunks"] if chunk != "[DONE]"]
+    assert text == "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text
+    (call,) = stored_calls(db_url, "t-long")
+    assert call["error"] is None and call["trainable"]
+    assert call["prompt_token_ids"] == json.loads(fixture["chunks"][0])["prompt_token_ids"]
