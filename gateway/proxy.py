@@ -435,11 +435,10 @@ MAX_JSON_DEPTH = 254
 
 def _retry_headers(headers: dict[str, str]) -> tuple[int, str | None]:
     """`x-stainless-retry-count` and `Idempotency-Key`, checked against what the store can hold."""
-    raw = headers.get("x-stainless-retry-count")
+    raw = (headers.get("x-stainless-retry-count") or "").strip()
     retry_count = 0
-    if raw is not None:
-        raw = raw.strip()
-        if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_RETRY_COUNT:
+    if raw:
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 10 or int(raw) > MAX_RETRY_COUNT:
             message = f"x-stainless-retry-count must be an integer from 0 to {MAX_RETRY_COUNT}"
             raise GatewayError(400, message, code="invalid_header")
         retry_count = int(raw)

@@ -105,7 +105,7 @@ def _after(value: str | None) -> int:
         return -1
     text = value.strip()
     digits = text[1:] if text.startswith("-") else text
-    if not (digits.isascii() and digits.isdigit()) or not -1 <= int(text) <= MAX_STEP:
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 10 or not -1 <= int(text) <= MAX_STEP:
         raise GatewayError(400, f"after: expected an integer step from -1 to {MAX_STEP}", code="invalid_value")
     return int(text)
 

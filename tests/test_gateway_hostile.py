@@ -28,9 +28,10 @@ def _nested(depth: int) -> object:
         ({"Idempotency-Key": "k" * 257}, {}, "invalid_header"),
         ({"x-stainless-retry-count": "1099511627776"}, {}, "invalid_header"),
         ({"x-stainless-retry-count": "-1"}, {}, "invalid_header"),
+        ({"x-stainless-retry-count": "9" * 5000}, {}, "invalid_header"),
         ({}, {"metadata": _nested(300)}, "invalid_json"),
     ],
-    ids=["long-idempotency-key", "huge-retry-count", "negative-retry-count", "nested-300"],
+    ids=["long-idempotency-key", "huge-retry-count", "negative-retry-count", "5000-digit-retry-count", "nested-300"],
 )
 def test_bad_headers_and_deep_bodies_are_refused_before_forwarding(
     gateway: RunningGateway,
@@ -96,8 +97,8 @@ def _post_raw(gw: RunningGateway, path: str, raw: str) -> httpx.Response:
 @pytest.mark.parametrize(
     "config",
     ['{"sampling": {"seed": 18446744073709551616}}', '{"sampling": {"max_tokens": 9223372036854775808}}',
-     '{"groups_per_step": 100000000000000000000}'],
-    ids=["seed", "max_tokens", "groups_per_step"],
+     '{"groups_per_step": 100000000000000000000}', '{"lora_rank": %s}' % ("9" * 5000)],
+    ids=["seed", "max_tokens", "groups_per_step", "5000-digits"],
 )
 def test_integers_the_store_cannot_hold_are_422(gateway: RunningGateway, config: str) -> None:
     response = _post_raw(gateway, "/v1/runs", '{"name": "big-ints", "config": %s}' % config)
@@ -127,7 +128,7 @@ def test_a_run_name_that_cannot_exist_is_a_4xx(gateway: RunningGateway, suffix: 
     assert assert_openai_error(response, 400)["code"] == "invalid_run_name"
 
 
-@pytest.mark.parametrize("after", ["1e30", "99999999999999999999", "x"])
+@pytest.mark.parametrize("after", ["1e30", "99999999999999999999", "x", "9" * 5000])
 @pytest.mark.parametrize("route", ["steps", "events"])
 def test_a_bad_after_is_a_400(gateway: RunningGateway, route: str, after: str) -> None:
     assert _post_raw(gateway, "/v1/runs", '{"name": "after-run"}').status_code in (200, 201)
