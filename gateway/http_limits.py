@@ -96,7 +96,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         if self._over_capacity and len(self.connections) > self.limits.max_connections:
-            log.warning("%d connections open (limit %d): refusing a new one", len(self.connections), self.limits.max_connections)
+            open_now, limit = len(self.connections), self.limits.max_connections
+            log.warning("%d connections open (limit %d): refusing a new one", open_now, limit)
             app, self.app = self.app, _over_capacity
             try:
                 super().on_headers_complete()
@@ -133,10 +134,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         log.warning("refused a request: %s", message)
         code = "request_timeout" if status == 408 else "request_header_fields_too_large"
         body = error_body(message, code=code)
-        head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % (
-            status,
-            _REASONS[status],
-            len(body),
+        head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status]) + (
+            b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body)
         )
         self.transport.write(head + body)
         if self.transport.can_write_eof():

@@ -127,7 +127,9 @@ class Proxy:
             run = check_run(headers.get("x-run") or request.get("model"))
             route = self.router.resolve(run, await self.base_model())
             plan = sampling.plan(request, attribution.mode, route.sampling, route.on_policy_sampling)
-            upstream_body, asks = capture.prepare_upstream(request, endpoint, route.served_name, overrides=plan.upstream)
+            upstream_body, asks = capture.prepare_upstream(
+                request, endpoint, route.served_name, overrides=plan.upstream
+            )
             upstream_payload = _serialise(upstream_body)
         except GatewayError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()

@@ -52,14 +52,17 @@ def test_bad_headers_and_deep_bodies_are_refused_before_forwarding(
 
 def test_the_longest_allowed_headers_are_stored(gateway: RunningGateway, upstream: FakeUpstream, db_url: str) -> None:
     headers = {"Idempotency-Key": "k" * 256, "x-stainless-retry-count": str(2**31 - 1), "X-Trajectory-Id": "t-edge"}
-    response = httpx.post(gateway.base_url + "/chat/completions", json=client_body(upstream.fixture("chat")), headers=headers)
+    body = client_body(upstream.fixture("chat"))
+    response = httpx.post(gateway.base_url + "/chat/completions", json=body, headers=headers)
     assert response.status_code == 200
     gateway.flush()
     (call,) = stored_calls(db_url, "t-edge")
     assert call["idempotency_key"] == "k" * 256 and call["retry_count"] == 2**31 - 1
 
 
-def test_a_nul_in_the_request_is_answered_and_stored(gateway: RunningGateway, upstream: FakeUpstream, db_url: str) -> None:
+def test_a_nul_in_the_request_is_answered_and_stored(
+    gateway: RunningGateway, upstream: FakeUpstream, db_url: str
+) -> None:
     body = client_body(upstream.fixture("chat"))
     body["messages"] = [{"role": "user", "content": "a\u0000b"}]
     response = httpx.post(gateway.base_url + "/chat/completions", json=body, headers={"X-Trajectory-Id": "t-nul"})
@@ -75,7 +78,7 @@ def test_a_nul_in_the_request_is_answered_and_stored(gateway: RunningGateway, up
 def test_stream_is_read_the_way_vllm_reads_it(
     gateway: RunningGateway, upstream: FakeUpstream, db_url: str, flag: object
 ) -> None:
-    """vLLM's pydantic model coerces "true", 1, "yes" to True and streams; the gateway must relay and record a stream."""
+    """vLLM's pydantic model coerces "true", 1, "yes" to True and streams: the gateway must relay and record one."""
     body = {**client_body(upstream.fixture("chat_stream")), "stream": flag}
     trajectory = f"t-stream-{flag}"
     with httpx.stream(
@@ -109,7 +112,9 @@ def test_reward_metadata_the_store_cannot_hold_is_refused_or_stored(
     gateway: RunningGateway, upstream: FakeUpstream, db_url: str
 ) -> None:
     response = httpx.post(
-        gateway.base_url + "/chat/completions", json=client_body(upstream.fixture("chat")), headers={"X-Trajectory-Id": "t-meta"}
+        gateway.base_url + "/chat/completions",
+        json=client_body(upstream.fixture("chat")),
+        headers={"X-Trajectory-Id": "t-meta"},
     )
     assert response.status_code == 200
     gateway.flush()
