@@ -3,7 +3,8 @@ validated into OpenAI-style errors.
 
 Bodies are parsed with the standard library's JSON parser on purpose: Python clients serialise a NaN reward as the
 non-standard literal `NaN`, and that must come back as a 422 saying the reward is not finite, not as unparseable
-JSON.
+JSON. What the store's JSON encoder could not write (integers beyond 64 bits, a lone surrogate, nesting deeper than
+254 levels) is refused here, so no such body gets as far as a 500.
 """
 
 from __future__ import annotations
@@ -49,9 +50,30 @@ async def read_json(request: Request) -> Any:
     if not body.strip():
         return None
     try:
-        return json.loads(body)
+        data = json.loads(body, parse_int=_int64)
+    except _OutOfRange as exc:
+        raise GatewayError(422, str(exc), code="invalid_value") from None
     except (ValueError, RecursionError) as exc:
         raise GatewayError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    try:
+        orjson.dumps(data)  # what every JSON column is written with
+    except orjson.JSONEncodeError as exc:
+        raise GatewayError(400, f"request body cannot be stored: {exc}", code="invalid_json") from None
+    return data
+
+
+class _OutOfRange(Exception):
+    pass
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int64(text: str) -> int:
+    # The length check first: int() refuses more than 4,300 digits with a ValueError of its own.
+    if len(text) > 20 or not INT64_MIN <= int(text) <= INT64_MAX:
+        raise _OutOfRange(f"integer {text[:40]} is out of range (at most 64 bits)")
+    return int(text)
 
 
 def json_response(body: Any, status: int = 200) -> Response:

@@ -65,8 +65,14 @@ def build_state(settings: Settings) -> GatewayState:
             "queue_depth": writer.queue_depth,
             "spool_bytes": writer.spool_bytes,
             "db_up": 1.0 if writer.db_up else 0.0,
+            "held": writer.records_held,
             "written": writer.records_written,
             "spooled": writer.records_spooled,
+            "replayed": writer.records_replayed,
+            "rejected": writer.records_rejected,
+            "lost": writer.records_lost,
+            "unreadable": writer.records_unreadable,
+            "spool_errors": writer.spool_errors,
         }
     )
     proxy = Proxy(

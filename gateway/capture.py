@@ -35,16 +35,30 @@ class ChoiceCapture:
     finish_reason: str | None
 
 
+# The values vLLM's pydantic request models (lax mode) read as booleans, lower-cased strings compared as such.
+_TRUE = frozenset(("1", "on", "t", "true", "y", "yes"))
+
+
+def vllm_bool(value: Any) -> bool:
+    """Whether vLLM reads a boolean field such as `stream` as true: it coerces "true", "yes", 1 and 1.0 too, and
+    the gateway must agree (a body vLLM streams must be relayed as a stream)."""
+    if value is True:
+        return True
+    if isinstance(value, str):
+        return value.lower() in _TRUE
+    return type(value) in (int, float) and value == 1
+
+
 def prepare_upstream(
     body: dict[str, Any], endpoint: str, served_model: str, *, overrides: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], ClientAsks]:
     """The body vLLM receives: the client's, with `model` routed, `overrides` applied (the sampling values the
     gateway chose for the call: they win over the client's) and capture fields injected."""
     if endpoint == CHAT:
-        asks_logprobs = body.get("logprobs") is True
+        asks_logprobs = vllm_bool(body.get("logprobs"))
     else:
         asks_logprobs = body.get("logprobs") is not None
-    asks = ClientAsks(logprobs=asks_logprobs, token_ids=body.get("return_token_ids") is True)
+    asks = ClientAsks(logprobs=asks_logprobs, token_ids=vllm_bool(body.get("return_token_ids")))
     upstream = dict(body)
     if overrides:
         upstream.update(overrides)

@@ -38,26 +38,42 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-# Longer than any client pool keeps an idle connection (httpx and the OpenAI SDK: 5 s, aiohttp: 15 s). With uvicorn's
-# default of 5 s the server closes a connection just as a client reuses it, and the client sees a reset.
-KEEP_ALIVE_S = 75
-
-
 def uvicorn_config(
-    app: Any, host: str, port: int, log_level: str, *, access_log: bool = False, graceful_s: int | None = None
+    app: Any,
+    settings: Settings,
+    host: str,
+    port: int,
+    log_level: str,
+    *,
+    access_log: bool = False,
+    graceful_s: int | None = None,
 ) -> Any:
-    """How the gateway is served, shared by `trajgate serve` and the tests' in-process gateway."""
+    """How the gateway is served, shared by `trajgate serve` and the tests' in-process gateway.
+
+    The keep-alive default (75 s) is longer than any client pool keeps an idle connection (httpx and the OpenAI
+    SDK: 5 s, aiohttp: 15 s): with uvicorn's 5 s the server closes a connection just as a client reuses it, and the
+    client sees a reset. Connection limits: gateway.http_limits."""
+    import resource
+
     import uvicorn
 
+    from gateway.http_limits import HttpLimits, protocol_class
+
+    max_connections = settings.max_connections
+    if max_connections is None:
+        # Half the descriptors: each proxied call also holds one to vLLM, and the spool and database need some.
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        max_connections = max(soft // 2, 1) if soft > 0 else 65_536
+    limits = HttpLimits(settings.max_header_bytes, settings.request_read_timeout_s, max_connections)
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         loop="uvloop",
-        http="httptools",
+        http=protocol_class(limits),
         access_log=access_log,
         log_level=log_level,
-        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=graceful_s,
         lifespan="on",
     )
@@ -81,7 +97,13 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
 
     config = uvicorn_config(
-        app, settings.host, settings.port, args.log_level, access_log=args.access_log, graceful_s=args.graceful_timeout
+        app,
+        settings,
+        settings.host,
+        settings.port,
+        args.log_level,
+        access_log=args.access_log,
+        graceful_s=args.graceful_timeout,
     )
     server = Server(config)
     server.run()

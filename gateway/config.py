@@ -46,6 +46,16 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
     writer_queue_size: int = Field(10_000, ge=1, description="Records held in memory before spilling to the spool.")
     writer_batch_size: int = Field(256, ge=1, description="Records per database transaction.")
+    max_header_bytes: int = Field(65_536, ge=1024, description="Largest request head (431 above).")
+    request_read_timeout_s: float = Field(
+        60.0, gt=0, description="Longest time from a request's first byte to the end of its body (408, or closed)."
+    )
+    keep_alive_s: float = Field(
+        75.0, gt=0, description="How long an idle connection is kept open (before its first request or between)."
+    )
+    max_connections: int | None = Field(
+        None, ge=1, description="Open connections before new ones get a 503; unset: half the open-file limit."
+    )
 
     @field_validator("database_url")
     @classmethod

@@ -23,8 +23,28 @@ class _WriterCollector(Collector):
         yield GaugeMetricFamily("trajgate_writer_queue_depth", "Records waiting in memory", stats["queue_depth"])
         yield GaugeMetricFamily("trajgate_spool_bytes", "Bytes of records spooled to disk", stats["spool_bytes"])
         yield GaugeMetricFamily("trajgate_db_up", "1 if the writer can reach the database", stats["db_up"])
+        yield GaugeMetricFamily(
+            "trajgate_records_held", "Records kept in memory because the spool could not be written", stats["held"]
+        )
         yield CounterMetricFamily("trajgate_records_written", "Records written to the database", stats["written"])
         yield CounterMetricFamily("trajgate_records_spooled", "Records that went to the spool", stats["spooled"])
+        yield CounterMetricFamily(
+            "trajgate_records_replayed", "Spooled records written to the database on replay", stats["replayed"]
+        )
+        yield CounterMetricFamily(
+            "trajgate_records_rejected", "Records the database refused, kept in spool/rejected/", stats["rejected"]
+        )
+        yield CounterMetricFamily(
+            "trajgate_records_lost", "Records neither stored nor kept on disk (see the log)", stats["lost"]
+        )
+        yield CounterMetricFamily(
+            "trajgate_spool_unreadable_lines",
+            "Spool lines replay could not read (torn by a crash): records lost, usually found at start-up",
+            stats["unreadable"],
+        )
+        yield CounterMetricFamily(
+            "trajgate_spool_errors", "Appends to the spool that failed (EMFILE, a full disk)", stats["spool_errors"]
+        )
 
 
 class GatewayMetrics:

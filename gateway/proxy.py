@@ -7,6 +7,7 @@ every model call; everything it records goes to the writer's queue and it never 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -122,16 +123,19 @@ class Proxy:
             key, key_group, key_trajectory = split_api_key(presented_key(headers))
             self.auth.check_agent(key)
             attribution = attribute(headers, prefix, key_group, key_trajectory)
+            retry_count, idempotency_key = _retry_headers(headers)
             run = check_run(headers.get("x-run") or request.get("model"))
             route = self.router.resolve(run, await self.base_model())
+            plan = sampling.plan(request, attribution.mode, route.sampling, route.on_policy_sampling)
+            upstream_body, asks = capture.prepare_upstream(
+                request, endpoint, route.served_name, overrides=plan.upstream
+            )
+            upstream_payload = _serialise(upstream_body)
         except GatewayError as exc:
             self.metrics.requests.labels(endpoint, str(exc.status)).inc()
             await send_json(send, exc.status, exc.body(), [(b"x-request-id", request_id.encode())])
             return
 
-        plan = sampling.plan(request, attribution.mode, route.sampling, route.on_policy_sampling)
-        retry_count = _int_header(headers.get("x-stainless-retry-count"))
-        idempotency_key = headers.get("idempotency-key")
         call = Call(
             request_id=request_id,
             endpoint=endpoint,
@@ -143,10 +147,9 @@ class Proxy:
             seq=self.turns.assign(attribution.trajectory_id, retry_count > 0, idempotency_key),
             retry_count=retry_count,
             idempotency_key=idempotency_key,
-            stream=request.get("stream") is True,
+            stream=capture.vllm_bool(request.get("stream")),
             off_policy=plan.off_policy,
         )
-        upstream_body, asks = capture.prepare_upstream(request, endpoint, route.served_name, overrides=plan.upstream)
         out_headers = [
             (b"x-request-id", request_id.encode()),
             (b"x-trajectory-id", attribution.trajectory_id.encode()),
@@ -158,7 +161,7 @@ class Proxy:
         call.upstream_started = time.perf_counter()
         try:
             upstream = await self.session.post(
-                self.upstream_url + path.removeprefix("/v1"), data=orjson.dumps(upstream_body), headers=self._upstream_headers
+                self.upstream_url + path.removeprefix("/v1"), data=upstream_payload, headers=self._upstream_headers
             )
         except asyncio.TimeoutError:
             await self._fail(send, call, out_headers, GatewayError(504, "vLLM timed out", "upstream_error", "timeout"))
@@ -206,7 +209,8 @@ class Proxy:
                 capture.strip_for_client(response, asks)
                 raw = orjson.dumps(response)
         else:
-            call.error = raw[:4000].decode("utf-8", "replace")
+            # Postgres text cannot hold a NUL; an upstream error body is for people to read, so U+FFFD will do.
+            call.error = raw[:4000].decode("utf-8", "replace").replace("\x00", "\ufffd")
         if response is None:
             self._submit(call, None)
         await _send_bytes(send, upstream.status, raw, [(b"content-type", content_type), *out_headers])
@@ -251,30 +255,49 @@ class Proxy:
             }
         )
 
+        async def relay_line(line: bytes) -> None:
+            if not line.startswith(_SSE_DATA):
+                return
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                state["done"] = True
+                record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
+                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                return
+            if call.first_chunk is None:
+                call.first_chunk = time.perf_counter()
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                call.error = "upstream sent an SSE event that is not JSON"
+                return
+            if "error" in chunk and "choices" not in chunk:
+                call.error = orjson.dumps(chunk["error"]).decode()
+            else:
+                assembler.feed(chunk)
+                capture.strip_for_client(chunk, asks)
+                payload = orjson.dumps(chunk)
+            await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+
         async def pump() -> None:
-            async for line in upstream.content:
-                if not line.startswith(_SSE_DATA):
+            # Lines are framed here, not by aiohttp's line reader: vLLM sends all of a prompt's token ids in the
+            # first event, and the reader refuses a line over its limit (128 KiB on aiohttp 3.10) with a ValueError.
+            partial: list[bytes] = []  # an unfinished line, kept in pieces so a long one costs one join
+            async for data in upstream.content.iter_any():
+                if b"\n" not in data:
+                    partial.append(data)
                     continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
-                    state["done"] = True
-                    record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
-                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
-                    continue
-                if call.first_chunk is None:
-                    call.first_chunk = time.perf_counter()
-                try:
-                    chunk = orjson.loads(payload)
-                except orjson.JSONDecodeError:
-                    call.error = "upstream sent an SSE event that is not JSON"
-                    continue
-                if "error" in chunk and "choices" not in chunk:
-                    call.error = orjson.dumps(chunk["error"]).decode()
-                else:
-                    assembler.feed(chunk)
-                    capture.strip_for_client(chunk, asks)
-                    payload = orjson.dumps(chunk)
-                await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+                if partial:
+                    partial.append(data)
+                    data = b"".join(partial)
+                    partial.clear()
+                *lines, rest = data.split(b"\n")
+                if rest:
+                    partial.append(rest)
+                for line in lines:
+                    await relay_line(line)
+            if partial:
+                await relay_line(b"".join(partial))
             state["done"] = True
 
         relay = asyncio.ensure_future(pump())
@@ -295,6 +318,11 @@ class Proxy:
             except OSError:  # a write to a client that already left (aiohttp's own OSErrors are caught above)
                 if not state["done"]:
                     call.error = "client disconnected mid-stream"
+            except Exception as exc:  # whatever else breaks the relay: told in-band, recorded, never a cut stream
+                log.exception("stream relay failed")
+                call.error = f"stream relay failed: {type(exc).__name__}: {exc}"
+                with contextlib.suppress(OSError):
+                    await _send_sse_error(send, "the gateway could not relay vLLM's stream")
         finally:
             hangup.cancel()
             if not state["done"]:
@@ -396,6 +424,38 @@ def _parse_json(body: bytes) -> dict[str, Any]:
     if not isinstance(request, dict):
         raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
     return request
+
+
+# What the calls table holds (retry_count is an int4, idempotency_key a varchar(256)). Refused up front with a
+# 400: a header the store cannot hold would otherwise be answered 200 and then rejected by the database.
+MAX_RETRY_COUNT = 2**31 - 1
+MAX_IDEMPOTENCY_KEY = 256
+# orjson serialises at most this many nested arrays/objects; a deeper body could be parsed but neither forwarded
+# nor stored, so it is a 400 before anything is sent upstream.
+MAX_JSON_DEPTH = 254
+
+
+def _retry_headers(headers: dict[str, str]) -> tuple[int, str | None]:
+    """`x-stainless-retry-count` and `Idempotency-Key`, checked against what the store can hold."""
+    raw = (headers.get("x-stainless-retry-count") or "").strip()
+    retry_count = 0
+    if raw:
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 10 or int(raw) > MAX_RETRY_COUNT:
+            message = f"x-stainless-retry-count must be an integer from 0 to {MAX_RETRY_COUNT}"
+            raise GatewayError(400, message, code="invalid_header")
+        retry_count = int(raw)
+    key = headers.get("idempotency-key")
+    if key is not None and len(key) > MAX_IDEMPOTENCY_KEY:
+        raise GatewayError(400, f"Idempotency-Key longer than {MAX_IDEMPOTENCY_KEY} characters", code="invalid_header")
+    return retry_count, key
+
+
+def _serialise(body: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:  # the only thing a parsed body can fail on is nesting depth
+        message = f"request body is nested more than {MAX_JSON_DEPTH} levels deep"
+        raise GatewayError(400, message, code="invalid_json") from None
 
 
 def _int_header(value: str | None) -> int:

@@ -16,7 +16,7 @@ import orjson
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from gateway.api_common import gateway_state, json_response, read_json, require_admin, validated, validation_message
 from gateway.errors import GatewayError
@@ -82,25 +82,49 @@ async def get_runs(request: Request) -> Response:
     return json_response({"object": "list", "data": runs})
 
 
+def _check_run_name(run: str) -> None:
+    """A name no run can have is the client's mistake, said as such (and never sent to the database, which
+    refuses a NUL in a query with an error of its own)."""
+    problem = run_name_problem(run)
+    if problem is not None:
+        raise GatewayError(400, f"run name {run[:160]!r} is not valid: {problem}", code="invalid_run_name")
+
+
 async def _require_run(gw: GatewayState, run: str) -> None:
+    _check_run_name(run)
     if not await asyncio.to_thread(run_exists, gw.engine, run):
         raise GatewayError(404, f"no run {run!r}", code="run_not_found")
 
 
+MAX_STEP = 2**31 - 1  # steps are int4 in the store
+
+
+def _after(value: str | None) -> int:
+    """`after` as a step number, or a 400: a value the store cannot compare with (1e30) is the client's error."""
+    if value is None:
+        return -1
+    text = value.strip()
+    digits = text[1:] if text.startswith("-") else text
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 10 or not -1 <= int(text) <= MAX_STEP:
+        raise GatewayError(400, f"after: expected an integer step from -1 to {MAX_STEP}", code="invalid_value")
+    return int(text)
+
+
 @router.get("/v1/runs/{run:path}/steps")
 async def get_steps(
-    run: str, request: Request, after: int = -1, limit: int = Query(1000, ge=1, le=10_000)
+    run: str, request: Request, after: str | None = None, limit: int = Query(1000, ge=1, le=10_000)
 ) -> Response:
     """Training steps with step > `after`, oldest first, at most `limit`."""
     gw = gateway_state(request)
+    after_step = _after(after)
     await _require_run(gw, run)
-    steps = await asyncio.to_thread(steps_after, gw.engine, run, after, limit)
+    steps = await asyncio.to_thread(steps_after, gw.engine, run, after_step, limit)
     return json_response({"object": "list", "data": steps})
 
 
 @router.get("/v1/runs/{run:path}/events")
 async def get_events(
-    run: str, request: Request, after: int = -1, stream_format: str | None = Query(None, alias="format")
+    run: str, request: Request, after: str | None = None, stream_format: str | None = Query(None, alias="format")
 ) -> StreamingResponse:
     """A line per training step as the trainer records it: every step after `after` (default: the whole history),
     then new ones live. Server-sent events by default (`id:` is the step, so a reconnecting EventSource resumes
@@ -108,15 +132,17 @@ async def get_events(
     if stream_format not in (None, "ndjson", "sse"):
         raise GatewayError(422, "format: expected 'sse' or 'ndjson'", code="invalid_value")
     gw = gateway_state(request)
+    after_step = _after(after)
     await _require_run(gw, run)
-    last_event_id = request.headers.get("last-event-id", "")
-    if last_event_id.lstrip("-").isdigit():
-        after = max(after, int(last_event_id))
+    try:
+        after_step = max(after_step, _after(request.headers.get("last-event-id")))
+    except GatewayError:
+        pass  # not an id this stream sent: resume from `after`
     ndjson = stream_format == "ndjson" or (
         stream_format is None and "application/x-ndjson" in request.headers.get("accept", "")
     )
     return StreamingResponse(
-        _follow(gw, run, after, ndjson),
+        _follow(gw, run, after_step, ndjson),
         media_type="application/x-ndjson" if ndjson else "text/event-stream",
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )
@@ -129,9 +155,12 @@ async def _follow(gw: GatewayState, run: str, after: int, ndjson: bool) -> Async
     while not gw.stopping.is_set():
         try:
             steps = await asyncio.to_thread(steps_after, gw.engine, run, after)
-        except SQLAlchemyError as exc:  # the database is away: keep the stream, try again next poll
+        except (OperationalError, InterfaceError) as exc:  # the database is away: keep the stream, try next poll
             log.warning("event stream for run %r: database unavailable: %s", run, type(exc).__name__)
             steps = []
+        except SQLAlchemyError as exc:  # anything else will fail the same way on every poll: end the stream
+            log.error("event stream for run %r ended: %s", run, type(exc).__name__)
+            return
         for step in steps:
             data = orjson.dumps(step)
             yield data + b"\n" if ndjson else b"id: %d\ndata: %s\n\n" % (step["step"], data)
@@ -159,6 +188,7 @@ async def export(run: str, request: Request, include_eval: bool = False) -> Stre
 @router.get("/v1/runs/{run:path}")
 async def get_run(run: str, request: Request) -> Response:
     """Config, current policy version, groups by state, trajectory counts, the last step, the eval curve."""
+    _check_run_name(run)
     view = await asyncio.to_thread(run_view, gateway_state(request).engine, run)
     if view is None:
         raise GatewayError(404, f"no run {run!r}", code="run_not_found")

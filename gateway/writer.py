@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -121,9 +122,15 @@ class _Spool:
         name = f"{_SEGMENT_PREFIX}{self._last_ns}-{os.getpid()}{_SEGMENT_SUFFIX}"
         temporary = self.directory / f".{name}.tmp"
         handle = open(temporary, "xb")  # held open across appends until rotate()
-        # Lock before the segment becomes visible under its real name, so no replayer can take it while we append.
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        os.replace(temporary, self.directory / name)
+        try:
+            # Lock before the segment becomes visible under its real name, so no replayer takes it while we append.
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            os.replace(temporary, self.directory / name)
+        except OSError:
+            handle.close()
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            raise
         self._file, self._path = handle, self.directory / name
 
     def rotate(self) -> None:
@@ -210,6 +217,10 @@ class RecordWriter:
         self._submitted = 0
         self._settled = 0  # taken off the hot path: written, spooled, rejected or lost
         self._inflight: Sequence[CallRecord] = ()
+        # Records the spool could not take (EMFILE, a full disk): kept in memory and retried by the writer thread,
+        # because a failing disk says nothing about the records themselves.
+        self._held: deque[CallRecord] = deque()
+        self._next_held_retry = 0.0
         self._next_ping = 0.0
         self._next_spill_replay = 0.0
         self._spilling = False
@@ -218,6 +229,9 @@ class RecordWriter:
         self.records_spooled = 0
         self.records_rejected = 0
         self.records_lost = 0
+        self.records_replayed = 0
+        self.records_unreadable = 0  # spool lines replay could not read (a torn append): lost, usually at start-up
+        self.spool_errors = 0
         self.write_errors = 0
 
     # --- the hot path -------------------------------------------------------------------------------------------
@@ -256,7 +270,7 @@ class RecordWriter:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             target = self._submitted
-            while self._settled < target or (self.db_up and self._spool.pending):
+            while self._settled < target or self._held or (self.db_up and self._spool.pending):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -284,6 +298,10 @@ class RecordWriter:
             if leftovers:
                 self._to_spool(leftovers)
                 self._settle(len(leftovers))
+        held = self._take_held(len(self._held))
+        if held:  # the last chance to keep them: a spool that fails now loses them
+            self._to_spool(held, keep=False)
+            self._settle(len(held))
         self._spool.rotate()
 
     # --- counters -----------------------------------------------------------------------------------------------
@@ -295,6 +313,10 @@ class RecordWriter:
     @property
     def spool_bytes(self) -> int:
         return self._spool.size_bytes()
+
+    @property
+    def records_held(self) -> int:
+        return len(self._held)
 
     # --- the writer thread --------------------------------------------------------------------------------------
 
@@ -321,6 +343,8 @@ class RecordWriter:
         self._spool.rotate()
 
     def _next_batch(self) -> list[CallRecord]:
+        if self._held and not self._stopping.is_set() and time.monotonic() >= self._next_held_retry:
+            return self._take_held(self._batch_size)
         try:
             batch = [self._queue.get(timeout=self._flush_interval_s)]
         except queue.Empty:
@@ -340,6 +364,12 @@ class RecordWriter:
             except queue.Empty:
                 break
         return batch
+
+    def _take_held(self, limit: int) -> list[CallRecord]:
+        records = []
+        while self._held and len(records) < limit:
+            records.append(self._held.popleft())
+        return records
 
     def _take_all(self) -> list[CallRecord]:
         records = []
@@ -407,6 +437,7 @@ class RecordWriter:
                     batch.append(read_spool_line(line))
                 except (ValueError, TypeError) as exc:
                     log.warning("skipping unreadable line %d of %s (torn write?): %s", number, path.name, exc)
+                    self._count(records_unreadable=1)
                     continue
                 if len(batch) == self._batch_size:
                     if not self._write(batch):
@@ -415,6 +446,7 @@ class RecordWriter:
             if batch and not self._write(batch):
                 return None
             path.unlink()
+            self._count(records_replayed=count + len(batch))
             return count + len(batch)
 
     def _write(self, records: Sequence[CallRecord]) -> bool:
@@ -426,22 +458,29 @@ class RecordWriter:
             if not _is_record_error(exc):
                 self._mark_down(exc)
                 return False
-            return self._write_one_by_one(records)
+            return self._isolate(records, exc)
         self._count(records_written=len(records))
         return True
 
-    def _write_one_by_one(self, records: Sequence[CallRecord]) -> bool:
-        """Isolate the records the database refuses so one bad record cannot block the spool forever."""
-        for record in records:
+    def _isolate(self, records: Sequence[CallRecord], exc: BaseException) -> bool:
+        """Set aside the records the database refuses (so one cannot block the spool forever) by bisecting the
+        batch: k bad records among n cost about 2k*log2(n) transactions, not the n of writing row by row, which
+        let a 2 % rate of bad records stall capture for half a minute."""
+        if len(records) == 1:
+            self._reject(records[0], exc)
+            return True
+        middle = len(records) // 2
+        for half in (records[:middle], records[middle:]):
             try:
-                write_calls(self._engine, [record])
-            except Exception as exc:
-                if not _is_record_error(exc):
-                    self._mark_down(exc)
+                write_calls(self._engine, half)
+            except Exception as err:
+                if not _is_record_error(err):
+                    self._mark_down(err)
                     return False
-                self._reject(record, exc)
+                if not self._isolate(half, err):
+                    return False
             else:
-                self._count(records_written=1)
+                self._count(records_written=len(half))
         return True
 
     def _reject(self, record: CallRecord, exc: BaseException) -> None:
@@ -456,13 +495,16 @@ class RecordWriter:
             log.error("could not keep rejected call %s: %s", record.id, err)
             self._count(records_lost=1)
 
-    def _to_spool(self, records: Sequence[CallRecord]) -> None:
-        """Append records to the spool; a record that cannot be serialised or a failing disk loses records, which
-        is counted and logged rather than raised into the hot path."""
+    def _to_spool(self, records: Sequence[CallRecord], keep: bool = True) -> None:
+        """Append records to the spool, never raising into the hot path. A record that cannot be serialised is
+        lost (counted and logged). A failing disk (EMFILE, ENOSPC) is not the records' fault: they are held in
+        memory and retried from the writer thread, unless `keep` is False (the writer is closing)."""
         lines: list[bytes] = []
+        kept: list[CallRecord] = []
         for record in records:
             try:
                 lines.append(spool_line(record))
+                kept.append(record)
             except Exception as exc:  # whatever the record holds, submit must not raise
                 log.error("cannot spool call %s: %s", record.id, exc)
                 self._count(records_lost=1)
@@ -471,8 +513,18 @@ class RecordWriter:
         try:
             self._spool.append(b"".join(lines), len(lines))
         except OSError as exc:
-            log.error("spool append failed, %d records lost: %s", len(lines), exc)
-            self._count(records_lost=len(lines))
+            if not keep:
+                log.error("spool append failed while closing, %d records lost: %s", len(lines), exc)
+                self._count(records_lost=len(lines), spool_errors=1)
+                return
+            if not self._held:  # once per episode, not once per record while the disk keeps failing
+                log.error("spool append failed, holding records in memory to retry: %s", exc)
+            with self._cond:
+                # Held records count as submitted again: the caller settles this attempt, the retry settles them.
+                self._submitted += len(kept)
+                self._held.extend(kept)
+                self._next_held_retry = time.monotonic() + self._retry_interval_s
+            self._count(spool_errors=1)
         else:
             self._count(records_spooled=len(lines))
 
@@ -498,6 +550,9 @@ class RecordWriter:
         records_spooled: int = 0,
         records_rejected: int = 0,
         records_lost: int = 0,
+        records_replayed: int = 0,
+        records_unreadable: int = 0,
+        spool_errors: int = 0,
         write_errors: int = 0,
     ) -> None:
         # The event loop thread and the writer thread both count; `+=` on an attribute is not atomic.
@@ -506,4 +561,7 @@ class RecordWriter:
             self.records_spooled += records_spooled
             self.records_rejected += records_rejected
             self.records_lost += records_lost
+            self.records_replayed += records_replayed
+            self.records_unreadable += records_unreadable
+            self.spool_errors += spool_errors
             self.write_errors += write_errors

@@ -27,8 +27,19 @@ def load_fixtures(directory: Path = FIXTURES) -> dict[str, dict[str, Any]]:
     return {path.stem: json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))}
 
 
+_TRUE = (True, 1, "1", "on", "t", "true", "y", "yes")
+
+
 def _without_sampling(body: Any) -> Any:
-    return {k: v for k, v in body.items() if k not in NEUTRAL} if isinstance(body, dict) else body
+    """The body as matched: sampling parameters left out, and `stream` read the way vLLM's pydantic model reads it
+    ("true", 1 and "yes" stream)."""
+    if not isinstance(body, dict):
+        return body
+    out = {k: v for k, v in body.items() if k not in NEUTRAL}
+    if "stream" in out:
+        flag = out["stream"]
+        out["stream"] = (flag.lower() if isinstance(flag, str) else flag) in _TRUE
+    return out
 
 
 class FakeUpstream:

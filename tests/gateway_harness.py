@@ -46,7 +46,7 @@ def running_gateway(**overrides: object) -> Iterator[RunningGateway]:
     db.upgrade(settings.database_url)
     app = create_app(settings)
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, "warning"))
+    server = uvicorn.Server(uvicorn_config(app, settings, "127.0.0.1", port, "warning"))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()
 

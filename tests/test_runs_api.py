@@ -136,7 +136,7 @@ def test_run_progress_and_steps(gateway: RunningGateway, upstream: FakeUpstream,
     assert [s["step"] for s in httpx.get(gateway.base_url + "/runs/my-agent/steps?after=1").json()["data"]] == [2]
     for path in ("/runs/nope", "/runs/nope/steps", "/runs/nope/events"):
         assert assert_openai_error(httpx.get(gateway.base_url + path), 404)["code"] == "run_not_found"
-    assert_openai_error(httpx.get(gateway.base_url + "/runs/my-agent/steps?after=x"), 422)
+    assert_openai_error(httpx.get(gateway.base_url + "/runs/my-agent/steps?after=x"), 400)
 
 
 def _read_events(url: str, headers: dict[str, str], want: int, out: list[str], ready: threading.Event) -> None:

@@ -239,3 +239,70 @@ def test_a_record_the_database_refuses_is_set_aside_without_blocking_the_rest(en
     [rejected] = (spool_dir / "rejected").iterdir()
     assert read_spool_line(rejected.read_bytes()).id == bad.id
     assert _segments(spool_dir) == []
+
+
+def test_a_poison_record_is_isolated_without_writing_its_batch_row_by_row(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 % of requests carrying something the database refuses must not turn every batch into 256 transactions."""
+    import gateway.writer as writer_module
+
+    transactions = []
+
+    def counting(engine: Engine, records: list[CallRecord]) -> None:
+        transactions.append(len(records))
+        write_calls(engine, records)
+
+    monkeypatch.setattr(writer_module, "write_calls", counting)
+    writer = RecordWriter(engine, spool_dir, batch_size=256, **FAST)
+    good = _records(255)
+    bad = make_record("bad", 0, prompt_token_ids=[2**40])
+    for record in [*good[:100], bad, *good[100:]]:
+        writer.submit(record)  # queued before the thread starts: one batch of 256
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in good)
+    assert writer.records_rejected == 1 and writer.records_written == 255
+    assert len(transactions) <= 2 * 8 + 1, transactions  # bisection: two halves per level, log2(256) levels
+
+
+def test_a_spool_that_cannot_be_opened_keeps_records_in_memory(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EMFILE ("Too many open files") opening the spool is the disk's problem, not the record's: nothing is lost."""
+    import gateway.writer as writer_module
+
+    failures = {"left": 3}
+    real_open = writer_module._Spool._open_segment
+
+    def flaky(self: object) -> None:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(24, "Too many open files")
+        real_open(self)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer_module._Spool, "_open_segment", flaky)
+    writer = RecordWriter(engine, spool_dir, queue_size=1, **FAST)
+    records = _records(30)
+    for record in records:  # the queue holds one; the rest spill, and the spool fails three times
+        writer.submit(record)
+    assert writer.spool_errors >= 1 and writer.records_lost == 0
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    assert writer.records_lost == 0
+
+
+def test_replay_counts_what_it_replays_and_what_it_could_not_read(engine: Engine, spool_dir: Path) -> None:
+    records = _records(12)
+    spool_dir.mkdir()
+    segment = spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl"
+    torn = spool_line(make_record("torn", 0))
+    segment.write_bytes(b"".join(spool_line(r) for r in records) + b"{not a record\n" + torn[: len(torn) // 2])
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert writer.records_replayed == 12 and writer.records_unreadable == 2

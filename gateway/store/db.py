@@ -18,7 +18,23 @@ _IMMEDIATE = "trajgate_sqlite_immediate"
 
 
 def _json_dumps(value: object) -> str:
-    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    """JSON for a JSON column. Postgres JSONB cannot hold a NUL character (`\\u0000`), which a prompt can carry
+    legitimately: it is stored as U+FFFD, on both backends alike, rather than the whole record being refused.
+    The check is a byte search on the output, so values without one pay nothing more."""
+    data = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
+    if b"\\u0000" in data:
+        data = orjson.dumps(_without_nul(value), option=orjson.OPT_NON_STR_KEYS)
+    return data.decode()
+
+
+def _without_nul(value: object) -> object:
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {_without_nul(k): _without_nul(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_without_nul(item) for item in value]
+    return value
 
 
 def make_engine(url: str, **kwargs: object) -> Engine:
