@@ -286,3 +286,12 @@ def test_migration_keeps_old_calls_readable_and_new_calls_compact_against_them(d
         assert [len(blob) // 4 for blob in stored] == [90, 122]
     finally:
         engine.dispose()
+
+
+def test_the_predecessor_cache_is_bounded_by_the_bytes_it_holds() -> None:
+    cache = store_records._LineageCache(max_bytes=2 * 4 * 100)
+    for n, trajectory_id in enumerate(("a", "b", "c")):
+        cache.remember(trajectory_id, Predecessor(n, list(range(60)), list(range(40)), False), f"call-{n}")
+    assert cache.get("a", 0, "call-0") is None  # evicted: the oldest
+    assert cache.get("c", 2, "call-2") == Predecessor(2, list(range(60)), list(range(40)), False)
+    assert cache.get("c", 2, "another-call") is None and cache.get("c", 1, "call-2") is None

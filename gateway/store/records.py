@@ -195,16 +195,18 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
                     for _, row in sorted(trajectories.items())
                 ],
             )
-            if conn.dialect.name == "postgresql":
-                # One writer at a time per trajectory, so two gateways never derive a call's stored prefix from a
-                # predecessor the other is replacing. The untrainable update below locks these rows anyway.
-                conn.execute(
-                    select(_trajectories.c.trajectory_id)
-                    .where(_trajectories.c.trajectory_id.in_(sorted(trajectories)))
-                    .order_by(_trajectories.c.trajectory_id)
-                    .with_for_update()
-                )
-            calls, lineages = _lineages(conn, calls)
+        if conn.dialect.name == "postgresql":
+            # One writer at a time per trajectory, so two gateways never derive a call's stored prefix from a
+            # predecessor the other is replacing. The untrainable update below locks these rows anyway.
+            conn.execute(
+                select(_trajectories.c.trajectory_id)
+                .where(_trajectories.c.trajectory_id.in_(sorted(trajectories)))
+                .order_by(_trajectories.c.trajectory_id)
+                .with_for_update()
+            )
+        # Unprepared: their IN lists vary in length, so each size would be a prepared statement of its own.
+        calls, lineages = _lineages(conn, calls)
+        with _prepared(conn):
             if calls:
                 conn.execute(
                     statements.calls, [_call_row(record, lineage) for record, lineage in zip(calls, lineages)]
@@ -233,32 +235,57 @@ def _predecessor_of(record: CallRecord) -> Predecessor:
     )
 
 
+class _Entry(NamedTuple):
+    call_id: str
+    seq: int
+    prompt: bytes | None  # packed like the columns: 4 bytes a token, not ~36 as a list of ints
+    completion: bytes | None
+    tool_call: bool
+
+
 class _LineageCache:
     """The newest choice-0 call written per trajectory by this process, with its full ids, so that the next call
     of a trajectory usually finds its predecessor here instead of rebuilding it from the database. An entry is used
-    only when the database still holds that very call (same id) at the predecessor's seq."""
+    only when the database still holds that very call (same id) at the predecessor's seq. Bounded by the bytes of
+    ids it holds; the least recently written trajectories go first."""
 
-    def __init__(self, size: int = 4096) -> None:
-        self._size = size
-        self._entries: OrderedDict[str, tuple[str, Predecessor]] = OrderedDict()
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, trajectory_id: str, seq: int, call_id: str) -> Predecessor | None:
         with self._lock:
             entry = self._entries.get(trajectory_id)
-        if entry is None or entry[0] != call_id or entry[1].seq != seq:
+        if entry is None or entry.call_id != call_id or entry.seq != seq:
             return None
-        return entry[1]
+        return Predecessor(seq, decode_ids(entry.prompt), decode_ids(entry.completion), entry.tool_call)
 
     def remember(self, trajectory_id: str, predecessor: Predecessor, call_id: str) -> None:
+        entry = _Entry(
+            call_id,
+            predecessor.seq,
+            encode_ids(predecessor.prompt_ids),
+            encode_ids(predecessor.completion_ids),
+            predecessor.tool_call,
+        )
         with self._lock:
             current = self._entries.get(trajectory_id)
-            if current is not None and current[1].seq > predecessor.seq:
-                return
-            self._entries[trajectory_id] = (call_id, predecessor)
+            if current is not None:
+                if current.seq > entry.seq:
+                    return
+                self._bytes -= _size(current)
+            self._entries[trajectory_id] = entry
             self._entries.move_to_end(trajectory_id)
-            while len(self._entries) > self._size:
-                self._entries.popitem(last=False)
+            self._bytes += _size(entry)
+            while self._bytes > self._max_bytes and self._entries:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= _size(evicted)
+
+
+def _size(entry: _Entry) -> int:
+    return len(entry.prompt or b"") + len(entry.completion or b"")
 
 
 _caches: weakref.WeakKeyDictionary[Engine, _LineageCache] = weakref.WeakKeyDictionary()
