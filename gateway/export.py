@@ -47,6 +47,8 @@ def _parquet_schema() -> Any:
             ("completion_logprobs", pa.list_(pa.float32())),
             ("finish_reason", pa.string()),
             ("trainable", pa.bool_()),
+            ("merge_reason", pa.string()),
+            ("divergence", pa.int32()),
         ]
     )
     return pa.schema(

@@ -234,6 +234,79 @@ def record_conversation(rec: Recorder) -> None:
     rec.record("conversation_turn3", "POST", path, chat(messages, tools=[WEATHER_TOOL]))
 
 
+def record_scale_out(rec: Recorder) -> None:
+    """vLLM's token-level endpoints (need `--enable-scale-out`): render a chat request to its exact prompt ids and
+    sampling params, generate from ids, derender the generated ids into a ChatCompletion (tool parser applied), for
+    a tool call and the tool-result turn that follows, non-stream and stream. Recorded for the token_in mode's fast
+    tests. A stream derender is one request per generated chunk, each carrying the previous `stream_state`: those
+    exchanges go into one file, `scale_out_derender_tools_stream.json`, as `exchanges` [{request, status, response}]."""
+    messages = [*TOOL_EXAMPLE, {"role": "user", "content": WEATHER_QUESTION}]
+    chat_request = {"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL], "max_tokens": 48, "temperature": 0}
+    render = rec.record("scale_out_render_tools", "POST", "/v1/chat/completions/render", chat_request)
+    generate_body = {
+        "model": MODEL,
+        "token_ids": render["response"]["token_ids"],
+        "sampling_params": {**render["response"]["sampling_params"], "logprobs": 0},
+    }
+    generated = rec.record("scale_out_generate_tools", "POST", "/inference/v1/generate", generate_body)
+    derender_path = "/v1/chat/completions/derender"
+    answer = rec.record(
+        "scale_out_derender_tools",
+        "POST",
+        derender_path,
+        {"model": MODEL, "chat_request": chat_request, "generate_response": generated["response"]},
+    )
+    stream = rec.record("scale_out_generate_tools_stream", "POST", "/inference/v1/generate", {**generate_body, "stream": True})
+    exchanges: list[dict[str, Any]] = []
+    state: Any = None
+    for payload in stream["chunks"]:
+        if payload == "[DONE]":
+            continue
+        body = {
+            "model": MODEL,
+            "chat_request": {**chat_request, "stream": True},
+            "stream": True,
+            "generate_chunk": json.loads(payload),
+            "stream_state": state,
+            # Refused without it when a tool parser is configured (it tells whether the prompt left reasoning open).
+            "prompt_token_ids": generate_body["token_ids"],
+        }
+        status, headers, text = rec._raw("POST", derender_path, body)
+        response = _parse(headers, text)
+        exchanges.append({"request": body, "status": status, "response": response})
+        state = response.get("stream_state") if isinstance(response, dict) else None
+    fixture = {"name": "scale_out_derender_tools_stream", "method": "POST", "path": derender_path,
+               "exchanges": exchanges, "vllm_version": rec.vllm_version}
+    (rec.out_dir / "scale_out_derender_tools_stream.json").write_text(json.dumps(fixture, indent=1) + "\n")
+    rec.recorded[fixture["name"]] = fixture
+    print(f"scale_out_derender_tools_stream: {[e['status'] for e in exchanges]}", flush=True)
+
+    tool_calls = answer["response"]["choices"][0]["message"].get("tool_calls")
+    if not tool_calls:
+        raise RuntimeError("SmolLM2 did not call get_weather; the tool-result turn needs it")
+    follow_up = {
+        **chat_request,
+        "messages": [
+            *messages,
+            assistant_message(answer),
+            {"role": "tool", "tool_call_id": tool_calls[0]["id"], "content": WEATHER_RESULT},
+        ],
+    }
+    render = rec.record("scale_out_render_tool_result", "POST", "/v1/chat/completions/render", follow_up)
+    generate_body = {
+        "model": MODEL,
+        "token_ids": render["response"]["token_ids"],
+        "sampling_params": {**render["response"]["sampling_params"], "logprobs": 0},
+    }
+    generated = rec.record("scale_out_generate_tool_result", "POST", "/inference/v1/generate", generate_body)
+    rec.record(
+        "scale_out_derender_tool_result",
+        "POST",
+        derender_path,
+        {"model": MODEL, "chat_request": follow_up, "generate_response": generated["response"]},
+    )
+
+
 def record_all(rec: Recorder) -> None:
     path = "/v1/chat/completions"
     question = [
@@ -256,6 +329,7 @@ def record_all(rec: Recorder) -> None:
         "chat_tools_stream", "POST", path, chat(weather, stream=True, **include_usage, **tools)
     )
     record_conversation(rec)
+    record_scale_out(rec)
     rec.record("completions", "POST", "/v1/completions", completion("The capital of France is"))
     rec.record(
         "completions_stream",
@@ -339,15 +413,20 @@ def main() -> None:
         "--base-url", help="a running vLLM's /v1 URL serving SmolLM2 as `smollm2` with tools"
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--only", choices=("all", "scale_out"), default="all", help="record every scenario, or only scale_out_*"
+    )
     args = parser.parse_args()
+    record = record_scale_out if args.only == "scale_out" else record_all
     if args.base_url:
         recorder = Recorder(args.base_url, args.out)
-        record_all(recorder)
+        record(recorder)
     else:
         with smollm2_server() as server:
             recorder = Recorder(server.base_url, args.out)
-            record_all(recorder)
-    summarise(recorder.recorded)
+            record(recorder)
+    if args.only == "all":
+        summarise(recorder.recorded)
 
 
 if __name__ == "__main__":

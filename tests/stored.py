@@ -8,11 +8,14 @@ from sqlalchemy import func, select
 
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.db import make_engine
+from gateway.store.lineage import Rebuilder
 from gateway.store.models import Call, Group, Trajectory
 
 
 def stored_calls(db_url: str, trajectory_id: str) -> list[dict[str, Any]]:
-    """The trajectory's calls in order, arrays decoded, with the group they landed in."""
+    """The trajectory's calls in order, arrays decoded, with the group they landed in. `prompt_token_ids` is the
+    full prompt (rebuilt from the predecessor's ids, gateway.store.lineage); what the row itself holds is
+    `stored_prompt_token_ids`."""
     engine = make_engine(db_url)
     try:
         with engine.connect() as conn:
@@ -31,10 +34,19 @@ def stored_calls(db_url: str, trajectory_id: str) -> list[dict[str, Any]]:
     finally:
         engine.dispose()
     out = []
+    rebuilder = Rebuilder()
     for row in rows:
         call = {column.name: row._mapping[column] for column in Call.__table__.columns}
-        call["prompt_token_ids"] = decode_ids(call["prompt_token_ids"])
+        call["stored_prompt_token_ids"] = decode_ids(call["prompt_token_ids"])
         call["completion_token_ids"] = decode_ids(call["completion_token_ids"])
+        call["prompt_token_ids"] = rebuilder.prompt(
+            call["seq"],
+            call["choice_index"],
+            call["stored_prompt_token_ids"],
+            call["completion_token_ids"],
+            call["parent_seq"],
+            call["prefix_len"],
+        )
         call["completion_logprobs"] = decode_logprobs(call["completion_logprobs"])
         call["group"] = {"group_id": row.g_id, "expected_size": row.g_size, "mode": row.g_mode}
         out.append(call)

@@ -473,6 +473,7 @@ def test_vllm_services(services: dict[str, Any]) -> None:
         assert int(flag(args, "--max-lora-rank")) in VLLM_LORA_RANKS, name
         assert int(flag(args, "--max-loras")) >= 2, f"{name}: the trainer loads a new adapter before unloading"
         assert "--enable-auto-tool-choice" in args and flag(args, "--tool-call-parser"), name
+        assert "--enable-scale-out" in args, f"{name}: render/generate/derender answer 403 without it"
         assert "HF_TOKEN" in env, name
     cpu = services["vllm-cpu"]
     args = as_args(cpu["command"])

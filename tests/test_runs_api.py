@@ -128,6 +128,8 @@ def test_run_progress_and_steps(gateway: RunningGateway, upstream: FakeUpstream,
     assert run["last_step"]["step"] == 2 and run["last_step"]["metrics"] == {"loss": None, "reward_mean": 0.2}
     assert run["eval_reward_by_version"] == [{"policy_version": 0, "mean_reward": 0.25, "trajectories": 1}]
     assert run["config"] == RunConfig().model_dump(mode="json")  # created by its first call: defaults
+    # One call per trajectory here: nothing to extend (tests/test_lineage.py covers the reasons).
+    assert run["merge"] == {"calls": 3, "by_reason": {"first_call": 3}, "merge_ratio": None}
 
     listed = httpx.get(gateway.base_url + "/runs").json()["data"]
     assert [r["name"] for r in listed] == ["my-agent"]

@@ -86,6 +86,27 @@ def test_a_prompt_shorter_than_the_row_does_not_merge() -> None:
     assert len(rows_of(build_samples([with_partner(t)]), "t")) == 2
 
 
+def test_merge_breaks_count_the_recorded_reason_of_each_new_row() -> None:
+    def why(c: CallData, reason: str | None) -> CallData:
+        return CallData(*[getattr(c, f) for f in ("seq", "choice_index", "policy_version", "prompt_token_ids",
+                          "completion_token_ids", "completion_logprobs", "trainable")], merge_reason=reason)
+
+    t = traj(
+        "t",
+        1.0,
+        why(call([1], [2], seq=0), "first_call"),
+        why(call([1, 2, 3], [4], seq=1), "extends"),  # merges
+        why(call([1, 2, 5], [6], seq=2), "template_dropped_tool_call"),
+        why(call([1, 9], [6], seq=3), "history_edited"),
+        call(None, None, seq=4),  # no ids: closes the row
+        why(call([1, 9, 6, 7], [8], seq=5), "extends"),  # the gateway compared it with seq 4
+        call([0], [8], seq=6),  # recorded before reasons were
+    )
+    s = build_samples([with_partner(t)]).stats
+    assert s["merge_breaks"] == {"template_dropped_tool_call": 1, "history_edited": 1, "no_ids": 1, "unknown": 1}
+    assert sum(s["merge_breaks"].values()) == s["merge_candidates"] - s["merged_calls"]
+
+
 def test_merge_ratio_on_a_hand_made_case() -> None:
     a = traj(
         "a",

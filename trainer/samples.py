@@ -60,6 +60,9 @@ class CallData:
     completion_logprobs: list[float] | None
     trainable: bool
     untrainable_reason: str | None = None
+    # The gateway's verdict on whether this call's prompt extends its predecessor, and why not
+    # (gateway.store.lineage); None for calls recorded before it was computed.
+    merge_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -236,6 +239,17 @@ class _Counters:
     calls_without_ids: int = 0
     merge_candidates: int = 0
     merged_calls: int = 0
+    merge_breaks: dict[str, int] = field(default_factory=dict)
+
+
+def _break_reason(call: CallData, open_row: _RowBuilder | None) -> str:
+    """Why a merge candidate starts a new row: the gateway's recorded reason, unless the row was already closed
+    by a call without ids (the gateway compared against that call) or the reason predates its recording."""
+    if open_row is None:
+        return "no_ids"
+    if call.merge_reason is None or call.merge_reason == "extends":
+        return "unknown"
+    return call.merge_reason
 
 
 def _trajectory_rows(traj: TrajectoryData, counters: _Counters) -> list[_RowBuilder]:
@@ -278,12 +292,16 @@ def _trajectory_rows(traj: TrajectoryData, counters: _Counters) -> list[_RowBuil
             rows.append(row)
             continue
 
-        if seen_call_with_ids:
+        candidate = seen_call_with_ids
+        if candidate:
             counters.merge_candidates += 1
         seen_call_with_ids = True
         if open_row is not None and open_row.is_prefix_of(call.prompt_token_ids):
             counters.merged_calls += 1
         else:
+            if candidate:
+                why = _break_reason(call, open_row)
+                counters.merge_breaks[why] = counters.merge_breaks.get(why, 0) + 1
             open_row = _RowBuilder()
             rows.append(open_row)
         open_row.append_call(call, trainable)
@@ -340,6 +358,10 @@ def build_samples(
       turn that could have continued the previous row. ``merge_ratio = merged_calls /
       max(1, merge_candidates)``: 1.0 means every multi-turn trajectory became a single row; 0.0
       means every turn is its own row. A row broken by a call without ids counts against it.
+      ``merge_breaks`` ({reason: count}, summing to ``merge_candidates - merged_calls``): why each
+      candidate that did not merge started a new row — the gateway's recorded ``merge_reason``
+      (gateway.store.lineage), ``no_ids`` when a call without ids had closed the row, ``unknown`` for
+      calls recorded before the reason was.
     - ``rows``, ``tokens`` (all row tokens after truncation), ``trainable_tokens`` (mask 1 — the
       loss's ``total_tokens``), ``truncated_rows``, ``truncated_tokens`` (tokens cut off),
       ``truncated_rows_dropped``, ``empty_rows_dropped`` (rows that never had a trainable token:
@@ -442,6 +464,7 @@ def build_samples(
         "merged_calls": counters.merged_calls,
         "merge_candidates": counters.merge_candidates,
         "merge_ratio": counters.merged_calls / max(1, counters.merge_candidates),
+        "merge_breaks": counters.merge_breaks,
         "rows": len(rows),
         "tokens": sum(len(row) for row in rows),
         "trainable_tokens": sum(row.trainable_tokens for row in rows),

@@ -334,6 +334,8 @@ class VllmServer:
             "--enable-lora",
             "--max-lora-rank", str(self.max_lora_rank),
             "--max-loras", str(self.max_loras),
+            # render / inference generate / derender, which token_in mode builds on; without it they answer 403.
+            "--enable-scale-out",
             *self.extra_args,
         ]  # fmt: skip
 

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import Engine, select, tuple_
 
 from gateway.store.arrays import decode_ids, decode_logprobs
+from gateway.store.lineage import Rebuilder
 from gateway.store.models import Call, Trajectory
 from gateway.store.reads import completion_of, request_input, turn_numbers
 
@@ -72,6 +73,10 @@ def _with_calls(conn: Any, page: list[Any]) -> Iterator[dict[str, Any]]:
             Call.completion_logprobs,
             Call.finish_reason,
             Call.trainable,
+            Call.merge_reason,
+            Call.divergence,
+            Call.parent_seq,
+            Call.prefix_len,
         )
         .join(Trajectory, Trajectory.trajectory_id == Call.trajectory_id)
         .where(Call.trajectory_id.in_([row.trajectory_id for row in page]))
@@ -81,12 +86,12 @@ def _with_calls(conn: Any, page: list[Any]) -> Iterator[dict[str, Any]]:
     rows = conn.execution_options(yield_per=_CALL_ROWS_PER_FETCH).execute(calls_query)
     pending = iter(page)
     current = _trajectory(next(pending))
-    turns = turn_numbers()
+    turns, rebuilder = turn_numbers(), Rebuilder()
     for row in rows:
         while row.trajectory_id != current["trajectory_id"]:
             yield current
-            current, turns = _trajectory(next(pending)), turn_numbers()
-        current["calls"].append(_call(row, turns(row.seq)))
+            current, turns, rebuilder = _trajectory(next(pending)), turn_numbers(), Rebuilder()
+        current["calls"].append(_call(row, turns(row.seq), rebuilder))
     yield current
     for rest in pending:  # trajectories whose calls were all deleted
         yield _trajectory(rest)
@@ -105,8 +110,9 @@ def _trajectory(row: Any) -> dict[str, Any]:
     }
 
 
-def _call(row: Any, turn: int) -> dict[str, Any]:
+def _call(row: Any, turn: int, rebuilder: Rebuilder) -> dict[str, Any]:
     completion, tool_calls = completion_of(row.response, row.choice_index, row.endpoint)
+    completion_ids = decode_ids(row.completion_token_ids)
     return {
         "turn": turn,
         "seq": row.seq,
@@ -116,9 +122,13 @@ def _call(row: Any, turn: int) -> dict[str, Any]:
         "messages": request_input(row.request, row.endpoint),
         "completion": completion,
         "tool_calls": tool_calls,
-        "prompt_token_ids": decode_ids(row.prompt_token_ids),
-        "completion_token_ids": decode_ids(row.completion_token_ids),
+        "prompt_token_ids": rebuilder.prompt(
+            row.seq, row.choice_index, decode_ids(row.prompt_token_ids), completion_ids, row.parent_seq, row.prefix_len
+        ),
+        "completion_token_ids": completion_ids,
         "completion_logprobs": decode_logprobs(row.completion_logprobs),
         "finish_reason": row.finish_reason,
         "trainable": row.trainable,
+        "merge_reason": row.merge_reason,
+        "divergence": row.divergence,
     }

@@ -150,6 +150,13 @@ class Call(Base):
     retry_count: Mapped[int] = mapped_column(Integer, default=0)
     idempotency_key: Mapped[str | None] = mapped_column(String(256))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Merge diagnostics against the predecessor (gateway.store.lineage); null on calls written before 0004.
+    merge_reason: Mapped[str | None] = mapped_column(String(32))
+    divergence: Mapped[int | None] = mapped_column(Integer)
+    # Linear storage: prompt_token_ids holds only the ids past the first prefix_len, which are the leading ids of
+    # choice 0's prompt + completion at parent_seq in the same trajectory. No parent: the whole prompt is stored.
+    parent_seq: Mapped[int | None] = mapped_column(BigInteger)
+    prefix_len: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     __table_args__ = (UniqueConstraint("trajectory_id", "seq", "choice_index"),)
 

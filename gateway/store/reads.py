@@ -14,6 +14,7 @@ from sqlalchemy import Engine, func, select
 
 from gateway.capture import CHAT
 from gateway.store.arrays import decode_ids, decode_logprobs
+from gateway.store.lineage import Rebuilder
 from gateway.store.models import Call, Group, Trajectory
 
 
@@ -80,6 +81,10 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
         Call.ttft_ms,
         Call.retry_count,
         Call.created_at,
+        Call.merge_reason,
+        Call.divergence,
+        Call.parent_seq,
+        Call.prefix_len,
     ]
     if include_tokens:
         columns += [Call.prompt_token_ids, Call.completion_token_ids, Call.completion_logprobs]
@@ -94,6 +99,7 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
         ).all()
     calls = []
     turns = turn_numbers()
+    rebuilder = Rebuilder()
     for row in rows:
         completion, tool_calls = completion_of(row.response, row.choice_index, row.endpoint)
         call = {
@@ -107,7 +113,8 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
             "messages": request_input(row.request, row.endpoint),
             "completion": completion,
             "tool_calls": tool_calls,
-            "prompt_tokens": (row.prompt_bytes or 0) // 4,  # packed int32
+            # packed int32, past the prefix shared with the predecessor
+            "prompt_tokens": (row.prefix_len or 0) + (row.prompt_bytes or 0) // 4,
             "completion_tokens": (row.completion_bytes or 0) // 4,
             "finish_reason": row.finish_reason,
             "trainable": row.trainable,
@@ -118,10 +125,15 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
             "ttft_ms": row.ttft_ms,
             "retry_count": row.retry_count,
             "created_at": iso(row.created_at),
+            "merge_reason": row.merge_reason,
+            "divergence": row.divergence,
         }
         if include_tokens:
-            call["prompt_token_ids"] = decode_ids(row.prompt_token_ids)
-            call["completion_token_ids"] = decode_ids(row.completion_token_ids)
+            completion_ids = decode_ids(row.completion_token_ids)
+            call["prompt_token_ids"] = rebuilder.prompt(
+                row.seq, row.choice_index, decode_ids(row.prompt_token_ids), completion_ids, row.parent_seq, row.prefix_len
+            )
+            call["completion_token_ids"] = completion_ids
             call["completion_logprobs"] = decode_logprobs(row.completion_logprobs)
         calls.append(call)
     return {

@@ -8,6 +8,9 @@ order they arrive in, because a record that spilled to the spool can reach the d
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -19,7 +22,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.records import CallRecord
-from gateway.store.arrays import encode_ids, encode_logprobs
+from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
+from gateway.store.lineage import Lineage, Predecessor, Rebuilder, classify
 from gateway.store.models import Call, Group, Run, Trajectory
 
 _runs = cast(Table, Run.__table__)
@@ -103,7 +107,8 @@ def _statements(dialect: str) -> _Statements:
     )
 
 
-def _call_row(record: CallRecord) -> dict[str, Any]:
+def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
+    prompt = record.prompt_token_ids
     return {
         "id": record.id,
         "trajectory_id": record.trajectory_id,
@@ -115,7 +120,7 @@ def _call_row(record: CallRecord) -> dict[str, Any]:
         "stream": record.stream,
         "request": record.request,
         "response": record.response,
-        "prompt_token_ids": encode_ids(record.prompt_token_ids),
+        "prompt_token_ids": encode_ids(prompt[lineage.prefix_len :] if prompt is not None else None),
         "completion_token_ids": encode_ids(record.completion_token_ids),
         "completion_logprobs": encode_logprobs(record.completion_logprobs),
         "finish_reason": record.finish_reason,
@@ -129,6 +134,10 @@ def _call_row(record: CallRecord) -> dict[str, Any]:
         "retry_count": record.retry_count,
         "idempotency_key": record.idempotency_key,
         "created_at": datetime.fromtimestamp(record.created_at, UTC),
+        "merge_reason": lineage.reason,
+        "divergence": lineage.divergence,
+        "parent_seq": lineage.parent_seq,
+        "prefix_len": lineage.prefix_len,
     }
 
 
@@ -186,9 +195,256 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
                     for _, row in sorted(trajectories.items())
                 ],
             )
-            conn.execute(statements.calls, [_call_row(record) for record in calls])
+        if conn.dialect.name == "postgresql":
+            # One writer at a time per trajectory, so two gateways never derive a call's stored prefix from a
+            # predecessor the other is replacing. The untrainable update below locks these rows anyway.
+            conn.execute(
+                select(_trajectories.c.trajectory_id)
+                .where(_trajectories.c.trajectory_id.in_(sorted(trajectories)))
+                .order_by(_trajectories.c.trajectory_id)
+                .with_for_update()
+            )
+        # Unprepared: their IN lists vary in length, so each size would be a prepared statement of its own.
+        calls, lineages = _lineages(conn, calls)
+        with _prepared(conn):
+            if calls:
+                conn.execute(
+                    statements.calls, [_call_row(record, lineage) for record, lineage in zip(calls, lineages)]
+                )
         conn.execute(statements.reopen, {"group_ids": sorted(groups)})
         conn.execute(statements.untrainable, {"ids": sorted(trajectories)})
+    cache = _cache_for(engine)
+    for record in calls:
+        if record.choice_index == 0:
+            cache.remember(record.trajectory_id, _predecessor_of(record), record.id)
+
+
+def _answered_tool_call(response: dict[str, Any] | None, choice_index: int) -> bool:
+    for choice in (response or {}).get("choices") or ():
+        if choice.get("index", 0) == choice_index:
+            return bool((choice.get("message") or {}).get("tool_calls"))
+    return False
+
+
+def _predecessor_of(record: CallRecord) -> Predecessor:
+    return Predecessor(
+        record.seq,
+        record.prompt_token_ids,
+        record.completion_token_ids,
+        _answered_tool_call(record.response, record.choice_index),
+    )
+
+
+class _Entry(NamedTuple):
+    call_id: str
+    seq: int
+    prompt: bytes | None  # packed like the columns: 4 bytes a token, not ~36 as a list of ints
+    completion: bytes | None
+    tool_call: bool
+
+
+class _LineageCache:
+    """The newest choice-0 call written per trajectory by this process, with its full ids, so that the next call
+    of a trajectory usually finds its predecessor here instead of rebuilding it from the database. An entry is used
+    only when the database still holds that very call (same id) at the predecessor's seq. Bounded by the bytes of
+    ids it holds; the least recently written trajectories go first."""
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, trajectory_id: str, seq: int, call_id: str) -> Predecessor | None:
+        with self._lock:
+            entry = self._entries.get(trajectory_id)
+        if entry is None or entry.call_id != call_id or entry.seq != seq:
+            return None
+        return Predecessor(seq, decode_ids(entry.prompt), decode_ids(entry.completion), entry.tool_call)
+
+    def remember(self, trajectory_id: str, predecessor: Predecessor, call_id: str) -> None:
+        entry = _Entry(
+            call_id,
+            predecessor.seq,
+            encode_ids(predecessor.prompt_ids),
+            encode_ids(predecessor.completion_ids),
+            predecessor.tool_call,
+        )
+        with self._lock:
+            current = self._entries.get(trajectory_id)
+            if current is not None:
+                if current.seq > entry.seq:
+                    return
+                self._bytes -= _size(current)
+            self._entries[trajectory_id] = entry
+            self._entries.move_to_end(trajectory_id)
+            self._bytes += _size(entry)
+            while self._bytes > self._max_bytes and self._entries:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= _size(evicted)
+
+
+def _size(entry: _Entry) -> int:
+    return len(entry.prompt or b"") + len(entry.completion or b"")
+
+
+_caches: weakref.WeakKeyDictionary[Engine, _LineageCache] = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()
+
+
+def _cache_for(engine: Engine) -> _LineageCache:
+    with _caches_lock:
+        cache = _caches.get(engine)
+        if cache is None:
+            cache = _caches[engine] = _LineageCache()
+        return cache
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+def _rebuild(conn: Connection, trajectory_id: str) -> tuple[dict[tuple[int, int], list[int] | None], Rebuilder]:
+    """Every stored call of the trajectory with its full prompt ids, keyed by (seq, choice_index)."""
+    rows = conn.execute(
+        select(
+            _calls.c.seq,
+            _calls.c.choice_index,
+            _calls.c.prompt_token_ids,
+            _calls.c.completion_token_ids,
+            _calls.c.parent_seq,
+            _calls.c.prefix_len,
+        )
+        .where(_calls.c.trajectory_id == trajectory_id)
+        .order_by(_calls.c.seq, _calls.c.choice_index)
+    ).all()
+    rebuilder = Rebuilder()
+    prompts = {
+        (row.seq, row.choice_index): rebuilder.prompt(
+            row.seq,
+            row.choice_index,
+            decode_ids(row.prompt_token_ids),
+            decode_ids(row.completion_token_ids),
+            row.parent_seq,
+            row.prefix_len,
+        )
+        for row in rows
+    }
+    return prompts, rebuilder
+
+
+def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecord], list[Lineage]]:
+    """Each record's merge diagnostics and storage prefix against its predecessor, in the same transaction.
+
+    Records older than the attempt already stored at their key are dropped (the upsert would skip them anyway). A
+    record that replaces a stored choice-0 call with different content would leave that call's compact children
+    pointing at ids that no longer exist, so those children get their full prompt back first.
+    """
+    cache = _cache_for(conn.engine)
+    trajectory_ids = sorted({record.trajectory_id for record in calls})
+    stored: dict[str, dict[tuple[int, int], Any]] = {t: {} for t in trajectory_ids}
+    for row in conn.execute(
+        select(
+            _calls.c.trajectory_id,
+            _calls.c.seq,
+            _calls.c.choice_index,
+            _calls.c.id,
+            _calls.c.created_at,
+            _calls.c.parent_seq,
+        ).where(_calls.c.trajectory_id.in_(trajectory_ids))
+    ):
+        stored[row.trajectory_id][(row.seq, row.choice_index)] = row
+
+    kept: list[CallRecord] = []
+    for record in calls:
+        row = stored[record.trajectory_id].get((record.seq, record.choice_index))
+        if row is None or _aware(row.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
+            kept.append(record)
+
+    lineages: list[Lineage] = []
+    for trajectory_id in trajectory_ids:
+        records = [r for r in kept if r.trajectory_id == trajectory_id]
+        rows = stored[trajectory_id]
+        replaced = {
+            r.seq for r in records if r.choice_index == 0 and (r.seq, 0) in rows and rows[(r.seq, 0)].id != r.id
+        }
+        incoming = {(r.seq, r.choice_index) for r in records}
+        orphans = [
+            key for key, row in rows.items() if row.parent_seq in replaced and key not in incoming
+        ]
+        rebuilt: tuple[dict[tuple[int, int], list[int] | None], Rebuilder] | None = None
+        if orphans:
+            rebuilt = _rebuild(conn, trajectory_id)
+            for seq, choice_index in orphans:
+                conn.execute(
+                    update(_calls)
+                    .where(
+                        _calls.c.trajectory_id == trajectory_id,
+                        _calls.c.seq == seq,
+                        _calls.c.choice_index == choice_index,
+                    )
+                    .values(prompt_token_ids=encode_ids(rebuilt[0][(seq, choice_index)]), parent_seq=None, prefix_len=0)
+                )
+        # After this batch, choice 0 at each seq is the incoming record if any, else the stored row.
+        in_batch = {r.seq: r for r in records if r.choice_index == 0}
+        choice0 = sorted({seq for seq, choice in rows if choice == 0} | set(in_batch))
+        for record in records:
+            earlier = [seq for seq in choice0 if seq < record.seq]
+            predecessor: Predecessor | None = None
+            if earlier:
+                seq = earlier[-1]
+                if seq in in_batch:
+                    predecessor = _predecessor_of(in_batch[seq])
+                else:
+                    row = rows[(seq, 0)]
+                    predecessor = cache.get(trajectory_id, seq, row.id)
+                    if predecessor is None:
+                        if rebuilt is None:
+                            rebuilt = _rebuild(conn, trajectory_id)
+                        tokens = rebuilt[1].tokens(seq)
+                        prompt = rebuilt[0].get((seq, 0))
+                        response = conn.execute(
+                            select(_calls.c.response).where(
+                                _calls.c.trajectory_id == trajectory_id, _calls.c.seq == seq, _calls.c.choice_index == 0
+                            )
+                        ).scalar()
+                        predecessor = Predecessor(
+                            seq,
+                            prompt,
+                            None if tokens is None or prompt is None else tokens[len(prompt) :],
+                            _answered_tool_call(response, 0),
+                        )
+            lineages.append(classify(record.prompt_token_ids, predecessor))
+    ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
+    return ordered, lineages
+
+
+def materialize_prompts(conn: Connection) -> int:
+    """Give every compact call its full prompt back (parent_seq null, prefix_len 0); returns how many were
+    rewritten. For a downgrade below revision 0004, which drops the columns that explain a compact prompt."""
+    trajectory_ids = conn.execute(
+        select(_calls.c.trajectory_id).where(_calls.c.parent_seq.is_not(None)).distinct()
+    ).scalars().all()
+    count = 0
+    for trajectory_id in trajectory_ids:
+        prompts, _ = _rebuild(conn, trajectory_id)
+        compact = conn.execute(
+            select(_calls.c.seq, _calls.c.choice_index).where(
+                _calls.c.trajectory_id == trajectory_id, _calls.c.parent_seq.is_not(None)
+            )
+        ).all()
+        for row in compact:
+            conn.execute(
+                update(_calls)
+                .where(
+                    _calls.c.trajectory_id == trajectory_id,
+                    _calls.c.seq == row.seq,
+                    _calls.c.choice_index == row.choice_index,
+                )
+                .values(prompt_token_ids=encode_ids(prompts[(row.seq, row.choice_index)]), parent_seq=None, prefix_len=0)
+            )
+            count += 1
+    return count
 
 
 @contextmanager

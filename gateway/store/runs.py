@@ -177,6 +177,13 @@ def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
             .order_by(TrainStep.step.desc())
             .limit(1)
         ).first()
+        reasons = conn.execute(
+            # Through trajectories (indexed by run), not calls.run (not indexed).
+            select(Call.merge_reason, func.count())
+            .join(Trajectory, Trajectory.trajectory_id == Call.trajectory_id)
+            .where(Trajectory.run == name, Call.choice_index == 0)
+            .group_by(Call.merge_reason)
+        ).all()
         curve = conn.execute(
             select(eval_rewards.c.version, func.avg(eval_rewards.c.reward), func.count())
             .where(eval_rewards.c.version.is_not(None))
@@ -192,6 +199,7 @@ def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
     }
     return {
         **_run_summary(row),
+        "merge": _merge_summary({reason: count for reason, count in reasons}),
         "groups": by_mode["train"],
         "eval_groups": by_mode["eval"],
         "trajectories": {mode: counts.get(mode, {"total": 0, "rewarded": 0, "untrainable": 0}) for mode in by_mode},
@@ -200,6 +208,18 @@ def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
         "eval_reward_by_version": [
             {"policy_version": version, "mean_reward": mean, "trajectories": count} for version, mean, count in curve
         ],
+    }
+
+
+def _merge_summary(by_reason: dict[str | None, int]) -> dict[str, Any]:
+    """How the run's calls (choice 0) relate to their predecessors (gateway.store.lineage). `merge_ratio` is the
+    share of calls with a predecessor that extend it; calls recorded before the reason was count as `unknown`."""
+    counts = {reason or "unknown": count for reason, count in by_reason.items()}
+    with_predecessor = sum(count for reason, count in counts.items() if reason not in ("first_call", "unknown"))
+    return {
+        "calls": sum(counts.values()),
+        "by_reason": dict(sorted(counts.items())),
+        "merge_ratio": counts.get("extends", 0) / with_predecessor if with_predecessor else None,
     }
 
 

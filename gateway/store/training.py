@@ -25,6 +25,7 @@ from sqlalchemy import Connection, Engine, case, delete, func, or_, select, upda
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.store.arrays import decode_ids, decode_logprobs
+from gateway.store.lineage import Rebuilder
 from gateway.store.db import READY_CHANNEL, write_transaction
 from gateway.store.models import Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory
 from gateway.store.rewards import lock_groups, settle_group
@@ -291,22 +292,31 @@ def load_groups(engine: Engine, group_ids: Sequence[str]) -> list[dict[str, Any]
                 Call.completion_logprobs,
                 Call.trainable,
                 Call.untrainable_reason,
+                Call.merge_reason,
+                Call.parent_seq,
+                Call.prefix_len,
             )
             .where(Call.trajectory_id.in_(_trainable_trajectories(ids)))
             .order_by(Call.trajectory_id, Call.seq, Call.choice_index)
         ).all()
     by_trajectory: dict[str, list[dict[str, Any]]] = {}
+    rebuilders: dict[str, Rebuilder] = {}
     for row in calls:
+        completion_ids = decode_ids(row.completion_token_ids)
+        prompt_ids = rebuilders.setdefault(row.trajectory_id, Rebuilder()).prompt(
+            row.seq, row.choice_index, decode_ids(row.prompt_token_ids), completion_ids, row.parent_seq, row.prefix_len
+        )
         by_trajectory.setdefault(row.trajectory_id, []).append(
             {
                 "seq": row.seq,
                 "choice_index": row.choice_index,
                 "policy_version": row.policy_version,
-                "prompt_token_ids": decode_ids(row.prompt_token_ids),
-                "completion_token_ids": decode_ids(row.completion_token_ids),
+                "prompt_token_ids": prompt_ids,
+                "completion_token_ids": completion_ids,
                 "completion_logprobs": decode_logprobs(row.completion_logprobs),
                 "trainable": row.trainable,
                 "untrainable_reason": row.untrainable_reason,
+                "merge_reason": row.merge_reason,
             }
         )
     groups: dict[str, dict[str, Any]] = {gid: {"group_id": gid, "trajectories": []} for gid in ids}

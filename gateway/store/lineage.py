@@ -1,0 +1,139 @@
+"""How a call's prompt relates to its predecessor's tokens: the merge diagnostics and the linear storage layout.
+
+The predecessor of a call is the previous seq's choice 0 in the same trajectory (every choice of an `n > 1` call has
+the same predecessor; a later call continues from choice 0 unless the agent picked another choice, which then shows
+as `history_edited`). A call *extends* its predecessor when its prompt ids start with the predecessor's prompt +
+completion ids; the trainer merges such calls into one row (DESIGN §6). Otherwise the reason says why not:
+
+- `first_call`: no predecessor in the trajectory.
+- `no_ids`: the call or its predecessor has no token ids (an upstream error, a failed capture).
+- `retry`: the prompt equals the predecessor's prompt (the agent sent the same request again as a new call).
+- `template_dropped_tool_call`: the divergence is inside the predecessor's completion and that completion held a
+  tool call (the chat template re-rendered the call without it; SmolLM2's does, DESIGN §3).
+- `completion_rerendered`: the divergence is inside the predecessor's completion, which held no tool call (e.g. a
+  template that trims reasoning).
+- `truncated`: the prompt is shorter than the predecessor's prompt and diverges inside it (history was cut).
+- `history_edited`: the prompt diverges inside the predecessor's prompt (messages changed or removed).
+
+`divergence` is the index of the first prompt token that differs from predecessor prompt + completion (null when
+the call extends it or has no predecessor). Storage: a call stores only its prompt ids past the prefix it shares with
+the predecessor's prompt + completion (`prefix_len` tokens, taken from the row at `parent_seq`), so a trajectory's
+stored ids grow with its length, not with the square of its turns; `Rebuilder` puts full prompts back together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+EXTENDS = "extends"
+FIRST_CALL = "first_call"
+NO_IDS = "no_ids"
+RETRY = "retry"
+TEMPLATE_DROPPED_TOOL_CALL = "template_dropped_tool_call"
+COMPLETION_RERENDERED = "completion_rerendered"
+TRUNCATED = "truncated"
+HISTORY_EDITED = "history_edited"
+REASONS = (
+    EXTENDS,
+    FIRST_CALL,
+    NO_IDS,
+    RETRY,
+    TEMPLATE_DROPPED_TOOL_CALL,
+    COMPLETION_RERENDERED,
+    TRUNCATED,
+    HISTORY_EDITED,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Predecessor:
+    """What a call is compared against: the predecessor's seq and full ids, and whether it answered a tool call."""
+
+    seq: int
+    prompt_ids: list[int] | None
+    completion_ids: list[int] | None
+    tool_call: bool
+
+    @property
+    def tokens(self) -> list[int] | None:
+        if self.prompt_ids is None or self.completion_ids is None:
+            return None
+        return self.prompt_ids + self.completion_ids
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """A call's merge diagnostics and how its prompt is stored: `prefix_len` ids from `parent_seq`, then the rest."""
+
+    reason: str
+    divergence: int | None
+    parent_seq: int | None
+    prefix_len: int
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def classify(prompt: list[int] | None, predecessor: Predecessor | None) -> Lineage:
+    """The call's reason, divergence position and storage prefix against its predecessor."""
+    if predecessor is None:
+        return Lineage(FIRST_CALL, None, None, 0)
+    before = predecessor.tokens
+    if prompt is None or before is None or predecessor.prompt_ids is None:
+        return Lineage(NO_IDS, None, None, 0)
+    shared = common_prefix(prompt, before)
+    parent = predecessor.seq if shared else None
+    if shared == len(before):
+        return Lineage(EXTENDS, None, parent, shared)
+    prompt_len = len(predecessor.prompt_ids)
+    if prompt == predecessor.prompt_ids:
+        reason = RETRY
+    elif shared >= prompt_len:
+        reason = TEMPLATE_DROPPED_TOOL_CALL if predecessor.tool_call else COMPLETION_RERENDERED
+    elif len(prompt) < prompt_len:
+        reason = TRUNCATED
+    else:
+        reason = HISTORY_EDITED
+    return Lineage(reason, shared, parent, shared)
+
+
+class Rebuilder:
+    """Restores full prompt ids from stored rows fed in (seq, choice_index) order, one trajectory at a time.
+
+    A row's stored prompt is its ids past `prefix_len`; the prefix comes from the full prompt + completion of choice 0
+    at `parent_seq`, which always precedes it. Rows written before linear storage have no parent and hold their full
+    prompt, so they pass through unchanged.
+    """
+
+    def __init__(self) -> None:
+        self._tokens: dict[int, list[int] | None] = {}
+
+    def prompt(
+        self,
+        seq: int,
+        choice_index: int,
+        stored_prompt: list[int] | None,
+        completion: list[int] | None,
+        parent_seq: int | None,
+        prefix_len: int | None,
+    ) -> list[int] | None:
+        """The call's full prompt ids; raises LookupError if its parent was not fed first (a broken chain)."""
+        full = stored_prompt
+        if parent_seq is not None and prefix_len:
+            parent = self._tokens.get(parent_seq)
+            if parent is None or len(parent) < prefix_len:
+                raise LookupError(f"call at seq {seq} refers to seq {parent_seq}, which is missing or too short")
+            full = parent[:prefix_len] + (stored_prompt or [])
+        if choice_index == 0:
+            self._tokens[seq] = None if full is None or completion is None else full + completion
+        return full
+
+    def tokens(self, seq: int) -> list[int] | None:
+        """Full prompt + completion of choice 0 at `seq`, if it was fed."""
+        return self._tokens.get(seq)
