@@ -10,7 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine
 
+from gateway.store import db
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.pgcluster import PgCluster, create_database, drop_database
@@ -50,6 +52,17 @@ def sqlite_url(tmp_path: Path) -> str:
 def db_url(request: pytest.FixtureRequest) -> str:
     """An empty database on each backend in turn."""
     return request.getfixturevalue("pg_url" if request.param == "postgres" else "sqlite_url")
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    """An engine on an empty database of each backend, at the newest schema."""
+    db.upgrade(db_url)
+    engine = db.make_engine(db_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture(scope="session")

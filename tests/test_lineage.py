@@ -5,7 +5,6 @@ full prompt back exactly, on both backends. The tool conversation is the one rec
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,16 +106,6 @@ def test_first_call_retry_and_missing_ids() -> None:
 
 
 # --- the store ------------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    db.upgrade(db_url)
-    engine = db.make_engine(db_url)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
 
 
 def _forget_cache(engine: Engine) -> None:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
-import pytest
 from sqlalchemy import Engine, select
 
 from gateway.store import db
@@ -14,16 +12,6 @@ from gateway.store.models import Call, Group, Run, Trajectory
 from gateway.store.records import count_calls, ping, write_calls
 from tests.factories import make_record
 from tests.pgcluster import free_port
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    db.upgrade(db_url)
-    engine = db.make_engine(db_url)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
 
 
 def _calls(engine: Engine, trajectory_id: str) -> list[dict]:

@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,16 +24,6 @@ from tests.pgcluster import PgCluster, free_port
 from tests.waiting import wait_until
 
 FAST = {"flush_interval_s": 0.01, "retry_interval_s": 0.1}
-
-
-@pytest.fixture
-def engine(db_url: str) -> Iterator[Engine]:
-    db.upgrade(db_url)
-    engine = db.make_engine(db_url)
-    try:
-        yield engine
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture
