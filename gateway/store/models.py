@@ -157,8 +157,15 @@ class Call(Base):
     # choice 0's prompt + completion at parent_seq in the same trajectory. No parent: the whole prompt is stored.
     parent_seq: Mapped[int | None] = mapped_column(BigInteger)
     prefix_len: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # token_in runs (gateway.token_in): hash of the messages answered plus the assistant message returned, by which
+    # the next call finds this one; and why the call started a new token sequence (null when it continued one).
+    history_key: Mapped[str | None] = mapped_column(String(64))
+    segment_reason: Mapped[str | None] = mapped_column(String(32))
 
-    __table_args__ = (UniqueConstraint("trajectory_id", "seq", "choice_index"),)
+    __table_args__ = (
+        UniqueConstraint("trajectory_id", "seq", "choice_index"),
+        Index(None, "trajectory_id", "history_key"),
+    )
 
 
 class TrainerLease(Base):

@@ -138,6 +138,8 @@ def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
         "divergence": lineage.divergence,
         "parent_seq": lineage.parent_seq,
         "prefix_len": lineage.prefix_len,
+        "history_key": record.history_key,
+        "segment_reason": record.segment_reason,
     }
 
 
@@ -304,7 +306,9 @@ def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-def _rebuild(conn: Connection, trajectory_id: str) -> tuple[dict[tuple[int, int], list[int] | None], Rebuilder]:
+def rebuild_prompts(
+    conn: Connection, trajectory_id: str
+) -> tuple[dict[tuple[int, int], list[int] | None], Rebuilder]:
     """Every stored call of the trajectory with its full prompt ids, keyed by (seq, choice_index)."""
     rows = conn.execute(
         select(
@@ -374,7 +378,7 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
         ]
         rebuilt: tuple[dict[tuple[int, int], list[int] | None], Rebuilder] | None = None
         if orphans:
-            rebuilt = _rebuild(conn, trajectory_id)
+            rebuilt = rebuild_prompts(conn, trajectory_id)
             for seq, choice_index in orphans:
                 conn.execute(
                     update(_calls)
@@ -400,7 +404,7 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
                     predecessor = cache.get(trajectory_id, seq, row.id)
                     if predecessor is None:
                         if rebuilt is None:
-                            rebuilt = _rebuild(conn, trajectory_id)
+                            rebuilt = rebuild_prompts(conn, trajectory_id)
                         tokens = rebuilt[1].tokens(seq)
                         prompt = rebuilt[0].get((seq, 0))
                         response = conn.execute(
@@ -427,7 +431,7 @@ def materialize_prompts(conn: Connection) -> int:
     ).scalars().all()
     count = 0
     for trajectory_id in trajectory_ids:
-        prompts, _ = _rebuild(conn, trajectory_id)
+        prompts, _ = rebuild_prompts(conn, trajectory_id)
         compact = conn.execute(
             select(_calls.c.seq, _calls.c.choice_index).where(
                 _calls.c.trajectory_id == trajectory_id, _calls.c.parent_seq.is_not(None)
