@@ -514,6 +514,8 @@ class TokenIn:
                         await send_sse_error(send, "the gateway could not relay vLLM's stream")
             finally:
                 hangup.cancel()
+                if not relay.done:
+                    upstream.close()  # drop the connection so vLLM sees the hang-up and stops generating
                 relay.record()
                 self.proxy.metrics.requests.labels(call.endpoint, "200").inc()
             with contextlib.suppress(OSError):

@@ -40,7 +40,8 @@ def renders() -> list[tuple[dict[str, Any], dict[str, Any]]]:
 
 
 def start_token_in(gateway: RunningGateway) -> None:
-    response = httpx.post(gateway.url + "/v1/runs", json={"name": RUN, "config": {"token_mode": "token_in"}}, timeout=30)
+    body = {"name": RUN, "config": {"token_mode": "token_in"}}
+    response = httpx.post(gateway.url + "/v1/runs", json=body, timeout=30)
     assert response.status_code in (200, 201), response.text
 
 
@@ -61,11 +62,13 @@ def token_gateway(gateway_settings: dict[str, object]) -> Any:
 
 def test_history_key_ignores_what_sdks_vary() -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    compact = '{"city":"Paris"}'  # arguments re-serialised by a client
+    function = call["function"]
     forms = [
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "assistant", "tool_calls": [call], "refusal": None, "annotations": None, "audio": None},
         {"role": "assistant", "content": "", "tool_calls": [call], "function_call": None},
-        {"role": "assistant", "content": [], "tool_calls": [{**call, "function": {**call["function"], "arguments": '{"city":"Paris"}'}}]},
+        {"role": "assistant", "content": [], "tool_calls": [{**call, "function": {**function, "arguments": compact}}]},
     ]
     keys = {token_in.extend_key("", form) for form in forms}
     assert len(keys) == 1
@@ -86,7 +89,8 @@ def test_bridge_is_the_template_tokens_after_the_matched_assistant_message() -> 
         assert bridge == full["token_ids"][len(prefix["token_ids"]) - 1 :]
         assert bridge[0] == 198  # the "\n" SmolLM2's template puts after <|im_end|>
         # a completion cut by max_tokens gets the end token too
-        assert token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5], completion_end) == [completion_end, *bridge]
+        cut = token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5], completion_end)
+        assert cut == [completion_end, *bridge]
         # a template that does not keep a stable prefix: no bridge
         unstable = [full["token_ids"][0] + 1, *full["token_ids"][1:]]
         assert token_in.bridge_ids(prefix["token_ids"], unstable, [completion_end], completion_end) is None
@@ -192,7 +196,8 @@ def test_a_second_gateway_finds_the_state_in_the_database(gateway_settings: dict
         turn1 = tool_loop(client_for(first, trajectory), False, turns=1)[0]
         first.flush()
         messages = [*turn1["messages"], turn1["assistant"]]
-        messages.append({"role": "tool", "tool_call_id": turn1["assistant"]["tool_calls"][0]["id"], "content": WEATHER_RESULT})
+        call_id = turn1["assistant"]["tool_calls"][0]["id"]
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": WEATHER_RESULT})
         client_for(second, trajectory).chat.completions.create(
             model=RUN, messages=messages, tools=TOOLS, max_tokens=48, temperature=0
         )
