@@ -14,8 +14,9 @@ from gateway.store.models import Call, Group, Trajectory
 
 def stored_calls(db_url: str, trajectory_id: str) -> list[dict[str, Any]]:
     """The trajectory's calls in order, arrays decoded, with the group they landed in. `prompt_token_ids` is the
-    full prompt (rebuilt from the predecessor's ids, gateway.store.lineage); what the row itself holds is
-    `stored_prompt_token_ids`."""
+    full prompt (rebuilt from the predecessor's ids, gateway.store.lineage) and `request` the full request (rebuilt
+    from the predecessor's messages, gateway.store.messages); what the row itself holds is `stored_prompt_token_ids`
+    and `stored_request`."""
     engine = make_engine(db_url)
     try:
         with engine.connect() as conn:
@@ -46,6 +47,10 @@ def stored_calls(db_url: str, trajectory_id: str) -> list[dict[str, Any]]:
             call["completion_token_ids"],
             call["parent_seq"],
             call["prefix_len"],
+        )
+        call["stored_request"] = call["request"]
+        call["request"] = rebuilder.request(
+            call["seq"], call["choice_index"], call["request"], call["messages_parent_seq"], call["messages_prefix_len"]
         )
         call["completion_logprobs"] = decode_logprobs(call["completion_logprobs"])
         call["group"] = {"group_id": row.g_id, "expected_size": row.g_size, "mode": row.g_mode}

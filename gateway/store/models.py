@@ -157,6 +157,10 @@ class Call(Base):
     # choice 0's prompt + completion at parent_seq in the same trajectory. No parent: the whole prompt is stored.
     parent_seq: Mapped[int | None] = mapped_column(BigInteger)
     prefix_len: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # The same for the request's chat messages (gateway.store.messages): `request` holds only the messages past the
+    # first messages_prefix_len, which are the leading messages of choice 0's full request at messages_parent_seq.
+    messages_parent_seq: Mapped[int | None] = mapped_column(BigInteger)
+    messages_prefix_len: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     __table_args__ = (UniqueConstraint("trajectory_id", "seq", "choice_index"),)
 

@@ -13,6 +13,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from functools import cache
 from typing import Any, NamedTuple, cast
@@ -24,6 +25,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
 from gateway.store.lineage import Lineage, Predecessor, Rebuilder, classify
+from gateway.store.messages import compact_request, keeps_key_order, message_digests, shared_messages
 from gateway.store.models import Call, Group, Run, Trajectory
 
 _runs = cast(Table, Run.__table__)
@@ -118,7 +120,7 @@ def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
         "policy_version": record.policy_version,
         "endpoint": record.endpoint,
         "stream": record.stream,
-        "request": record.request,
+        "request": compact_request(record.request, lineage.messages_prefix_len),
         "response": record.response,
         "prompt_token_ids": encode_ids(prompt[lineage.prefix_len :] if prompt is not None else None),
         "completion_token_ids": encode_ids(record.completion_token_ids),
@@ -138,6 +140,8 @@ def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
         "divergence": lineage.divergence,
         "parent_seq": lineage.parent_seq,
         "prefix_len": lineage.prefix_len,
+        "messages_parent_seq": lineage.messages_parent_seq,
+        "messages_prefix_len": lineage.messages_prefix_len,
     }
 
 
@@ -205,7 +209,8 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
                 .with_for_update()
             )
         # Unprepared: their IN lists vary in length, so each size would be a prepared statement of its own.
-        calls, lineages = _lineages(conn, calls)
+        digests: dict[str, bytes | None] = {}
+        calls, lineages = _lineages(conn, calls, digests)
         with _prepared(conn):
             if calls:
                 conn.execute(
@@ -216,7 +221,7 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
     cache = _cache_for(engine)
     for record in calls:
         if record.choice_index == 0:
-            cache.remember(record.trajectory_id, _predecessor_of(record), record.id)
+            cache.remember(record.trajectory_id, _predecessor_of(record, digests[record.id]), record.id)
 
 
 def _answered_tool_call(response: dict[str, Any] | None, choice_index: int) -> bool:
@@ -226,12 +231,13 @@ def _answered_tool_call(response: dict[str, Any] | None, choice_index: int) -> b
     return False
 
 
-def _predecessor_of(record: CallRecord) -> Predecessor:
+def _predecessor_of(record: CallRecord, messages: bytes | None) -> Predecessor:
     return Predecessor(
         record.seq,
         record.prompt_token_ids,
         record.completion_token_ids,
         _answered_tool_call(record.response, record.choice_index),
+        messages,
     )
 
 
@@ -241,10 +247,12 @@ class _Entry(NamedTuple):
     prompt: bytes | None  # packed like the columns: 4 bytes a token, not ~36 as a list of ints
     completion: bytes | None
     tool_call: bool
+    messages: bytes | None  # digests of the request's messages, not the messages
 
 
 class _LineageCache:
-    """The newest choice-0 call written per trajectory by this process, with its full ids, so that the next call
+    """The newest choice-0 call written per trajectory by this process, with its full ids and its messages' digests,
+    so that the next call
     of a trajectory usually finds its predecessor here instead of rebuilding it from the database. An entry is used
     only when the database still holds that very call (same id) at the predecessor's seq. Bounded by the bytes of
     ids it holds; the least recently written trajectories go first."""
@@ -260,7 +268,9 @@ class _LineageCache:
             entry = self._entries.get(trajectory_id)
         if entry is None or entry.call_id != call_id or entry.seq != seq:
             return None
-        return Predecessor(seq, decode_ids(entry.prompt), decode_ids(entry.completion), entry.tool_call)
+        return Predecessor(
+            seq, decode_ids(entry.prompt), decode_ids(entry.completion), entry.tool_call, entry.messages
+        )
 
     def remember(self, trajectory_id: str, predecessor: Predecessor, call_id: str) -> None:
         entry = _Entry(
@@ -269,6 +279,7 @@ class _LineageCache:
             encode_ids(predecessor.prompt_ids),
             encode_ids(predecessor.completion_ids),
             predecessor.tool_call,
+            predecessor.messages,
         )
         with self._lock:
             current = self._entries.get(trajectory_id)
@@ -285,7 +296,7 @@ class _LineageCache:
 
 
 def _size(entry: _Entry) -> int:
-    return len(entry.prompt or b"") + len(entry.completion or b"")
+    return len(entry.prompt or b"") + len(entry.completion or b"") + len(entry.messages or b"")
 
 
 _caches: weakref.WeakKeyDictionary[Engine, _LineageCache] = weakref.WeakKeyDictionary()
@@ -304,23 +315,32 @@ def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-def _rebuild(conn: Connection, trajectory_id: str) -> tuple[dict[tuple[int, int], list[int] | None], Rebuilder]:
-    """Every stored call of the trajectory with its full prompt ids, keyed by (seq, choice_index)."""
+class _Rebuilt(NamedTuple):
+    prompts: dict[tuple[int, int], list[int] | None]
+    requests: dict[tuple[int, int], dict[str, Any] | None]
+    rebuilder: Rebuilder
+
+
+def _rebuild(conn: Connection, trajectory_id: str, requests: bool = True) -> _Rebuilt:
+    """Every stored call of the trajectory with its full prompt ids and (unless `requests` is false: the schema
+    below revision 0005 has no message columns) its full request, keyed by (seq, choice_index)."""
+    columns = [
+        _calls.c.seq,
+        _calls.c.choice_index,
+        _calls.c.prompt_token_ids,
+        _calls.c.completion_token_ids,
+        _calls.c.parent_seq,
+        _calls.c.prefix_len,
+    ]
+    if requests:
+        columns += [_calls.c.request, _calls.c.messages_parent_seq, _calls.c.messages_prefix_len]
     rows = conn.execute(
-        select(
-            _calls.c.seq,
-            _calls.c.choice_index,
-            _calls.c.prompt_token_ids,
-            _calls.c.completion_token_ids,
-            _calls.c.parent_seq,
-            _calls.c.prefix_len,
-        )
-        .where(_calls.c.trajectory_id == trajectory_id)
-        .order_by(_calls.c.seq, _calls.c.choice_index)
+        select(*columns).where(_calls.c.trajectory_id == trajectory_id).order_by(_calls.c.seq, _calls.c.choice_index)
     ).all()
-    rebuilder = Rebuilder()
-    prompts = {
-        (row.seq, row.choice_index): rebuilder.prompt(
+    rebuilt = _Rebuilt({}, {}, Rebuilder())
+    for row in rows:
+        key = (row.seq, row.choice_index)
+        rebuilt.prompts[key] = rebuilt.rebuilder.prompt(
             row.seq,
             row.choice_index,
             decode_ids(row.prompt_token_ids),
@@ -328,19 +348,25 @@ def _rebuild(conn: Connection, trajectory_id: str) -> tuple[dict[tuple[int, int]
             row.parent_seq,
             row.prefix_len,
         )
-        for row in rows
-    }
-    return prompts, rebuilder
+        if requests:
+            rebuilt.requests[key] = rebuilt.rebuilder.request(
+                row.seq, row.choice_index, row.request, row.messages_parent_seq, row.messages_prefix_len
+            )
+    return rebuilt
 
 
-def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecord], list[Lineage]]:
-    """Each record's merge diagnostics and storage prefix against its predecessor, in the same transaction.
+def _lineages(
+    conn: Connection, calls: list[CallRecord], digests: dict[str, bytes | None]
+) -> tuple[list[CallRecord], list[Lineage]]:
+    """Each record's merge diagnostics and storage prefixes (ids and messages) against its predecessor, in the same
+    transaction; `digests` gets each kept record's message digests, by record id.
 
     Records older than the attempt already stored at their key are dropped (the upsert would skip them anyway). A
     record that replaces a stored choice-0 call with different content would leave that call's compact children
-    pointing at ids that no longer exist, so those children get their full prompt back first.
+    pointing at ids or messages that no longer exist, so those children get their full prompt and request back first.
     """
     cache = _cache_for(conn.engine)
+    ordered = keeps_key_order(conn.dialect.name)
     trajectory_ids = sorted({record.trajectory_id for record in calls})
     stored: dict[str, dict[tuple[int, int], Any]] = {t: {} for t in trajectory_ids}
     for row in conn.execute(
@@ -351,6 +377,7 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
             _calls.c.id,
             _calls.c.created_at,
             _calls.c.parent_seq,
+            _calls.c.messages_parent_seq,
         ).where(_calls.c.trajectory_id.in_(trajectory_ids))
     ):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
@@ -360,6 +387,7 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
         row = stored[record.trajectory_id].get((record.seq, record.choice_index))
         if row is None or _aware(row.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
             kept.append(record)
+            digests[record.id] = message_digests(record.request, ordered)
 
     lineages: list[Lineage] = []
     for trajectory_id in trajectory_ids:
@@ -370,20 +398,29 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
         }
         incoming = {(r.seq, r.choice_index) for r in records}
         orphans = [
-            key for key, row in rows.items() if row.parent_seq in replaced and key not in incoming
+            key
+            for key, row in rows.items()
+            if (row.parent_seq in replaced or row.messages_parent_seq in replaced) and key not in incoming
         ]
-        rebuilt: tuple[dict[tuple[int, int], list[int] | None], Rebuilder] | None = None
+        rebuilt: _Rebuilt | None = None
         if orphans:
             rebuilt = _rebuild(conn, trajectory_id)
-            for seq, choice_index in orphans:
+            for key in orphans:
                 conn.execute(
                     update(_calls)
                     .where(
                         _calls.c.trajectory_id == trajectory_id,
-                        _calls.c.seq == seq,
-                        _calls.c.choice_index == choice_index,
+                        _calls.c.seq == key[0],
+                        _calls.c.choice_index == key[1],
                     )
-                    .values(prompt_token_ids=encode_ids(rebuilt[0][(seq, choice_index)]), parent_seq=None, prefix_len=0)
+                    .values(
+                        prompt_token_ids=encode_ids(rebuilt.prompts[key]),
+                        parent_seq=None,
+                        prefix_len=0,
+                        request=rebuilt.requests[key],
+                        messages_parent_seq=None,
+                        messages_prefix_len=0,
+                    )
                 )
         # After this batch, choice 0 at each seq is the incoming record if any, else the stored row.
         in_batch = {r.seq: r for r in records if r.choice_index == 0}
@@ -394,15 +431,15 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
             if earlier:
                 seq = earlier[-1]
                 if seq in in_batch:
-                    predecessor = _predecessor_of(in_batch[seq])
+                    predecessor = _predecessor_of(in_batch[seq], digests[in_batch[seq].id])
                 else:
                     row = rows[(seq, 0)]
                     predecessor = cache.get(trajectory_id, seq, row.id)
                     if predecessor is None:
                         if rebuilt is None:
                             rebuilt = _rebuild(conn, trajectory_id)
-                        tokens = rebuilt[1].tokens(seq)
-                        prompt = rebuilt[0].get((seq, 0))
+                        tokens = rebuilt.rebuilder.tokens(seq)
+                        prompt = rebuilt.prompts.get((seq, 0))
                         response = conn.execute(
                             select(_calls.c.response).where(
                                 _calls.c.trajectory_id == trajectory_id, _calls.c.seq == seq, _calls.c.choice_index == 0
@@ -413,10 +450,21 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
                             prompt,
                             None if tokens is None or prompt is None else tokens[len(prompt) :],
                             _answered_tool_call(response, 0),
+                            message_digests(rebuilt.requests.get((seq, 0)), ordered),
                         )
-            lineages.append(classify(record.prompt_token_ids, predecessor))
+            lineages.append(_with_messages(classify(record.prompt_token_ids, predecessor), digests[record.id], predecessor))
     ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
     return ordered, lineages
+
+
+def _with_messages(lineage: Lineage, own: bytes | None, predecessor: Predecessor | None) -> Lineage:
+    """The lineage with the messages' storage prefix: the leading messages shared with the predecessor's request."""
+    if predecessor is None:
+        return lineage
+    shared = shared_messages(own, predecessor.messages)
+    if not shared:
+        return lineage
+    return replace(lineage, messages_parent_seq=predecessor.seq, messages_prefix_len=shared)
 
 
 def materialize_prompts(conn: Connection) -> int:
@@ -427,7 +475,7 @@ def materialize_prompts(conn: Connection) -> int:
     ).scalars().all()
     count = 0
     for trajectory_id in trajectory_ids:
-        prompts, _ = _rebuild(conn, trajectory_id)
+        prompts = _rebuild(conn, trajectory_id, requests=False).prompts
         compact = conn.execute(
             select(_calls.c.seq, _calls.c.choice_index).where(
                 _calls.c.trajectory_id == trajectory_id, _calls.c.parent_seq.is_not(None)
@@ -442,6 +490,37 @@ def materialize_prompts(conn: Connection) -> int:
                     _calls.c.choice_index == row.choice_index,
                 )
                 .values(prompt_token_ids=encode_ids(prompts[(row.seq, row.choice_index)]), parent_seq=None, prefix_len=0)
+            )
+            count += 1
+    return count
+
+
+def materialize_requests(conn: Connection) -> int:
+    """Give every call with compact messages its full request back (messages_parent_seq null, messages_prefix_len
+    0); returns how many were rewritten. For a downgrade below revision 0005, which drops the columns that explain a
+    compact request."""
+    trajectory_ids = conn.execute(
+        select(_calls.c.trajectory_id).where(_calls.c.messages_parent_seq.is_not(None)).distinct()
+    ).scalars().all()
+    count = 0
+    for trajectory_id in trajectory_ids:
+        requests = _rebuild(conn, trajectory_id).requests
+        compact = conn.execute(
+            select(_calls.c.seq, _calls.c.choice_index).where(
+                _calls.c.trajectory_id == trajectory_id, _calls.c.messages_parent_seq.is_not(None)
+            )
+        ).all()
+        for row in compact:
+            conn.execute(
+                update(_calls)
+                .where(
+                    _calls.c.trajectory_id == trajectory_id,
+                    _calls.c.seq == row.seq,
+                    _calls.c.choice_index == row.choice_index,
+                )
+                .values(
+                    request=requests[(row.seq, row.choice_index)], messages_parent_seq=None, messages_prefix_len=0
+                )
             )
             count += 1
     return count
