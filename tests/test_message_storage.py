@@ -332,3 +332,18 @@ def test_stored_request_bytes_grow_linearly_with_turns(engine: Engine) -> None:
             )
 
     assert request_bytes(32) / request_bytes(16) < 2.2
+
+
+def test_each_choice_of_an_n_call_stores_only_its_own_answer(engine: Engine) -> None:
+    """Each choice has its own row: a row holding all n answers would make a call's response grow with n squared."""
+    answers = [{"index": i, "message": {"role": "assistant", "content": f"answer {i} " * 50}} for i in range(3)]
+    response = {"id": "chatcmpl-1", "choices": answers, "usage": {"completion_tokens": 30}}
+    calls = [make_record("traj-1", seq=1, choice_index=i, response=response) for i in range(3)]
+    write_calls(engine, calls)
+    rows = stored_calls(_url(engine), "traj-1")
+    assert [r["response"] for r in rows] == [{**response, "choices": [answer]} for answer in answers]
+    view = trajectory_view(engine, "traj-1")
+    assert view is not None
+    assert [c["completion"] for c in view["calls"]] == [a["message"]["content"] for a in answers]
+    [exported] = iter_trajectories(engine, "run-a")
+    assert [c["completion"] for c in exported["calls"]] == [a["message"]["content"] for a in answers]

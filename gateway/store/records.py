@@ -121,7 +121,7 @@ def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
         "endpoint": record.endpoint,
         "stream": record.stream,
         "request": compact_request(record.request, lineage.messages_prefix_len),
-        "response": record.response,
+        "response": _own_choice(record.response, record.choice_index),
         "prompt_token_ids": encode_ids(prompt[lineage.prefix_len :] if prompt is not None else None),
         "completion_token_ids": encode_ids(record.completion_token_ids),
         "completion_logprobs": encode_logprobs(record.completion_logprobs),
@@ -222,6 +222,18 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
     for record in calls:
         if record.choice_index == 0:
             cache.remember(record.trajectory_id, _predecessor_of(record, digests[record.id]), record.id)
+
+
+def _own_choice(response: dict[str, Any] | None, choice_index: int) -> dict[str, Any] | None:
+    """The response as one choice's row stores it: with only that choice. Every choice of an `n > 1` call has a row
+    of its own, and each row holding all n choices made a call's stored response grow with the square of n; every
+    reader takes a row's answer from its own choice. A response whose choices are not all indexed is kept whole."""
+    choices = (response or {}).get("choices")
+    if response is None or not isinstance(choices, list) or len(choices) < 2:
+        return response
+    if not all(isinstance(c, dict) and isinstance(c.get("index"), int) for c in choices):
+        return response
+    return {**response, "choices": [c for c in choices if c["index"] == choice_index]}
 
 
 def _answered_tool_call(response: dict[str, Any] | None, choice_index: int) -> bool:
