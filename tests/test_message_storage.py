@@ -25,7 +25,7 @@ from gateway.store.reads import trajectory_view
 from gateway.store.records import write_calls
 from tests.factories import make_record
 from tests.stored import stored_calls
-from tests.test_lineage import _conversation, _forget_cache, _turn_record
+from tests.test_lineage import _conversation, _forget_cache
 
 REFERENCE_GROUP = "reference"
 
@@ -45,7 +45,8 @@ def _rows(engine: Engine, trajectory_id: str = "traj-1") -> list[Any]:
 
 def _layout(engine: Engine, trajectory_id: str = "traj-1") -> list[tuple[int | None, int, int]]:
     """(messages_parent_seq, messages_prefix_len, messages the row holds) per stored call."""
-    return [(r.messages_parent_seq, r.messages_prefix_len, len(r.request["messages"])) for r in _rows(engine, trajectory_id)]
+    rows = _rows(engine, trajectory_id)
+    return [(r.messages_parent_seq, r.messages_prefix_len, len(r.request["messages"])) for r in rows]
 
 
 def _dumps(value: Any) -> bytes:
@@ -157,7 +158,9 @@ def test_a_message_equal_only_to_python_is_not_shared(engine: Engine) -> None:
     """`True == 1 == 1.0` in Python, not in JSON: sharing such a message would change what reads back."""
     base = [{"role": "user", "content": "a", "weight": 1}]
     first = make_record("traj-1", seq=1, request={"model": "run-a", "messages": base})
-    second = _with_messages(first, [{"role": "user", "content": "a", "weight": True}, {"role": "user", "content": "b"}], seq=2)
+    second = _with_messages(
+        first, [{"role": "user", "content": "a", "weight": True}, {"role": "user", "content": "b"}], seq=2
+    )
     third = _with_messages(second, [{"role": "user", "content": "a", "weight": 1.0}], seq=3)
     write_calls(engine, [first, second, third])
     assert _layout(engine) == [(None, 0, 1), (None, 0, 2), (None, 0, 1)]
@@ -212,7 +215,8 @@ def test_a_call_without_messages_is_stored_whole(engine: Engine) -> None:
     assert [(r.messages_parent_seq, r.messages_prefix_len) for r in _rows(engine)] == [(None, 0)] * 4
     view = trajectory_view(engine, "traj-1")
     assert view is not None
-    assert [c["messages"] for c in view["calls"]] == [turn1.request["messages"], "abc", "not a list", turn1.request["messages"]]  # type: ignore[index]
+    whole = turn1.request["messages"]  # type: ignore[index]
+    assert [c["messages"] for c in view["calls"]] == [whole, "abc", "not a list", whole]
 
 
 # --- retries and replays --------------------------------------------------------------------------------------------
@@ -225,7 +229,8 @@ def test_a_retry_that_replaces_a_parent_gives_its_children_their_whole_request(e
     write_calls(engine, [turn2])
     write_calls(engine, [turn3])
     # A late, newer attempt of turn 2 with other messages: turn 3 was stored against the old one.
-    retried = _with_messages(turn2, turn2.request["messages"][:4] + [{"role": "user", "content": "?"}])  # type: ignore[index]
+    edited = turn2.request["messages"][:4] + [{"role": "user", "content": "?"}]  # type: ignore[index]
+    retried = _with_messages(turn2, edited)
     retried.created_at = turn3.created_at + 1
     if cold:
         _forget_cache(engine)

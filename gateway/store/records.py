@@ -464,7 +464,8 @@ def _lineages(
                             _answered_tool_call(response, 0),
                             message_digests(rebuilt.requests.get((seq, 0)), ordered),
                         )
-            lineages.append(_with_messages(classify(record.prompt_token_ids, predecessor), digests[record.id], predecessor))
+            lineage = classify(record.prompt_token_ids, predecessor)
+            lineages.append(_with_messages(lineage, digests[record.id], predecessor))
     ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
     return ordered, lineages
 
