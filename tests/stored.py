@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Engine, MetaData, func, select
 
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.db import make_engine
@@ -56,6 +56,32 @@ def stored_calls(db_url: str, trajectory_id: str) -> list[dict[str, Any]]:
         call["group"] = {"group_id": row.g_id, "expected_size": row.g_size, "mode": row.g_mode}
         out.append(call)
     return out
+
+
+def insert_old_calls(engine: Engine, rows: list[dict[str, Any]]) -> None:
+    """Calls as an older schema revision stored them, with the run, group and trajectory they name (run-a, group-1,
+    traj-1): the tables are reflected from the database, so each row is typed the way that revision stored it and
+    keeps only the columns it had."""
+    created = rows[0]["created_at"]
+    with engine.begin() as conn:
+        tables = MetaData()
+        tables.reflect(conn, only=["runs", "groups", "trajectories", "calls"])
+        conn.execute(
+            tables.tables["runs"].insert(),
+            {"name": "run-a", "base_model": "base-model", "config": {}, "created_at": created, "updated_at": created},
+        )
+        conn.execute(
+            tables.tables["groups"].insert(),
+            {"group_id": "group-1", "run": "run-a", "mode": "train", "closed": False, "state": "open",
+             "created_at": created},
+        )
+        conn.execute(
+            tables.tables["trajectories"].insert(),
+            {"trajectory_id": "traj-1", "run": "run-a", "group_id": "group-1", "mode": "train",
+             "untrainable_calls": 0, "created_at": created},
+        )
+        calls = tables.tables["calls"]
+        conn.execute(calls.insert(), [{k: v for k, v in row.items() if k in calls.c} for row in rows])
 
 
 def count_calls(db_url: str) -> int:

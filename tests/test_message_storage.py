@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 import pytest
-from sqlalchemy import Engine, MetaData, Text, cast, func, select, text
+from sqlalchemy import Engine, Text, cast, func, select, text
 
 from gateway.export import write_jsonl
 from gateway.records import CallRecord
@@ -24,8 +24,8 @@ from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
 from gateway.store.records import write_calls
 from tests.factories import make_record
-from tests.stored import stored_calls
-from tests.test_lineage import _conversation, _forget_cache
+from tests.stored import insert_old_calls, stored_calls
+from tests.test_lineage import BATCHINGS, _conversation, _forget_cache, _write_batched
 
 REFERENCE_GROUP = "reference"
 
@@ -110,16 +110,10 @@ def _with_messages(record: CallRecord, messages: list[Any], **overrides: Any) ->
 # --- growing conversations ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("batching", ["one_batch", "a_batch_per_call", "a_batch_per_call_cold"])
+@pytest.mark.parametrize("batching", BATCHINGS)
 def test_a_growing_conversation_stores_only_the_new_messages(engine: Engine, batching: str) -> None:
     calls = _conversation()
-    if batching == "one_batch":
-        write_calls(engine, calls)
-    else:
-        for call in calls:
-            write_calls(engine, [call])
-            if batching.endswith("cold"):
-                _forget_cache(engine)
+    _write_batched(engine, calls, batching)
     # The tool-result turn breaks the token lineage (the template dropped the call) but its messages still extend.
     assert _layout(engine) == [(None, 0, 4), (1, 4, 2), (2, 6, 2), (3, 8, 2)]
     _assert_exact(engine, calls)
@@ -270,28 +264,8 @@ def test_old_rows_read_as_before_and_new_calls_compact_against_them(db_url: str)
     engine = db.make_engine(db_url)
     try:
         calls = _conversation()
-        with engine.begin() as conn:
-            tables = MetaData()
-            tables.reflect(conn, only=["runs", "groups", "trajectories", "calls"])  # as revision 0004 made them
-            created = store_records._call_row(calls[0], classify(calls[0].prompt_token_ids, None))["created_at"]
-            conn.execute(
-                tables.tables["runs"].insert(),
-                {"name": "run-a", "base_model": "base-model", "config": {}, "created_at": created, "updated_at": created},
-            )
-            conn.execute(
-                tables.tables["groups"].insert(),
-                {"group_id": "group-1", "run": "run-a", "mode": "train", "closed": False, "state": "open",
-                 "created_at": created},
-            )
-            conn.execute(
-                tables.tables["trajectories"].insert(),
-                {"trajectory_id": "traj-1", "run": "run-a", "group_id": "group-1", "mode": "train",
-                 "untrainable_calls": 0, "created_at": created},
-            )
-            for call in calls[:2]:
-                row = store_records._call_row(call, classify(call.prompt_token_ids, None))
-                del row["messages_parent_seq"], row["messages_prefix_len"]
-                conn.execute(tables.tables["calls"].insert(), row)
+        # Whole requests, as revision 0004 stored every call (its id lineage does not matter here).
+        insert_old_calls(engine, [store_records._call_row(c, classify(c.prompt_token_ids, None)) for c in calls[:2]])
         db.upgrade(db_url)
         _forget_cache(engine)
         write_calls(engine, calls[2:])

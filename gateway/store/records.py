@@ -483,44 +483,40 @@ def _with_messages(lineage: Lineage, own: bytes | None, predecessor: Predecessor
 def materialize_prompts(conn: Connection) -> int:
     """Give every compact call its full prompt back (parent_seq null, prefix_len 0); returns how many were
     rewritten. For a downgrade below revision 0004, which drops the columns that explain a compact prompt."""
-    trajectory_ids = conn.execute(
-        select(_calls.c.trajectory_id).where(_calls.c.parent_seq.is_not(None)).distinct()
-    ).scalars().all()
-    count = 0
-    for trajectory_id in trajectory_ids:
-        prompts = _rebuild(conn, trajectory_id, requests=False).prompts
-        compact = conn.execute(
-            select(_calls.c.seq, _calls.c.choice_index).where(
-                _calls.c.trajectory_id == trajectory_id, _calls.c.parent_seq.is_not(None)
-            )
-        ).all()
-        for row in compact:
-            conn.execute(
-                update(_calls)
-                .where(
-                    _calls.c.trajectory_id == trajectory_id,
-                    _calls.c.seq == row.seq,
-                    _calls.c.choice_index == row.choice_index,
-                )
-                .values(prompt_token_ids=encode_ids(prompts[(row.seq, row.choice_index)]), parent_seq=None, prefix_len=0)
-            )
-            count += 1
-    return count
+    return _materialize(
+        conn,
+        _calls.c.parent_seq,
+        False,
+        lambda rebuilt, key: {"prompt_token_ids": encode_ids(rebuilt.prompts[key]), "parent_seq": None, "prefix_len": 0},
+    )
 
 
 def materialize_requests(conn: Connection) -> int:
     """Give every call with compact messages its full request back (messages_parent_seq null, messages_prefix_len
     0); returns how many were rewritten. For a downgrade below revision 0005, which drops the columns that explain a
     compact request."""
-    trajectory_ids = conn.execute(
-        select(_calls.c.trajectory_id).where(_calls.c.messages_parent_seq.is_not(None)).distinct()
-    ).scalars().all()
+    return _materialize(
+        conn,
+        _calls.c.messages_parent_seq,
+        True,
+        lambda rebuilt, key: {"request": rebuilt.requests[key], "messages_parent_seq": None, "messages_prefix_len": 0},
+    )
+
+
+def _materialize(
+    conn: Connection,
+    parent: Any,
+    requests: bool,
+    values: Callable[[_Rebuilt, tuple[int, int]], dict[str, Any]],
+) -> int:
+    """Rewrite every row whose `parent` column is set with the `values` its rebuilt trajectory gives it."""
+    trajectory_ids = conn.execute(select(_calls.c.trajectory_id).where(parent.is_not(None)).distinct()).scalars().all()
     count = 0
     for trajectory_id in trajectory_ids:
-        requests = _rebuild(conn, trajectory_id).requests
+        rebuilt = _rebuild(conn, trajectory_id, requests=requests)
         compact = conn.execute(
             select(_calls.c.seq, _calls.c.choice_index).where(
-                _calls.c.trajectory_id == trajectory_id, _calls.c.messages_parent_seq.is_not(None)
+                _calls.c.trajectory_id == trajectory_id, parent.is_not(None)
             )
         ).all()
         for row in compact:
@@ -531,9 +527,7 @@ def materialize_requests(conn: Connection) -> int:
                     _calls.c.seq == row.seq,
                     _calls.c.choice_index == row.choice_index,
                 )
-                .values(
-                    request=requests[(row.seq, row.choice_index)], messages_parent_seq=None, messages_prefix_len=0
-                )
+                .values(**values(rebuilt, (row.seq, row.choice_index)))
             )
             count += 1
     return count
