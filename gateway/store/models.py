@@ -161,6 +161,10 @@ class Call(Base):
     # the next call finds this one; and why the call started a new token sequence (null when it continued one).
     history_key: Mapped[str | None] = mapped_column(String(64))
     segment_reason: Mapped[str | None] = mapped_column(String(32))
+    # The same for the request's chat messages (gateway.store.messages): `request` holds only the messages past the
+    # first messages_prefix_len, which are the leading messages of choice 0's full request at messages_parent_seq.
+    messages_parent_seq: Mapped[int | None] = mapped_column(BigInteger)
+    messages_prefix_len: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     __table_args__ = (
         UniqueConstraint("trajectory_id", "seq", "choice_index"),

@@ -13,6 +13,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from functools import cache
 from typing import Any, NamedTuple, cast
@@ -24,6 +25,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
 from gateway.store.lineage import Lineage, Predecessor, Rebuilder, classify
+from gateway.store.messages import compact_request, keeps_key_order, message_digests, shared_messages
 from gateway.store.models import Call, Group, Run, Trajectory
 
 _runs = cast(Table, Run.__table__)
@@ -118,8 +120,8 @@ def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
         "policy_version": record.policy_version,
         "endpoint": record.endpoint,
         "stream": record.stream,
-        "request": record.request,
-        "response": record.response,
+        "request": compact_request(record.request, lineage.messages_prefix_len),
+        "response": _own_choice(record.response, record.choice_index),
         "prompt_token_ids": encode_ids(prompt[lineage.prefix_len :] if prompt is not None else None),
         "completion_token_ids": encode_ids(record.completion_token_ids),
         "completion_logprobs": encode_logprobs(record.completion_logprobs),
@@ -140,6 +142,8 @@ def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
         "prefix_len": lineage.prefix_len,
         "history_key": record.history_key,
         "segment_reason": record.segment_reason,
+        "messages_parent_seq": lineage.messages_parent_seq,
+        "messages_prefix_len": lineage.messages_prefix_len,
     }
 
 
@@ -207,7 +211,8 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
                 .with_for_update()
             )
         # Unprepared: their IN lists vary in length, so each size would be a prepared statement of its own.
-        calls, lineages = _lineages(conn, calls)
+        digests: dict[str, bytes | None] = {}
+        calls, lineages = _lineages(conn, calls, digests)
         with _prepared(conn):
             if calls:
                 conn.execute(
@@ -218,7 +223,19 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
     cache = _cache_for(engine)
     for record in calls:
         if record.choice_index == 0:
-            cache.remember(record.trajectory_id, _predecessor_of(record), record.id)
+            cache.remember(record.trajectory_id, _predecessor_of(record, digests[record.id]), record.id)
+
+
+def _own_choice(response: dict[str, Any] | None, choice_index: int) -> dict[str, Any] | None:
+    """The response as one choice's row stores it: with only that choice. Every choice of an `n > 1` call has a row
+    of its own, and each row holding all n choices made a call's stored response grow with the square of n; every
+    reader takes a row's answer from its own choice. A response whose choices are not all indexed is kept whole."""
+    choices = (response or {}).get("choices")
+    if response is None or not isinstance(choices, list) or len(choices) < 2:
+        return response
+    if not all(isinstance(c, dict) and isinstance(c.get("index"), int) for c in choices):
+        return response
+    return {**response, "choices": [c for c in choices if c["index"] == choice_index]}
 
 
 def _answered_tool_call(response: dict[str, Any] | None, choice_index: int) -> bool:
@@ -228,12 +245,13 @@ def _answered_tool_call(response: dict[str, Any] | None, choice_index: int) -> b
     return False
 
 
-def _predecessor_of(record: CallRecord) -> Predecessor:
+def _predecessor_of(record: CallRecord, messages: bytes | None) -> Predecessor:
     return Predecessor(
         record.seq,
         record.prompt_token_ids,
         record.completion_token_ids,
         _answered_tool_call(record.response, record.choice_index),
+        messages,
     )
 
 
@@ -243,10 +261,12 @@ class _Entry(NamedTuple):
     prompt: bytes | None  # packed like the columns: 4 bytes a token, not ~36 as a list of ints
     completion: bytes | None
     tool_call: bool
+    messages: bytes | None  # digests of the request's messages, not the messages
 
 
 class _LineageCache:
-    """The newest choice-0 call written per trajectory by this process, with its full ids, so that the next call
+    """The newest choice-0 call written per trajectory by this process, with its full ids and its messages' digests,
+    so that the next call
     of a trajectory usually finds its predecessor here instead of rebuilding it from the database. An entry is used
     only when the database still holds that very call (same id) at the predecessor's seq. Bounded by the bytes of
     ids it holds; the least recently written trajectories go first."""
@@ -262,7 +282,9 @@ class _LineageCache:
             entry = self._entries.get(trajectory_id)
         if entry is None or entry.call_id != call_id or entry.seq != seq:
             return None
-        return Predecessor(seq, decode_ids(entry.prompt), decode_ids(entry.completion), entry.tool_call)
+        return Predecessor(
+            seq, decode_ids(entry.prompt), decode_ids(entry.completion), entry.tool_call, entry.messages
+        )
 
     def remember(self, trajectory_id: str, predecessor: Predecessor, call_id: str) -> None:
         entry = _Entry(
@@ -271,6 +293,7 @@ class _LineageCache:
             encode_ids(predecessor.prompt_ids),
             encode_ids(predecessor.completion_ids),
             predecessor.tool_call,
+            predecessor.messages,
         )
         with self._lock:
             current = self._entries.get(trajectory_id)
@@ -287,7 +310,7 @@ class _LineageCache:
 
 
 def _size(entry: _Entry) -> int:
-    return len(entry.prompt or b"") + len(entry.completion or b"")
+    return len(entry.prompt or b"") + len(entry.completion or b"") + len(entry.messages or b"")
 
 
 _caches: weakref.WeakKeyDictionary[Engine, _LineageCache] = weakref.WeakKeyDictionary()
@@ -306,25 +329,32 @@ def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-def rebuild_prompts(
-    conn: Connection, trajectory_id: str
-) -> tuple[dict[tuple[int, int], list[int] | None], Rebuilder]:
-    """Every stored call of the trajectory with its full prompt ids, keyed by (seq, choice_index)."""
+class RebuiltCalls(NamedTuple):
+    prompts: dict[tuple[int, int], list[int] | None]
+    requests: dict[tuple[int, int], dict[str, Any] | None]
+    rebuilder: Rebuilder
+
+
+def rebuild_calls(conn: Connection, trajectory_id: str, requests: bool = True) -> RebuiltCalls:
+    """Every stored call of the trajectory with its full prompt ids and (unless `requests` is false: the schema
+    below revision 0006 has no message columns) its full request, keyed by (seq, choice_index)."""
+    columns = [
+        _calls.c.seq,
+        _calls.c.choice_index,
+        _calls.c.prompt_token_ids,
+        _calls.c.completion_token_ids,
+        _calls.c.parent_seq,
+        _calls.c.prefix_len,
+    ]
+    if requests:
+        columns += [_calls.c.request, _calls.c.messages_parent_seq, _calls.c.messages_prefix_len]
     rows = conn.execute(
-        select(
-            _calls.c.seq,
-            _calls.c.choice_index,
-            _calls.c.prompt_token_ids,
-            _calls.c.completion_token_ids,
-            _calls.c.parent_seq,
-            _calls.c.prefix_len,
-        )
-        .where(_calls.c.trajectory_id == trajectory_id)
-        .order_by(_calls.c.seq, _calls.c.choice_index)
+        select(*columns).where(_calls.c.trajectory_id == trajectory_id).order_by(_calls.c.seq, _calls.c.choice_index)
     ).all()
-    rebuilder = Rebuilder()
-    prompts = {
-        (row.seq, row.choice_index): rebuilder.prompt(
+    rebuilt = RebuiltCalls({}, {}, Rebuilder())
+    for row in rows:
+        key = (row.seq, row.choice_index)
+        rebuilt.prompts[key] = rebuilt.rebuilder.prompt(
             row.seq,
             row.choice_index,
             decode_ids(row.prompt_token_ids),
@@ -332,19 +362,25 @@ def rebuild_prompts(
             row.parent_seq,
             row.prefix_len,
         )
-        for row in rows
-    }
-    return prompts, rebuilder
+        if requests:
+            rebuilt.requests[key] = rebuilt.rebuilder.request(
+                row.seq, row.choice_index, row.request, row.messages_parent_seq, row.messages_prefix_len
+            )
+    return rebuilt
 
 
-def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecord], list[Lineage]]:
-    """Each record's merge diagnostics and storage prefix against its predecessor, in the same transaction.
+def _lineages(
+    conn: Connection, calls: list[CallRecord], digests: dict[str, bytes | None]
+) -> tuple[list[CallRecord], list[Lineage]]:
+    """Each record's merge diagnostics and storage prefixes (ids and messages) against its predecessor, in the same
+    transaction; `digests` gets each kept record's message digests, by record id.
 
     Records older than the attempt already stored at their key are dropped (the upsert would skip them anyway). A
     record that replaces a stored choice-0 call with different content would leave that call's compact children
-    pointing at ids that no longer exist, so those children get their full prompt back first.
+    pointing at ids or messages that no longer exist, so those children get their full prompt and request back first.
     """
     cache = _cache_for(conn.engine)
+    ordered = keeps_key_order(conn.dialect.name)
     trajectory_ids = sorted({record.trajectory_id for record in calls})
     stored: dict[str, dict[tuple[int, int], Any]] = {t: {} for t in trajectory_ids}
     for row in conn.execute(
@@ -355,6 +391,7 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
             _calls.c.id,
             _calls.c.created_at,
             _calls.c.parent_seq,
+            _calls.c.messages_parent_seq,
         ).where(_calls.c.trajectory_id.in_(trajectory_ids))
     ):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
@@ -364,6 +401,7 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
         row = stored[record.trajectory_id].get((record.seq, record.choice_index))
         if row is None or _aware(row.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
             kept.append(record)
+            digests[record.id] = message_digests(record.request, ordered)
 
     lineages: list[Lineage] = []
     for trajectory_id in trajectory_ids:
@@ -374,20 +412,29 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
         }
         incoming = {(r.seq, r.choice_index) for r in records}
         orphans = [
-            key for key, row in rows.items() if row.parent_seq in replaced and key not in incoming
+            key
+            for key, row in rows.items()
+            if (row.parent_seq in replaced or row.messages_parent_seq in replaced) and key not in incoming
         ]
-        rebuilt: tuple[dict[tuple[int, int], list[int] | None], Rebuilder] | None = None
+        rebuilt: RebuiltCalls | None = None
         if orphans:
-            rebuilt = rebuild_prompts(conn, trajectory_id)
-            for seq, choice_index in orphans:
+            rebuilt = rebuild_calls(conn, trajectory_id)
+            for key in orphans:
                 conn.execute(
                     update(_calls)
                     .where(
                         _calls.c.trajectory_id == trajectory_id,
-                        _calls.c.seq == seq,
-                        _calls.c.choice_index == choice_index,
+                        _calls.c.seq == key[0],
+                        _calls.c.choice_index == key[1],
                     )
-                    .values(prompt_token_ids=encode_ids(rebuilt[0][(seq, choice_index)]), parent_seq=None, prefix_len=0)
+                    .values(
+                        prompt_token_ids=encode_ids(rebuilt.prompts[key]),
+                        parent_seq=None,
+                        prefix_len=0,
+                        request=rebuilt.requests[key],
+                        messages_parent_seq=None,
+                        messages_prefix_len=0,
+                    )
                 )
         # After this batch, choice 0 at each seq is the incoming record if any, else the stored row.
         in_batch = {r.seq: r for r in records if r.choice_index == 0}
@@ -398,15 +445,15 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
             if earlier:
                 seq = earlier[-1]
                 if seq in in_batch:
-                    predecessor = _predecessor_of(in_batch[seq])
+                    predecessor = _predecessor_of(in_batch[seq], digests[in_batch[seq].id])
                 else:
                     row = rows[(seq, 0)]
                     predecessor = cache.get(trajectory_id, seq, row.id)
                     if predecessor is None:
                         if rebuilt is None:
-                            rebuilt = rebuild_prompts(conn, trajectory_id)
-                        tokens = rebuilt[1].tokens(seq)
-                        prompt = rebuilt[0].get((seq, 0))
+                            rebuilt = rebuild_calls(conn, trajectory_id)
+                        tokens = rebuilt.rebuilder.tokens(seq)
+                        prompt = rebuilt.prompts.get((seq, 0))
                         response = conn.execute(
                             select(_calls.c.response).where(
                                 _calls.c.trajectory_id == trajectory_id, _calls.c.seq == seq, _calls.c.choice_index == 0
@@ -417,24 +464,61 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
                             prompt,
                             None if tokens is None or prompt is None else tokens[len(prompt) :],
                             _answered_tool_call(response, 0),
+                            message_digests(rebuilt.requests.get((seq, 0)), ordered),
                         )
-            lineages.append(classify(record.prompt_token_ids, predecessor))
+            lineage = classify(record.prompt_token_ids, predecessor)
+            lineages.append(_with_messages(lineage, digests[record.id], predecessor))
     ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
     return ordered, lineages
+
+
+def _with_messages(lineage: Lineage, own: bytes | None, predecessor: Predecessor | None) -> Lineage:
+    """The lineage with the messages' storage prefix: the leading messages shared with the predecessor's request."""
+    if predecessor is None:
+        return lineage
+    shared = shared_messages(own, predecessor.messages)
+    if not shared:
+        return lineage
+    return replace(lineage, messages_parent_seq=predecessor.seq, messages_prefix_len=shared)
 
 
 def materialize_prompts(conn: Connection) -> int:
     """Give every compact call its full prompt back (parent_seq null, prefix_len 0); returns how many were
     rewritten. For a downgrade below revision 0004, which drops the columns that explain a compact prompt."""
-    trajectory_ids = conn.execute(
-        select(_calls.c.trajectory_id).where(_calls.c.parent_seq.is_not(None)).distinct()
-    ).scalars().all()
+    return _materialize(
+        conn,
+        _calls.c.parent_seq,
+        False,
+        lambda rebuilt, key: {"prompt_token_ids": encode_ids(rebuilt.prompts[key]), "parent_seq": None, "prefix_len": 0},
+    )
+
+
+def materialize_requests(conn: Connection) -> int:
+    """Give every call with compact messages its full request back (messages_parent_seq null, messages_prefix_len
+    0); returns how many were rewritten. For a downgrade below revision 0006, which drops the columns that explain a
+    compact request."""
+    return _materialize(
+        conn,
+        _calls.c.messages_parent_seq,
+        True,
+        lambda rebuilt, key: {"request": rebuilt.requests[key], "messages_parent_seq": None, "messages_prefix_len": 0},
+    )
+
+
+def _materialize(
+    conn: Connection,
+    parent: Any,
+    requests: bool,
+    values: Callable[[RebuiltCalls, tuple[int, int]], dict[str, Any]],
+) -> int:
+    """Rewrite every row whose `parent` column is set with the `values` its rebuilt trajectory gives it."""
+    trajectory_ids = conn.execute(select(_calls.c.trajectory_id).where(parent.is_not(None)).distinct()).scalars().all()
     count = 0
     for trajectory_id in trajectory_ids:
-        prompts, _ = rebuild_prompts(conn, trajectory_id)
+        rebuilt = rebuild_calls(conn, trajectory_id, requests=requests)
         compact = conn.execute(
             select(_calls.c.seq, _calls.c.choice_index).where(
-                _calls.c.trajectory_id == trajectory_id, _calls.c.parent_seq.is_not(None)
+                _calls.c.trajectory_id == trajectory_id, parent.is_not(None)
             )
         ).all()
         for row in compact:
@@ -445,7 +529,7 @@ def materialize_prompts(conn: Connection) -> int:
                     _calls.c.seq == row.seq,
                     _calls.c.choice_index == row.choice_index,
                 )
-                .values(prompt_token_ids=encode_ids(prompts[(row.seq, row.choice_index)]), parent_seq=None, prefix_len=0)
+                .values(**values(rebuilt, (row.seq, row.choice_index)))
             )
             count += 1
     return count

@@ -16,7 +16,7 @@ from sqlalchemy import Engine, select
 
 from gateway.store.arrays import decode_ids
 from gateway.store.models import Call
-from gateway.store.records import rebuild_prompts
+from gateway.store.records import rebuild_calls
 
 
 class RecordedTurn(NamedTuple):
@@ -53,7 +53,7 @@ def recorded_turns(engine: Engine, trajectory_id: str, keys: Sequence[str]) -> t
         ).all()
         if not rows:
             return {}, True
-        prompts, _ = rebuild_prompts(conn, trajectory_id)
+        prompts = rebuild_calls(conn, trajectory_id, requests=False).prompts
     found: dict[str, RecordedTurn] = {}
     for row in rows:
         prompt = prompts.get((row.seq, row.choice_index))
