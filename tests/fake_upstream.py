@@ -48,7 +48,7 @@ class FakeUpstream:
     def __init__(self, fixtures: dict[str, dict[str, Any]] | None = None, chunk_delay_s: float = 0.0) -> None:
         self.fixtures = fixtures if fixtures is not None else load_fixtures()
         self.chunk_delay_s = chunk_delay_s
-        self.mode = "replay"  # replay | error500 | hang | cut_stream | slow_stream
+        self.mode = "replay"  # replay | error500 | fail_once (one 500, then replay) | hang | cut_stream | slow_stream
         self.received: list[dict[str, Any]] = []
         self.cancelled_streams = 0
         self.port = 0
@@ -82,7 +82,9 @@ class FakeUpstream:
         except ValueError:
             return web.json_response({"error": {"message": "bad json", "type": "BadRequestError", "code": 400}}, status=400)
         self.received.append(body)
-        if self.mode == "error500":
+        if self.mode in ("error500", "fail_once"):
+            if self.mode == "fail_once":
+                self.mode = "replay"
             return web.json_response(
                 {"error": {"message": "EngineCore died", "type": "InternalServerError", "param": None, "code": 500}},
                 status=500,
