@@ -381,7 +381,10 @@ def _lineages(
     ):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
 
-    settlements = {t: _settle(t, stored[t], calls, hashes) for t in trajectory_ids}
+    by_trajectory: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
+    for record in calls:
+        by_trajectory[record.trajectory_id].append(record)
+    settlements = {t: _settle(stored[t], by_trajectory[t], hashes) for t in trajectory_ids}
     firsts = {(t, seq): first for t, settlement in settlements.items() for seq, first in settlement.first.items()}
     kept: list[CallRecord] = []
     for record in calls:
@@ -456,10 +459,8 @@ def _lineages(
     return ordered, lineages, firsts
 
 
-def _settle(
-    trajectory_id: str, rows: dict[tuple[int, int], Any], calls: list[CallRecord], hashes: dict[_Seq, bytes | None]
-) -> Settlement:
-    """One trajectory's incoming attempts folded into its stored calls; each seq is seen through its newest row."""
+def _settle(rows: dict[tuple[int, int], Any], calls: list[CallRecord], hashes: dict[_Seq, bytes | None]) -> Settlement:
+    """One trajectory's incoming records folded into its stored calls; each seq is seen through its newest row."""
     stored: dict[int, Attempt] = {}
     for (seq, _), row in sorted(rows.items(), key=lambda item: _aware(item[1].created_at)):
         first = None if row.first_seq is None else (row.first_seq, row.first_retry_count)
@@ -467,11 +468,10 @@ def _settle(
         stored[seq] = _attempt(seq, row.request_hash, row.retry_count, created_at, row.idempotency_key, first)
     incoming: dict[int, Attempt] = {}
     for record in calls:
-        if record.trajectory_id == trajectory_id:
-            hash_ = hashes[(trajectory_id, record.seq)]
-            attempt = _attempt(record.seq, hash_, record.retry_count, record.created_at, record.idempotency_key, None)
-            if record.seq not in incoming or attempt.created_at > incoming[record.seq].created_at:
-                incoming[record.seq] = attempt
+        hash_ = hashes[(record.trajectory_id, record.seq)]
+        attempt = _attempt(record.seq, hash_, record.retry_count, record.created_at, record.idempotency_key, None)
+        if record.seq not in incoming or attempt.created_at > incoming[record.seq].created_at:
+            incoming[record.seq] = attempt
     return settle(stored.values(), incoming.values())
 
 
