@@ -8,6 +8,7 @@ trajectory; a repeated `Idempotency-Key` is the same call; anything else is a ne
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 from sqlalchemy import Engine, select, update
 
 from gateway.records import CallRecord
+from gateway.store import db
 from gateway.store.models import Call
 from gateway.store.records import write_calls
 from tests.factories import make_record
@@ -149,6 +151,30 @@ def test_a_retry_that_supersedes_a_parent_keeps_its_children_readable(engine: En
     write_calls(engine, [retry])
     calls = stored_calls(db_url, "traj-1")
     assert [(c["id"], c["prompt_token_ids"]) for c in calls] == [(child.id, [1, 2, 3, 4, 5, 6]), (retry.id, [1, 2, 3])]
+
+
+def test_two_writers_racing_on_one_trajectory_leave_one_row_per_call(db_url: str, engine: Engine) -> None:
+    """Two gateway processes' writers, one holding each call's first attempt and the other its retry, committing at
+    the same time: the store's per-trajectory lock makes each see the other's rows, so no call is left twice."""
+    firsts = [_attempt(10 * n, f"q{n}") for n in range(20)]
+    retries = [_attempt(10 * n + 5, f"q{n}", retry_count=1) for n in range(20)]
+    other = db.make_engine(db_url)
+    together = threading.Barrier(2, timeout=30)
+
+    def write_each(writer: Engine, records: list[CallRecord]) -> None:
+        for record in records:
+            together.wait()  # both attempts of a call go in at the same moment
+            write_calls(writer, [record])
+
+    try:
+        threads = [threading.Thread(target=write_each, args=pair) for pair in ((engine, firsts), (other, retries))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        other.dispose()
+    assert _rows(engine) == [(r.seq, 0, r.id) for r in retries]
 
 
 def _renamed(record: CallRecord, trajectory_id: str) -> CallRecord:

@@ -211,7 +211,8 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
             )
         if conn.dialect.name == "postgresql":
             # One writer at a time per trajectory, so two gateways never derive a call's stored prefix from a
-            # predecessor the other is replacing. The untrainable update below locks these rows anyway.
+            # predecessor the other is replacing, and each settles retries against the other's committed attempts
+            # (gateway.store.attempts). The untrainable update below locks these rows anyway.
             conn.execute(
                 select(_trajectories.c.trajectory_id)
                 .where(_trajectories.c.trajectory_id.in_(sorted(trajectories)))
