@@ -16,8 +16,11 @@ reach the database in any order (the spool replays late). So the rule is a funct
 
 Processing attempts in seq order gives the canonical result; an attempt arriving out of order joins the call it
 would have joined in order, so the final rows do not depend on arrival order (tests/test_retries.py checks every
-order of each scenario). Identical parallel requests retried are the one ambiguity no rule can resolve from content
-alone; they still end as the right number of turns.
+order of each scenario; tests/test_attempts.py generated ones). Identical requests of one trajectory in flight at
+once are the ambiguity content cannot resolve: a retry may be paired with the other identical call (same body, so
+only which seq holds which answer differs); a retry whose first attempt was lost looks exactly like a retry of an
+earlier identical call and replaces it; and when such retries also reach the database out of order, a call can be
+left as two rows. An Idempotency-Key per call removes the ambiguity.
 """
 
 from __future__ import annotations
