@@ -27,7 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.records import CallRecord
 from gateway.routing import PolicyRouter, Route
 from gateway.token_in import TokenIn
-from gateway.turns import TurnCounter
+from gateway.turns import SeqClock
 from gateway.writer import RecordWriter
 
 log = logging.getLogger("trajgate.proxy")
@@ -84,7 +84,7 @@ class Proxy:
         self.router = router
         self.writer = writer
         self.metrics = metrics
-        self.turns = TurnCounter()
+        self.seq_clock = SeqClock()
         self.upstream_headers = {"content-type": "application/json"}
         if upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
@@ -155,7 +155,7 @@ class Proxy:
             request=request,
             attribution=attribution,
             route=route,
-            seq=self.turns.assign(attribution.trajectory_id, retry_count > 0, idempotency_key),
+            seq=self.seq_clock.next(),
             retry_count=retry_count,
             idempotency_key=idempotency_key,
             stream=capture.vllm_bool(request.get("stream")),

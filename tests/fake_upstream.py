@@ -77,7 +77,7 @@ class FakeUpstream:
         self.recorded: list[dict[str, Any]] = []
         self.lockstep = True
         self._derenders = 0
-        self.mode = "replay"  # replay | error500 | hang | cut_stream | slow_stream | forbidden
+        self.mode = "replay"  # replay | error500 | fail_once (one 500, then replay) | hang | cut_stream | slow_stream | forbidden
         self.received: list[dict[str, Any]] = []
         self.cancelled_streams = 0
         self.port = 0
@@ -111,7 +111,9 @@ class FakeUpstream:
         except ValueError:
             return web.json_response({"error": {"message": "bad json", "type": "BadRequestError", "code": 400}}, status=400)
         self.received.append(body)
-        if self.mode == "error500":
+        if self.mode in ("error500", "fail_once"):
+            if self.mode == "fail_once":
+                self.mode = "replay"
             return web.json_response(
                 {"error": {"message": "EngineCore died", "type": "InternalServerError", "param": None, "code": 500}},
                 status=500,

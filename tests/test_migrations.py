@@ -14,7 +14,7 @@ from gateway.store import db
 from gateway.store.models import Base
 
 TABLES = {"runs", "policy_versions", "groups", "trajectories", "calls", "train_steps", "trainer_leases"}
-HEAD = "0006"
+HEAD = "0007"
 
 
 def _tables(url: str) -> set[str]:

@@ -1,9 +1,11 @@
 """Persisting captured calls: the one statement path every record takes into the database.
 
 Writes are upserts so the same record can arrive more than once (spool replay after a crash between commit and
-delete, a batch re-spooled after a partial failure) and still leave exactly one row, and so a client's retry of a
-call (same trajectory and seq) replaces the attempt it retried. The newest attempt (by created_at) wins whatever
-order they arrive in, because a record that spilled to the spool can reach the database after its retry.
+delete, a batch re-spooled after a partial failure) and still leave exactly one row. A client's retry of a call
+replaces the attempt it retried: which stored rows an incoming attempt belongs with is decided here, in the writer's
+transaction, by content (gateway.store.attempts), so it does not matter which gateway process saw which attempt. The
+newest attempt (by created_at) wins whatever order they arrive in, because a record that spilled to the spool can
+reach the database after its retry.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from datetime import UTC, datetime
 from functools import cache
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Connection, Engine, Executable, Table, bindparam, func, select, text, update
+from sqlalchemy import Connection, Engine, Executable, Table, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
+from gateway.store.attempts import Attempt, Settlement, request_hash, settle
 from gateway.store.lineage import Lineage, Predecessor, Rebuilder, classify
 from gateway.store.messages import compact_request, keeps_key_order, message_digests, shared_messages
 from gateway.store.models import Call, Group, Run, Trajectory
@@ -33,6 +36,7 @@ _groups = cast(Table, Group.__table__)
 _trajectories = cast(Table, Trajectory.__table__)
 _calls = cast(Table, Call.__table__)
 _CALL_KEY = ("trajectory_id", "seq", "choice_index")
+_Seq = tuple[str, int]  # (trajectory_id, seq): one attempt of a call, all its choices
 
 
 class _Statements(NamedTuple):
@@ -109,8 +113,11 @@ def _statements(dialect: str) -> _Statements:
     )
 
 
-def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
+def _call_row(
+    record: CallRecord, lineage: Lineage, hash_: bytes | None = None, first: tuple[int, int] | None = None
+) -> dict[str, Any]:
     prompt = record.prompt_token_ids
+    first_seq, first_retry_count = first if first is not None else (record.seq, record.retry_count)
     return {
         "id": record.id,
         "trajectory_id": record.trajectory_id,
@@ -144,6 +151,9 @@ def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
         "segment_reason": record.segment_reason,
         "messages_parent_seq": lineage.messages_parent_seq,
         "messages_prefix_len": lineage.messages_prefix_len,
+        "request_hash": hash_,
+        "first_seq": first_seq,
+        "first_retry_count": first_retry_count,
     }
 
 
@@ -164,6 +174,10 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
         if key not in latest or record.created_at >= latest[key].created_at:
             latest[key] = record
     calls = [latest[key] for key in sorted(latest)]
+    hashes: dict[_Seq, bytes | None] = {}
+    for record in calls:
+        if (record.trajectory_id, record.seq) not in hashes:
+            hashes[(record.trajectory_id, record.seq)] = request_hash(record)
 
     runs: dict[str, dict[str, Any]] = {}
     groups: dict[str, dict[str, Any]] = {}
@@ -203,7 +217,8 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
             )
         if conn.dialect.name == "postgresql":
             # One writer at a time per trajectory, so two gateways never derive a call's stored prefix from a
-            # predecessor the other is replacing. The untrainable update below locks these rows anyway.
+            # predecessor the other is replacing, and each settles retries against the other's committed attempts
+            # (gateway.store.attempts). The untrainable update below locks these rows anyway.
             conn.execute(
                 select(_trajectories.c.trajectory_id)
                 .where(_trajectories.c.trajectory_id.in_(sorted(trajectories)))
@@ -212,12 +227,14 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
             )
         # Unprepared: their IN lists vary in length, so each size would be a prepared statement of its own.
         digests: dict[str, bytes | None] = {}
-        calls, lineages = _lineages(conn, calls, digests)
+        calls, lineages, firsts = _lineages(conn, calls, hashes, digests)
         with _prepared(conn):
             if calls:
-                conn.execute(
-                    statements.calls, [_call_row(record, lineage) for record, lineage in zip(calls, lineages)]
-                )
+                rows = []
+                for record, lineage in zip(calls, lineages):
+                    key = (record.trajectory_id, record.seq)
+                    rows.append(_call_row(record, lineage, hashes[key], firsts[key]))
+                conn.execute(statements.calls, rows)
         conn.execute(statements.reopen, {"group_ids": sorted(groups)})
         conn.execute(statements.untrainable, {"ids": sorted(trajectories)})
     cache = _cache_for(engine)
@@ -370,17 +387,20 @@ def rebuild_calls(conn: Connection, trajectory_id: str, requests: bool = True) -
 
 
 def _lineages(
-    conn: Connection, calls: list[CallRecord], digests: dict[str, bytes | None]
-) -> tuple[list[CallRecord], list[Lineage]]:
+    conn: Connection, calls: list[CallRecord], hashes: dict[_Seq, bytes | None], digests: dict[str, bytes | None]
+) -> tuple[list[CallRecord], list[Lineage], dict[_Seq, tuple[int, int]]]:
     """Each record's merge diagnostics and storage prefixes (ids and messages) against its predecessor, in the same
-    transaction; `digests` gets each kept record's message digests, by record id.
+    transaction, and the earliest attempt (first_seq, first_retry_count) each written row stands for; `digests` gets
+    each kept record's message digests, by record id.
 
-    Records older than the attempt already stored at their key are dropped (the upsert would skip them anyway). A
-    record that replaces a stored choice-0 call with different content would leave that call's compact children
-    pointing at ids or messages that no longer exist, so those children get their full prompt and request back first.
+    Attempts are first settled into calls (gateway.store.attempts): an attempt older than its call's newest is not
+    written, and a stored row whose call now has a newer attempt elsewhere is deleted. Records older than the attempt
+    already stored at their key are dropped (the upsert would skip them anyway). A record that replaces or deletes a
+    stored choice-0 call would leave that call's compact children pointing at ids or messages that no longer exist,
+    so those children get their full prompt and request back first.
     """
     cache = _cache_for(conn.engine)
-    ordered = keeps_key_order(conn.dialect.name)
+    key_order = keeps_key_order(conn.dialect.name)
     trajectory_ids = sorted({record.trajectory_id for record in calls})
     stored: dict[str, dict[tuple[int, int], Any]] = {t: {} for t in trajectory_ids}
     for row in conn.execute(
@@ -392,29 +412,44 @@ def _lineages(
             _calls.c.created_at,
             _calls.c.parent_seq,
             _calls.c.messages_parent_seq,
+            _calls.c.retry_count,
+            _calls.c.idempotency_key,
+            _calls.c.request_hash,
+            _calls.c.first_seq,
+            _calls.c.first_retry_count,
         ).where(_calls.c.trajectory_id.in_(trajectory_ids))
     ):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
 
+    by_trajectory: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
+    for record in calls:
+        by_trajectory[record.trajectory_id].append(record)
+    settlements = {t: _settle(stored[t], by_trajectory[t], hashes) for t in trajectory_ids}
+    firsts = {(t, seq): first for t, settlement in settlements.items() for seq, first in settlement.first.items()}
     kept: list[CallRecord] = []
     for record in calls:
+        if record.seq in settlements[record.trajectory_id].dropped:
+            continue
         row = stored[record.trajectory_id].get((record.seq, record.choice_index))
         if row is None or _aware(row.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
             kept.append(record)
-            digests[record.id] = message_digests(record.request, ordered)
+            digests[record.id] = message_digests(record.request, key_order)
 
     lineages: list[Lineage] = []
     for trajectory_id in trajectory_ids:
         records = [r for r in kept if r.trajectory_id == trajectory_id]
+        removed = settlements[trajectory_id].removed
         rows = stored[trajectory_id]
-        replaced = {
+        replaced = removed | {
             r.seq for r in records if r.choice_index == 0 and (r.seq, 0) in rows and rows[(r.seq, 0)].id != r.id
         }
         incoming = {(r.seq, r.choice_index) for r in records}
         orphans = [
             key
             for key, row in rows.items()
-            if (row.parent_seq in replaced or row.messages_parent_seq in replaced) and key not in incoming
+            if (row.parent_seq in replaced or row.messages_parent_seq in replaced)
+            and key not in incoming
+            and key[0] not in removed
         ]
         rebuilt: RebuiltCalls | None = None
         if orphans:
@@ -436,6 +471,10 @@ def _lineages(
                         messages_prefix_len=0,
                     )
                 )
+        if removed:
+            conn.execute(delete(_calls).where(_calls.c.trajectory_id == trajectory_id, _calls.c.seq.in_(removed)))
+            rows = {key: row for key, row in rows.items() if key[0] not in removed}
+        _update_firsts(conn, trajectory_id, rows, settlements[trajectory_id])
         # After this batch, choice 0 at each seq is the incoming record if any, else the stored row.
         in_batch = {r.seq: r for r in records if r.choice_index == 0}
         choice0 = sorted({seq for seq, choice in rows if choice == 0} | set(in_batch))
@@ -464,12 +503,55 @@ def _lineages(
                             prompt,
                             None if tokens is None or prompt is None else tokens[len(prompt) :],
                             _answered_tool_call(response, 0),
-                            message_digests(rebuilt.requests.get((seq, 0)), ordered),
+                            message_digests(rebuilt.requests.get((seq, 0)), key_order),
                         )
             lineage = classify(record.prompt_token_ids, predecessor)
             lineages.append(_with_messages(lineage, digests[record.id], predecessor))
     ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
-    return ordered, lineages
+    return ordered, lineages, firsts
+
+
+def _settle(rows: dict[tuple[int, int], Any], calls: list[CallRecord], hashes: dict[_Seq, bytes | None]) -> Settlement:
+    """One trajectory's incoming records folded into its stored calls; each seq is seen through its newest row."""
+    stored: dict[int, Attempt] = {}
+    for (seq, _), row in sorted(rows.items(), key=lambda item: _aware(item[1].created_at)):
+        first = None if row.first_seq is None else (row.first_seq, row.first_retry_count)
+        created_at = _aware(row.created_at).timestamp()
+        stored[seq] = _attempt(seq, row.request_hash, row.retry_count, created_at, row.idempotency_key, first)
+    incoming: dict[int, Attempt] = {}
+    for record in calls:
+        hash_ = hashes[(record.trajectory_id, record.seq)]
+        attempt = _attempt(record.seq, hash_, record.retry_count, record.created_at, record.idempotency_key, None)
+        if record.seq not in incoming or attempt.created_at > incoming[record.seq].created_at:
+            incoming[record.seq] = attempt
+    return settle(stored.values(), incoming.values())
+
+
+def _attempt(
+    seq: int, hash_: bytes | None, retry_count: int, created_at: float, key: str | None, first: tuple[int, int] | None
+) -> Attempt:
+    first_seq, first_retry_count = first if first is not None else (seq, retry_count)
+    # Rounded to the microsecond the timestamp columns keep, so a record and its own stored row compare equal.
+    return Attempt(seq, hash_, retry_count, round(created_at, 6), key is not None, first_seq, first_retry_count)
+
+
+def _update_firsts(
+    conn: Connection, trajectory_id: str, rows: dict[tuple[int, int], Any], settlement: Settlement
+) -> None:
+    """A stored call that an earlier attempt (arriving late) joined now stands for that attempt too."""
+    changed: set[int] = set()
+    for (seq, _), row in rows.items():
+        first = settlement.first.get(seq)
+        held = (row.first_seq, row.first_retry_count) if row.first_seq is not None else (seq, row.retry_count)
+        if first is not None and held != first:
+            changed.add(seq)
+    for seq in sorted(changed):
+        first_seq, first_retry_count = settlement.first[seq]
+        conn.execute(
+            update(_calls)
+            .where(_calls.c.trajectory_id == trajectory_id, _calls.c.seq == seq)
+            .values(first_seq=first_seq, first_retry_count=first_retry_count)
+        )
 
 
 def _with_messages(lineage: Lineage, own: bytes | None, predecessor: Predecessor | None) -> Lineage:
