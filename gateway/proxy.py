@@ -58,10 +58,11 @@ class Call:
     first_chunk: float | None = None
     finished: float = 0.0
     # token_in runs (gateway/token_in.py): the ids per choice when they don't come from the response itself, each
-    # choice's history key, and why the call started a new token segment.
+    # choice's history key, why the call started a new token segment, and the (seq, choice) its prompt continues.
     captured: list[capture.ChoiceCapture] | None = None
     history_keys: dict[int, str] = field(default_factory=dict)
     segment_reason: str | None = None
+    predecessor: tuple[int, int] | None = None
 
 
 class Proxy:
@@ -422,6 +423,8 @@ class Proxy:
                     created_at=call.created_at,
                     history_key=call.history_keys.get(choice.index),
                     segment_reason=call.segment_reason,
+                    predecessor_seq=call.predecessor[0] if call.predecessor else None,
+                    predecessor_choice=call.predecessor[1] if call.predecessor else None,
                 )
             )
 

@@ -161,6 +161,7 @@ class TurnState:
     """What a recorded choice leaves for the turn that continues it."""
 
     seq: int
+    choice_index: int
     prompt_ids: list[int]
     completion_ids: list[int]
     finish_reason: str | None
@@ -206,11 +207,13 @@ def _size(state: TurnState) -> int:
 
 @dataclass(slots=True)
 class Plan:
-    """The prompt a call is generated from, and why it starts a new segment (None: it continues a predecessor)."""
+    """The prompt a call is generated from, and why it starts a new segment (None: it continues `predecessor`, the
+    recorded (seq, choice) whose prompt + completion ids the prompt starts with)."""
 
     prompt: list[int]
     sampling_params: dict[str, Any]
     segment_reason: str | None
+    predecessor: tuple[int, int] | None = None
 
 
 class UpstreamFailure(Exception):
@@ -268,7 +271,7 @@ class TokenIn:
             for length in wanted:
                 turn = found.get(keys[length - 1])
                 if turn is not None:
-                    best = (TurnState(turn.seq, turn.prompt_ids, turn.completion_ids, turn.finish_reason), length)
+                    best = (TurnState(**turn._asdict()), length)
                     break
             if best is not None and best[1] == candidates[0]:
                 break
@@ -305,7 +308,8 @@ class TokenIn:
         bridge = bridge_ids(prefix["token_ids"], full["token_ids"], state.completion_ids, end_token)
         if bridge is None:
             return Plan(full["token_ids"], full["sampling_params"], TEMPLATE_UNSTABLE)
-        return Plan(state.prompt_ids + state.completion_ids + bridge, full["sampling_params"], None)
+        prompt = state.prompt_ids + state.completion_ids + bridge
+        return Plan(prompt, full["sampling_params"], None, (state.seq, state.choice_index))
 
     def _end_token(self, run: str, state: TurnState) -> int | None:
         if state.finish_reason in _ENDED and state.completion_ids:
@@ -363,6 +367,7 @@ class TokenIn:
         try:
             plan = await self.plan(call, render_body, keys)
             call.segment_reason = plan.segment_reason
+            call.predecessor = plan.predecessor
             sampling_params = {**plan.sampling_params, "logprobs": plan.sampling_params.get("logprobs") or 0}
             model = upstream_body["model"]
             generate_body = {"model": model, "token_ids": plan.prompt, "sampling_params": sampling_params}
@@ -431,7 +436,7 @@ class TokenIn:
                 key = extend_key(messages_key, message)
                 call.history_keys[index] = key
                 self.states.put(
-                    call.attribution.trajectory_id, key, TurnState(call.seq, prompt, ids, finish_reason)
+                    call.attribution.trajectory_id, key, TurnState(call.seq, index, prompt, ids, finish_reason)
                 )
         call.captured = captured
         self.proxy.submit(call, response)
