@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -151,8 +152,7 @@ def test_n_choices_become_separate_rows_and_a_later_call_continues_the_one_it_ex
 
 def _extending(c: CallData) -> CallData:
     """The call as a token_in gateway records it: it extends the turn it names (gateway.store.lineage)."""
-    return CallData(c.seq, c.choice_index, c.policy_version, c.prompt_token_ids, c.completion_token_ids,
-                    c.completion_logprobs, c.trainable, merge_reason="extends")
+    return dataclasses.replace(c, merge_reason="extends")
 
 
 def test_a_parallel_branch_joins_the_row_of_the_turn_it_continues() -> None:

@@ -189,7 +189,8 @@ def test_retry_and_concurrent_turns_extend_the_same_predecessor(token_gateway: R
     # stores only the ids past turn 1's prompt + completion.
     assert [c["merge_reason"] for c in calls[1:]] == [EXTENDS, EXTENDS, EXTENDS]
     assert [(c["parent_seq"], c["prefix_len"]) for c in calls[1:]] == [(calls[0]["seq"], len(first))] * 3
-    assert [len(c["stored_prompt_token_ids"]) for c in calls[1:]] == [len(calls[1]["prompt_token_ids"]) - len(first)] * 3
+    new_ids = len(calls[1]["prompt_token_ids"]) - len(first)
+    assert [len(c["stored_prompt_token_ids"]) for c in calls[1:]] == [new_ids] * 3
 
 
 def test_a_second_gateway_finds_the_state_in_the_database(gateway_settings: dict[str, object], db_url: str) -> None:
