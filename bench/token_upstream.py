@@ -25,7 +25,12 @@ from typing import Any
 
 from aiohttp import web
 
-FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "vllm"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from gateway.token_in import usage  # noqa: E402
+
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "vllm"
 MODEL = "smollm2"
 IM_START, IM_END, NL, TOOL_OPEN, TOOL_CLOSE = 1, 2, 198, 10, 11
 SPECIAL = {
@@ -137,7 +142,7 @@ def make_app(toy: Toy) -> web.Application:
         choice["logprobs"] = {"content": [_chat_logprob(toy, token) for token in completion]}
         out["prompt_token_ids"] = prompt
         out["id"] = f"chatcmpl-{uuid.uuid4().hex[:16]}"
-        out["usage"] = _usage(len(prompt), len(completion))
+        out["usage"] = usage(len(prompt), len(completion))
         return web.json_response(out)
 
     async def render(request: web.Request) -> web.Response:
@@ -160,7 +165,7 @@ def make_app(toy: Toy) -> web.Application:
             entry = {"token_id": token, "logprob": toy.logprob(token), "rank": 1}
             entries.append({**entry, "top_logprobs": [entry]})
         choice["logprobs"] = {"content": entries}
-        out["usage"] = {**_usage(len(body["token_ids"]), len(completion)), "completion_tokens_details": None}
+        out["usage"] = {**usage(len(body["token_ids"]), len(completion)), "completion_tokens_details": None}
         return web.json_response(out)
 
     async def derender(request: web.Request) -> web.Response:
@@ -174,7 +179,7 @@ def make_app(toy: Toy) -> web.Application:
         choice["finish_reason"] = "stop"  # derender says stop for a tool call too (the gateway reports tool_calls)
         choice["logprobs"] = {"content": [_chat_logprob(toy, token) for token in completion]}
         out["id"] = body["generate_response"].get("request_id") or out["id"]
-        out["usage"] = _usage(0, len(completion))
+        out["usage"] = usage(0, len(completion))
         return web.json_response(out)
 
     async def models(request: web.Request) -> web.Response:
@@ -193,15 +198,6 @@ def _chat_logprob(toy: Toy, token: int) -> dict[str, Any]:
     piece = toy.pieces[token]
     entry = {"token": piece, "logprob": toy.logprob(token), "bytes": list(piece.encode())}
     return {**entry, "top_logprobs": [entry]}
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,6 +95,14 @@ class Agent:
         return history
 
 
+def converse_streamed_and_not(gateway: RunningGateway, run: str, group: str) -> dict[str, list[BaseMessage]]:
+    """Two trajectories of one group, the agent streaming in one and not in the other; recorded once this returns."""
+    runs = {f"{group}-stream": True, f"{group}-plain": False}
+    histories = {t: Agent(gateway, run, group, t, stream).converse() for t, stream in runs.items()}
+    gateway.flush()
+    return histories
+
+
 def answers(history: list[BaseMessage]) -> list[AIMessage]:
     """The agent's answers: the AI messages after the in-context example."""
     return [m for m in history[len(opening()) :] if isinstance(m, AIMessage)]
@@ -144,9 +152,8 @@ def test_langgraph_agent_trajectories_are_one_sequence_each_and_train(
 ) -> None:
     gw, url = gateway
     group = f"g-{uuid.uuid4().hex[:8]}"
-    runs = {f"{group}-stream": True, f"{group}-plain": False}
-    histories = {t: Agent(gw, TOKEN_RUN, group, t, stream).converse() for t, stream in runs.items()}
-    gw.flush()
+    histories = converse_streamed_and_not(gw, TOKEN_RUN, group)
+    runs = list(histories)
 
     data = []
     for reward, (trajectory, history) in enumerate(histories.items()):
@@ -199,9 +206,7 @@ def test_langgraph_agent_trajectories_are_one_sequence_each_and_train(
 def test_chat_mode_agent_is_unchanged_and_breaks_at_tool_calls(gateway: tuple[RunningGateway, str]) -> None:
     gw, url = gateway
     group = f"c-{uuid.uuid4().hex[:8]}"
-    runs = {f"{group}-stream": True, f"{group}-plain": False}
-    histories = {t: Agent(gw, CHAT_RUN, group, t, stream).converse() for t, stream in runs.items()}
-    gw.flush()
+    histories = converse_streamed_and_not(gw, CHAT_RUN, group)
     data = []
     tool_calls = 0
     for trajectory, history in histories.items():
