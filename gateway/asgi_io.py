@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import orjson
+
+from gateway.errors import UpstreamFailure
+
+log = logging.getLogger("trajgate.proxy")
 
 
 async def wait_for_disconnect(receive: Any) -> None:
@@ -17,3 +26,40 @@ async def send_sse_error(send: Any, message: str) -> None:
     """Tell a client in-band that its stream failed: the status line has already been sent."""
     event = orjson.dumps({"error": {"message": message, "type": "upstream_error", "param": None, "code": None}})
     await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True})
+
+
+async def relay_until_done(relay: Awaitable[None], receive: Any, send: Any, done: Callable[[], bool]) -> str | None:
+    """Run a stream relay until it ends or the client hangs up; returns why the stream ended early (for the call's
+    record), None when it did not. Cancelling the relay on a hang-up stops reading from vLLM, which lets it abort
+    the generation; every failure other than a client that left is told in-band, so a stream is never cut silently."""
+    work = asyncio.ensure_future(relay)
+    hangup = asyncio.ensure_future(wait_for_disconnect(receive))
+    error: str | None = None
+    told: str | None = None
+    try:
+        await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            if not done():
+                error = "client disconnected mid-stream"
+        try:
+            await work
+        except asyncio.CancelledError:
+            pass
+        except UpstreamFailure as failure:
+            error = told = failure.error.message
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            error, told = f"vLLM stream broke: {type(exc).__name__}: {exc}", "vLLM stream ended unexpectedly"
+        except OSError:  # a write to a client that already left (aiohttp's own OSErrors are caught above)
+            if not done():
+                error = "client disconnected mid-stream"
+        except Exception as exc:
+            log.exception("stream relay failed")
+            error = f"stream relay failed: {type(exc).__name__}: {exc}"
+            told = "the gateway could not relay vLLM's stream"
+        if told is not None:
+            with contextlib.suppress(OSError):
+                await send_sse_error(send, told)
+    finally:
+        hangup.cancel()
+    return error

@@ -21,3 +21,11 @@ class GatewayError(Exception):
 
 def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+
+
+class UpstreamFailure(Exception):
+    """A step of a call to vLLM answered with an error; carries what the client is told."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error

@@ -7,8 +7,6 @@ every model call; everything it records goes to the writer's queue and it never 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,7 +19,7 @@ from sqlalchemy import Engine
 from gateway import capture, sampling
 from gateway.attribution import Attribution, PathPrefix, attribute, check_run, split_api_key
 from gateway.auth import Auth, presented_key
-from gateway.asgi_io import send_sse_error, wait_for_disconnect
+from gateway.asgi_io import relay_until_done
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.records import CallRecord
@@ -30,7 +28,6 @@ from gateway.token_in import TokenIn
 from gateway.turns import SeqClock
 from gateway.writer import RecordWriter
 
-log = logging.getLogger("trajgate.proxy")
 
 ENDPOINTS = {"/v1/chat/completions": capture.CHAT, "/v1/completions": capture.COMPLETIONS}
 _SSE_DATA = b"data:"
@@ -58,10 +55,11 @@ class Call:
     first_chunk: float | None = None
     finished: float = 0.0
     # token_in runs (gateway/token_in.py): the ids per choice when they don't come from the response itself, each
-    # choice's history key, and why the call started a new token segment.
+    # choice's history key, why the call started a new token segment, and the (seq, choice) its prompt continues.
     captured: list[capture.ChoiceCapture] | None = None
     history_keys: dict[int, str] = field(default_factory=dict)
     segment_reason: str | None = None
+    predecessor: tuple[int, int] | None = None
 
 
 class Proxy:
@@ -327,31 +325,11 @@ class Proxy:
                 await relay_line(b"".join(partial))
             state["done"] = True
 
-        relay = asyncio.ensure_future(pump())
-        hangup = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
-            await asyncio.wait({relay, hangup}, return_when=asyncio.FIRST_COMPLETED)
-            if not relay.done():
-                relay.cancel()  # the client left: stop reading, which lets vLLM abort the generation
-                if not state["done"]:
-                    call.error = "client disconnected mid-stream"
-            try:
-                await relay
-            except asyncio.CancelledError:
-                pass
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                call.error = f"vLLM stream broke: {type(exc).__name__}: {exc}"
-                await send_sse_error(send, "vLLM stream ended unexpectedly")
-            except OSError:  # a write to a client that already left (aiohttp's own OSErrors are caught above)
-                if not state["done"]:
-                    call.error = "client disconnected mid-stream"
-            except Exception as exc:  # whatever else breaks the relay: told in-band, recorded, never a cut stream
-                log.exception("stream relay failed")
-                call.error = f"stream relay failed: {type(exc).__name__}: {exc}"
-                with contextlib.suppress(OSError):
-                    await send_sse_error(send, "the gateway could not relay vLLM's stream")
+            error = await relay_until_done(pump(), receive, send, lambda: state["done"])
+            if error is not None:
+                call.error = error
         finally:
-            hangup.cancel()
             if not state["done"]:
                 upstream.close()  # drop the connection so vLLM sees the hang-up and stops generating
             record()
@@ -422,6 +400,8 @@ class Proxy:
                     created_at=call.created_at,
                     history_key=call.history_keys.get(choice.index),
                     segment_reason=call.segment_reason,
+                    predecessor_seq=call.predecessor[0] if call.predecessor else None,
+                    predecessor_choice=call.predecessor[1] if call.predecessor else None,
                 )
             )
 

@@ -42,9 +42,13 @@ class CallRecord:
     retry_count: int
     idempotency_key: str | None
     created_at: float
-    # token_in runs only (gateway.token_in); absent from records spooled before they existed.
+    # token_in runs only (gateway.token_in); absent from records spooled before they existed. The predecessor is the
+    # recorded call (seq, choice) whose exact ids the prompt continues: the writer's lineage compares against it
+    # rather than the previous seq, which a retry or a parallel branch of the same turn is not built on.
     history_key: str | None = None
     segment_reason: str | None = None
+    predecessor_seq: int | None = None
+    predecessor_choice: int | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))

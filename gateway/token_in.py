@@ -37,8 +37,8 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway import capture
-from gateway.asgi_io import send_sse_error, wait_for_disconnect
-from gateway.errors import GatewayError
+from gateway.asgi_io import relay_until_done
+from gateway.errors import GatewayError, UpstreamFailure
 from gateway.store.token_state import RecordedTurn, recorded_turns
 
 if TYPE_CHECKING:
@@ -161,6 +161,7 @@ class TurnState:
     """What a recorded choice leaves for the turn that continues it."""
 
     seq: int
+    choice_index: int
     prompt_ids: list[int]
     completion_ids: list[int]
     finish_reason: str | None
@@ -206,19 +207,13 @@ def _size(state: TurnState) -> int:
 
 @dataclass(slots=True)
 class Plan:
-    """The prompt a call is generated from, and why it starts a new segment (None: it continues a predecessor)."""
+    """The prompt a call is generated from, and why it starts a new segment (None: it continues `predecessor`, the
+    recorded (seq, choice) whose prompt + completion ids the prompt starts with)."""
 
     prompt: list[int]
     sampling_params: dict[str, Any]
     segment_reason: str | None
-
-
-class UpstreamFailure(Exception):
-    """A scale-out step answered with an error; carries what the client is told."""
-
-    def __init__(self, error: GatewayError) -> None:
-        super().__init__(error.message)
-        self.error = error
+    predecessor: tuple[int, int] | None = None
 
 
 class TokenIn:
@@ -268,7 +263,7 @@ class TokenIn:
             for length in wanted:
                 turn = found.get(keys[length - 1])
                 if turn is not None:
-                    best = (TurnState(turn.seq, turn.prompt_ids, turn.completion_ids, turn.finish_reason), length)
+                    best = (TurnState(**turn._asdict()), length)
                     break
             if best is not None and best[1] == candidates[0]:
                 break
@@ -305,7 +300,8 @@ class TokenIn:
         bridge = bridge_ids(prefix["token_ids"], full["token_ids"], state.completion_ids, end_token)
         if bridge is None:
             return Plan(full["token_ids"], full["sampling_params"], TEMPLATE_UNSTABLE)
-        return Plan(state.prompt_ids + state.completion_ids + bridge, full["sampling_params"], None)
+        prompt = state.prompt_ids + state.completion_ids + bridge
+        return Plan(prompt, full["sampling_params"], None, (state.seq, state.choice_index))
 
     def _end_token(self, run: str, state: TurnState) -> int | None:
         if state.finish_reason in _ENDED and state.completion_ids:
@@ -363,6 +359,7 @@ class TokenIn:
         try:
             plan = await self.plan(call, render_body, keys)
             call.segment_reason = plan.segment_reason
+            call.predecessor = plan.predecessor
             sampling_params = {**plan.sampling_params, "logprobs": plan.sampling_params.get("logprobs") or 0}
             model = upstream_body["model"]
             generate_body = {"model": model, "token_ids": plan.prompt, "sampling_params": sampling_params}
@@ -400,7 +397,7 @@ class TokenIn:
             # vLLM's chat path reports a tool call this way; non-stream derender says "stop" (streaming agrees).
             if choice.get("finish_reason") == "stop" and (choice.get("message") or {}).get("tool_calls"):
                 choice["finish_reason"] = "tool_calls"
-        response["usage"] = _usage(len(prompt), completion_tokens)
+        response["usage"] = usage(len(prompt), completion_tokens)
         return response
 
     def _record(
@@ -431,7 +428,7 @@ class TokenIn:
                 key = extend_key(messages_key, message)
                 call.history_keys[index] = key
                 self.states.put(
-                    call.attribution.trajectory_id, key, TurnState(call.seq, prompt, ids, finish_reason)
+                    call.attribution.trajectory_id, key, TurnState(call.seq, index, prompt, ids, finish_reason)
                 )
         call.captured = captured
         self.proxy.submit(call, response)
@@ -485,35 +482,11 @@ class TokenIn:
                 }
             )
             call.status = 200
-            work = asyncio.ensure_future(relay.run())
-            hangup = asyncio.ensure_future(wait_for_disconnect(receive))
             try:
-                await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
-                if not work.done():
-                    work.cancel()
-                    call.error = "client disconnected mid-stream"
-                try:
-                    await work
-                except asyncio.CancelledError:
-                    pass
-                except UpstreamFailure as failure:
-                    call.error = failure.error.message
-                    with contextlib.suppress(OSError):
-                        await send_sse_error(send, failure.error.message)
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    call.error = f"vLLM stream broke: {type(exc).__name__}: {exc}"
-                    with contextlib.suppress(OSError):
-                        await send_sse_error(send, "vLLM stream ended unexpectedly")
-                except OSError:
-                    if not relay.done:
-                        call.error = "client disconnected mid-stream"
-                except Exception as exc:  # told in-band and recorded, never a cut stream
-                    log.exception("token_in stream failed")
-                    call.error = f"stream relay failed: {type(exc).__name__}: {exc}"
-                    with contextlib.suppress(OSError):
-                        await send_sse_error(send, "the gateway could not relay vLLM's stream")
+                error = await relay_until_done(relay.run(), receive, send, lambda: relay.done)
+                if error is not None:
+                    call.error = error
             finally:
-                hangup.cancel()
                 if not relay.done:
                     upstream.close()  # drop the connection so vLLM sees the hang-up and stops generating
                 relay.record()
@@ -574,7 +547,7 @@ class StreamRelay:
             reader.cancel()
         if self.head and (self.chat_request.get("stream_options") or {}).get("include_usage"):
             tokens = sum(len(g["token_ids"]) for g in self.generated.values())
-            usage_chunk = {**self.head, "choices": [], "usage": _usage(len(self.prompt), tokens)}
+            usage_chunk = {**self.head, "choices": [], "usage": usage(len(self.prompt), tokens)}
             self.assembler.feed(usage_chunk)
             await self._send_chunk(usage_chunk)
         self.done = True
@@ -747,7 +720,8 @@ def upstream_error(path: str, status: int, raw: bytes) -> GatewayError:
     return GatewayError(502, f"vLLM answered {status} on {path}: {message}", "upstream_error", "upstream_error")
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The `usage` block of a chat answer built from generate's ids, as vLLM's chat path writes it."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,

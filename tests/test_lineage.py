@@ -272,3 +272,70 @@ def test_the_predecessor_cache_is_bounded_by_the_bytes_it_holds() -> None:
     assert cache.get("a", 0, "call-0") is None  # evicted: the oldest
     assert cache.get("c", 2, "call-2") == Predecessor(2, list(range(60)), list(range(40)), False)
     assert cache.get("c", 2, "another-call") is None and cache.get("c", 1, "call-2") is None
+
+
+# --- token_in calls name their predecessor ---------------------------------------------------------------------------
+
+
+def _token_in_turn(seq: int, prompt: list[int], completion: list[int], after: tuple[int, int] | None) -> CallRecord:
+    """A token_in call: its prompt is `after`'s prompt + completion + a bridge, and the record says so."""
+    return make_record(
+        "traj-1",
+        seq,
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        completion_logprobs=[-0.5] * len(completion),
+        predecessor_seq=after[0] if after else None,
+        predecessor_choice=after[1] if after else None,
+    )
+
+
+@pytest.mark.parametrize("batching", BATCHINGS)
+def test_a_repeated_token_in_turn_and_a_later_branch_extend_their_named_predecessors(
+    engine: Engine, batching: str
+) -> None:
+    turn1 = _token_in_turn(1, [1, 2, 3], [4, 5], None)
+    turn2 = _token_in_turn(2, [1, 2, 3, 4, 5, 9], [6, 7], (1, 0))
+    # The agent sends turn 2 again as a new call (no retry header): built on turn 1, like the first attempt.
+    again = _token_in_turn(3, [1, 2, 3, 4, 5, 9], [8], (1, 0))
+    # Then it goes on from the first attempt's answer, not from the repeat's (the previous seq).
+    turn3 = _token_in_turn(4, [1, 2, 3, 4, 5, 9, 6, 7, 9], [10], (2, 0))
+    calls = [turn1, turn2, again, turn3]
+    _write_batched(engine, calls, batching)
+
+    rows = _stored(engine, "traj-1")
+    assert [r.merge_reason for r in rows] == ["first_call", "extends", "extends", "extends"]
+    assert [(r.parent_seq, r.prefix_len, r.prompt_bytes // 4) for r in rows] == [
+        (None, 0, 3),
+        (1, 5, 1),
+        (1, 5, 1),
+        (2, 8, 1),
+    ]
+    assert all(r.divergence is None for r in rows)
+    _reward(engine, "traj-1")
+    full = [c.prompt_token_ids for c in calls]
+    assert _every_read(engine, "traj-1") == {"read_api": full, "export": full, "trainer": full}
+
+
+def test_a_token_in_turn_that_continues_choice_1_extends_it_and_is_stored_against_choice_0(engine: Engine) -> None:
+    turn1 = _token_in_turn(1, [1, 2, 3], [4, 5], None)
+    other = make_record("traj-1", 1, choice_index=1, prompt_token_ids=[1, 2, 3], completion_token_ids=[6, 7])
+    turn2 = _token_in_turn(2, [1, 2, 3, 6, 7, 9], [8], (1, 1))
+    write_calls(engine, [turn1, other])
+    write_calls(engine, [turn2])
+    rows = _stored(engine, "traj-1")
+    assert [r.merge_reason for r in rows] == ["first_call", "first_call", "extends"]
+    assert (rows[2].parent_seq, rows[2].prefix_len, rows[2].prompt_bytes // 4) == (1, 3, 3)
+    _reward(engine, "traj-1")
+    full = [turn1.prompt_token_ids, other.prompt_token_ids, turn2.prompt_token_ids]
+    assert _every_read(engine, "traj-1") == {"read_api": full, "export": full, "trainer": full}
+
+
+def test_a_named_predecessor_that_is_not_stored_falls_back_to_the_previous_seq(engine: Engine) -> None:
+    turn1 = _token_in_turn(1, [1, 2, 3], [4, 5], None)
+    turn2 = _token_in_turn(2, [1, 2, 3, 4, 5, 9], [6], (1, 3))  # its record never arrived
+    write_calls(engine, [turn1, turn2])
+    assert [(r.merge_reason, r.parent_seq) for r in _stored(engine, "traj-1")] == [("first_call", None), ("extends", 1)]
+    retry = _token_in_turn(3, [1, 2, 3, 4, 5, 9], [7], (0, 0))
+    write_calls(engine, [retry])
+    assert _stored(engine, "traj-1")[2].merge_reason == "retry"

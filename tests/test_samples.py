@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -132,22 +133,42 @@ def test_merge_ratio_on_a_hand_made_case() -> None:
     assert [r.input_ids for r in rows_of(batch, "a")] == [[1, 2, 3, 4], [9, 9, 5, 6, 7]]
 
 
-def test_n_choices_become_separate_rows_and_only_choice_zero_continues() -> None:
+def test_n_choices_become_separate_rows_and_a_later_call_continues_the_one_it_extends() -> None:
     t = traj(
         "t",
         1.0,
         call([1, 2], [3, 4], seq=0, choice=0),
         call([1, 2], [5], [-0.7], seq=0, choice=1),
-        call([1, 2, 5, 6], [7], seq=1),  # continues choice 1: not merged (only choice 0 continues)
-        call([1, 2, 5, 6, 7, 8], [9], seq=2),  # continues the previous (choice-0) row: merged
+        call([1, 2, 5, 6], [7], seq=1),  # continues choice 1: joins its row
+        call([1, 2, 5, 6, 7, 8], [9], seq=2),  # continues the previous call: merged
     )
     batch = build_samples([with_partner(t)])
     rows = rows_of(batch, "t")
-    assert [r.input_ids for r in rows] == [[1, 2, 3, 4], [1, 2, 5], [1, 2, 5, 6, 7, 8, 9]]
-    assert rows[1].loss_mask == [0, 0, 1] and rows[1].behaviour_logprobs == [0, 0, -0.7]
-    assert rows[2].loss_mask == [0, 0, 0, 0, 1, 0, 1]
+    assert [r.input_ids for r in rows] == [[1, 2, 3, 4], [1, 2, 5, 6, 7, 8, 9]]
+    assert rows[1].loss_mask == [0, 0, 1, 0, 1, 0, 1] and rows[1].behaviour_logprobs[:3] == [0, 0, -0.7]
     assert len({r.advantage for r in rows}) == 1
-    assert batch.stats["merged_calls"] == 1 and batch.stats["merge_candidates"] == 2
+    assert batch.stats["merged_calls"] == 2 and batch.stats["merge_candidates"] == 2
+
+
+def _extending(c: CallData) -> CallData:
+    """The call as a token_in gateway records it: it extends the turn it names (gateway.store.lineage)."""
+    return dataclasses.replace(c, merge_reason="extends")
+
+
+def test_a_parallel_branch_joins_the_row_of_the_turn_it_continues() -> None:
+    t = traj(
+        "t",
+        1.0,
+        call([1, 2], [3], seq=0),
+        _extending(call([1, 2, 3, 4], [5], seq=1)),
+        _extending(call([1, 2, 3, 4], [6], seq=2)),  # the same turn again: a sibling of seq 1, a row of its own
+        _extending(call([1, 2, 3, 4, 5, 7], [8], seq=3)),  # goes on from seq 1, not from the repeat
+        _extending(call([1, 2, 3, 4, 6, 7], [9], seq=4)),  # and this one from the repeat
+    )
+    batch = build_samples([with_partner(t)])
+    assert [r.input_ids for r in rows_of(batch, "t")] == [[1, 2, 3, 4, 5, 7, 8], [1, 2, 3, 4, 6, 7, 9]]
+    s = batch.stats
+    assert (s["merged_calls"], s["merge_candidates"], s["merge_breaks"]) == (3, 4, {"branched": 1})
 
 
 # ---------------------------------------------------------------------------- trainability

@@ -185,6 +185,12 @@ def test_retry_and_concurrent_turns_extend_the_same_predecessor(token_gateway: R
     assert [c["prompt_token_ids"][: len(first)] == first for c in calls[1:]] == [True, True, True]
     assert calls[1]["prompt_token_ids"] == calls[2]["prompt_token_ids"] == calls[3]["prompt_token_ids"]
     assert [c["segment_reason"] for c in calls[1:]] == [None, None, None]
+    # Each repeat is built on turn 1, so it extends turn 1 (not a `retry` of the attempt at the previous seq) and
+    # stores only the ids past turn 1's prompt + completion.
+    assert [c["merge_reason"] for c in calls[1:]] == [EXTENDS, EXTENDS, EXTENDS]
+    assert [(c["parent_seq"], c["prefix_len"]) for c in calls[1:]] == [(calls[0]["seq"], len(first))] * 3
+    new_ids = len(calls[1]["prompt_token_ids"]) - len(first)
+    assert [len(c["stored_prompt_token_ids"]) for c in calls[1:]] == [new_ids] * 3
 
 
 def test_a_second_gateway_finds_the_state_in_the_database(gateway_settings: dict[str, object], db_url: str) -> None:
@@ -229,8 +235,8 @@ def test_predecessor_lookup_prefers_the_longest_recorded_history() -> None:
     reply2 = {"role": "assistant", "content": "a2"}
     messages = [user, reply1, user, reply2, user]
     keys = token_in.history_keys(messages)
-    owner.states.put("t", keys[1], token_in.TurnState(1, [1], [2], "stop"))
-    owner.states.put("t", keys[3], token_in.TurnState(2, [3], [4], "stop"))
+    owner.states.put("t", keys[1], token_in.TurnState(1, 0, [1], [2], "stop"))
+    owner.states.put("t", keys[3], token_in.TurnState(2, 0, [3], [4], "stop"))
     state, length, reason = asyncio.run(owner.predecessor("t", messages, keys))
     assert (state.seq, length, reason) == (2, 4, None)  # type: ignore[union-attr]
     edited = [user, reply1, user, {"role": "assistant", "content": "a2 (edited)"}, user]

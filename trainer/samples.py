@@ -244,10 +244,14 @@ class _Counters:
 
 def _break_reason(call: CallData, open_row: _RowBuilder | None) -> str:
     """Why a merge candidate starts a new row: the gateway's recorded reason, unless the row was already closed
-    by a call without ids (the gateway compared against that call) or the reason predates its recording."""
+    by a call without ids (the gateway compared against that call), the call extends a predecessor whose row another
+    call already continued (`branched`: a repeated turn or a parallel branch, each a sequence of its own), or the
+    reason predates its recording."""
     if open_row is None:
         return "no_ids"
-    if call.merge_reason is None or call.merge_reason == "extends":
+    if call.merge_reason == "extends":
+        return "branched"
+    if call.merge_reason is None:
         return "unknown"
     return call.merge_reason
 
@@ -255,22 +259,23 @@ def _break_reason(call: CallData, open_row: _RowBuilder | None) -> str:
 def _trajectory_rows(traj: TrajectoryData, counters: _Counters) -> list[_RowBuilder]:
     """Walk one trajectory's calls in order and assemble its rows.
 
-    Merge rule (DESIGN §6): a call joins the open row only when its prompt ids start with *exactly*
-    the row's tokens so far (for a merged row, its whole sequence: every earlier prompt and
-    completion). The prompt tokens past that prefix (tool results, a new user turn, the chat
-    template's glue) enter with mask 0, then the completion with mask 1. Any other call opens a new
-    row: its full prompt (mask 0) + completion. A chat template that re-renders history differently
-    (e.g. drops an assistant tool call) therefore yields separate rows — correct, only less shared.
+    Merge rule (DESIGN §6): a call joins a row only when its prompt ids start with *exactly* the row's tokens so far
+    (for a merged row, its whole sequence: every earlier prompt and completion). The row the previous call went into
+    is tried first, then the trajectory's other rows, newest first: a call that continues an earlier turn than the
+    previous one (token_in: a parallel branch, a turn built on another choice of an `n > 1` call) joins the row that
+    holds exactly its context. The prompt tokens past that prefix (tool results, a new user turn, the chat template's
+    glue) enter with mask 0, then the completion with mask 1. Any other call opens a new row: its full prompt
+    (mask 0) + completion. A chat template that re-renders history differently (e.g. drops an assistant tool call)
+    therefore yields separate rows — correct, only less shared.
 
-    ``n > 1``: choices of the same ``seq`` share a prompt but are different continuations. Each
-    choice with ``choice_index > 0`` becomes a row of its own (closed at once); only choice 0 opens
-    or extends the row that later calls may merge into. An agent that continues from another choice
-    simply gets separate rows.
+    ``n > 1``: choices of the same ``seq`` share a prompt but are different continuations. Each choice with
+    ``choice_index > 0`` starts a row of its own, which a later call that continues it may join.
 
-    A call without ids (an upstream error, a failed capture) closes the open row: whatever follows
-    starts fresh. Untrainable calls that do have ids stay in as context (mask 0).
+    A call without ids (an upstream error, a failed capture) closes every row: whatever follows starts fresh.
+    Untrainable calls that do have ids stay in as context (mask 0).
     """
     rows: list[_RowBuilder] = []
+    joinable: list[_RowBuilder] = []
     open_row: _RowBuilder | None = None
     seen_call_with_ids = False
     for call in traj.calls:
@@ -284,26 +289,34 @@ def _trajectory_rows(traj: TrajectoryData, counters: _Counters) -> list[_RowBuil
             counters.calls_without_ids += 1
             if call.choice_index == 0:
                 open_row = None
+                joinable = []
             continue
 
         if call.choice_index != 0:
             row = _RowBuilder()
             row.append_call(call, trainable)
             rows.append(row)
+            joinable.append(row)
             continue
 
         candidate = seen_call_with_ids
         if candidate:
             counters.merge_candidates += 1
         seen_call_with_ids = True
-        if open_row is not None and open_row.is_prefix_of(call.prompt_token_ids):
+        prompt = call.prompt_token_ids
+        target = open_row if open_row is not None and open_row.is_prefix_of(prompt) else None
+        if target is None:
+            target = next((row for row in reversed(joinable) if row.is_prefix_of(prompt)), None)
+        if target is not None:
             counters.merged_calls += 1
         else:
             if candidate:
                 why = _break_reason(call, open_row)
                 counters.merge_breaks[why] = counters.merge_breaks.get(why, 0) + 1
-            open_row = _RowBuilder()
-            rows.append(open_row)
+            target = _RowBuilder()
+            rows.append(target)
+            joinable.append(target)
+        open_row = target
         open_row.append_call(call, trainable)
     return rows
 
@@ -355,13 +368,14 @@ def build_samples(
       e.g. calls sampled at another temperature than the one trained), ``calls_without_ids`` (the subset that broke a
       row), ``merged_calls``, ``merge_candidates``, ``merge_ratio``: a *merge candidate* is a choice-0
       call with token ids that has an earlier choice-0 call with ids in the same trajectory, i.e. a
-      turn that could have continued the previous row. ``merge_ratio = merged_calls /
+      turn that could have continued an earlier row. ``merge_ratio = merged_calls /
       max(1, merge_candidates)``: 1.0 means every multi-turn trajectory became a single row; 0.0
       means every turn is its own row. A row broken by a call without ids counts against it.
       ``merge_breaks`` ({reason: count}, summing to ``merge_candidates - merged_calls``): why each
       candidate that did not merge started a new row — the gateway's recorded ``merge_reason``
-      (gateway.store.lineage), ``no_ids`` when a call without ids had closed the row, ``unknown`` for
-      calls recorded before the reason was.
+      (gateway.store.lineage), ``no_ids`` when a call without ids had closed the row, ``branched`` when
+      the call extends a turn whose row another call already continued, ``unknown`` for calls recorded
+      before the reason was.
     - ``rows``, ``tokens`` (all row tokens after truncation), ``trainable_tokens`` (mask 1 — the
       loss's ``total_tokens``), ``truncated_rows``, ``truncated_tokens`` (tokens cut off),
       ``truncated_rows_dropped``, ``empty_rows_dropped`` (rows that never had a trainable token:

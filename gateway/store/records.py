@@ -475,38 +475,38 @@ def _lineages(
             conn.execute(delete(_calls).where(_calls.c.trajectory_id == trajectory_id, _calls.c.seq.in_(removed)))
             rows = {key: row for key, row in rows.items() if key[0] not in removed}
         _update_firsts(conn, trajectory_id, rows, settlements[trajectory_id])
-        # After this batch, choice 0 at each seq is the incoming record if any, else the stored row.
-        in_batch = {r.seq: r for r in records if r.choice_index == 0}
-        choice0 = sorted({seq for seq, choice in rows if choice == 0} | set(in_batch))
+        # After this batch, each (seq, choice) is the incoming record if any, else the stored row.
+        in_batch = {(r.seq, r.choice_index): r for r in records}
+        choice0 = sorted({seq for seq, choice in (*rows, *in_batch) if choice == 0})
+        found: dict[tuple[int, int], Predecessor | None] = {}
+
+        def predecessor_at(seq: int, choice: int) -> Predecessor | None:
+            nonlocal rebuilt
+            key = (seq, choice)
+            if key not in found:
+                stored_only = key not in in_batch and key in rows
+                cached = cache.get(trajectory_id, seq, rows[key].id) if stored_only and choice == 0 else None
+                if cached is None and stored_only and rebuilt is None:
+                    rebuilt = rebuild_calls(conn, trajectory_id)
+                found[key] = cached or _predecessor_at(conn, trajectory_id, key, in_batch, rows, rebuilt, digests)
+            return found[key]
+
         for record in records:
             earlier = [seq for seq in choice0 if seq < record.seq]
-            predecessor: Predecessor | None = None
-            if earlier:
-                seq = earlier[-1]
-                if seq in in_batch:
-                    predecessor = _predecessor_of(in_batch[seq], digests[in_batch[seq].id])
-                else:
-                    row = rows[(seq, 0)]
-                    predecessor = cache.get(trajectory_id, seq, row.id)
-                    if predecessor is None:
-                        if rebuilt is None:
-                            rebuilt = rebuild_calls(conn, trajectory_id)
-                        tokens = rebuilt.rebuilder.tokens(seq)
-                        prompt = rebuilt.prompts.get((seq, 0))
-                        response = conn.execute(
-                            select(_calls.c.response).where(
-                                _calls.c.trajectory_id == trajectory_id, _calls.c.seq == seq, _calls.c.choice_index == 0
-                            )
-                        ).scalar()
-                        predecessor = Predecessor(
-                            seq,
-                            prompt,
-                            None if tokens is None or prompt is None else tokens[len(prompt) :],
-                            _answered_tool_call(response, 0),
-                            message_digests(rebuilt.requests.get((seq, 0)), key_order),
-                        )
-            lineage = classify(record.prompt_token_ids, predecessor)
-            lineages.append(_with_messages(lineage, digests[record.id], predecessor))
+            previous = predecessor_at(earlier[-1], 0) if earlier else None
+            own = record.predecessor_seq
+            if own is None or own >= record.seq or predecessor_at(own, record.predecessor_choice or 0) is None:
+                lineage = classify(record.prompt_token_ids, previous)
+                lineages.append(_with_messages(lineage, digests[record.id], previous))
+                continue
+            # A token_in call names the recorded choice its prompt was built on: classify against that one (a retry
+            # or a parallel branch of a turn extends the turn before it, not its sibling at the previous seq). Its
+            # ids and messages are stored against choice 0 of that seq, the only choice a Rebuilder keeps.
+            lineage = classify(record.prompt_token_ids, predecessor_at(own, record.predecessor_choice or 0))
+            storage = predecessor_at(own, 0)
+            stored_as = classify(record.prompt_token_ids, storage)
+            lineage = replace(lineage, parent_seq=stored_as.parent_seq, prefix_len=stored_as.prefix_len)
+            lineages.append(_with_messages(lineage, digests[record.id], storage))
     ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
     return ordered, lineages, firsts
 
@@ -552,6 +552,36 @@ def _update_firsts(
             .where(_calls.c.trajectory_id == trajectory_id, _calls.c.seq == seq)
             .values(first_seq=first_seq, first_retry_count=first_retry_count)
         )
+
+
+def _predecessor_at(
+    conn: Connection,
+    trajectory_id: str,
+    key: tuple[int, int],
+    in_batch: dict[tuple[int, int], CallRecord],
+    rows: dict[tuple[int, int], Any],
+    rebuilt: RebuiltCalls | None,
+    digests: dict[str, bytes | None],
+) -> Predecessor | None:
+    """The call at (seq, choice) as a predecessor after this batch: the incoming record if any, else the stored row
+    rebuilt in full (`rebuilt` holds the trajectory when it is stored); None when neither holds it."""
+    if key in in_batch:
+        return _predecessor_of(in_batch[key], digests[in_batch[key].id])
+    if key not in rows or rebuilt is None:
+        return None
+    seq, choice = key
+    stored = conn.execute(
+        select(_calls.c.response, _calls.c.completion_token_ids).where(
+            _calls.c.trajectory_id == trajectory_id, _calls.c.seq == seq, _calls.c.choice_index == choice
+        )
+    ).one()
+    return Predecessor(
+        seq,
+        rebuilt.prompts.get(key),
+        decode_ids(stored.completion_token_ids),
+        _answered_tool_call(stored.response, choice),
+        message_digests(rebuilt.requests.get(key), keeps_key_order(conn.dialect.name)),
+    )
 
 
 def _with_messages(lineage: Lineage, own: bytes | None, predecessor: Predecessor | None) -> Lineage:

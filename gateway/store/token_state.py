@@ -23,6 +23,7 @@ class RecordedTurn(NamedTuple):
     """One recorded choice of a token_in call: what the next turn's prompt starts with."""
 
     seq: int
+    choice_index: int
     prompt_ids: list[int]
     completion_ids: list[int]
     finish_reason: str | None
@@ -59,5 +60,5 @@ def recorded_turns(engine: Engine, trajectory_id: str, keys: Sequence[str]) -> t
         prompt = prompts.get((row.seq, row.choice_index))
         completion = decode_ids(row.completion_token_ids)
         if prompt and completion:
-            found[row.history_key] = RecordedTurn(row.seq, prompt, completion, row.finish_reason)
+            found[row.history_key] = RecordedTurn(row.seq, row.choice_index, prompt, completion, row.finish_reason)
     return found, True
