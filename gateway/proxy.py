@@ -314,6 +314,7 @@ class Proxy:
                 pass
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 call.error = f"vLLM stream broke: {type(exc).__name__}: {exc}"
+                record()  # in the log before the client hears of the failure, as for every answer
                 await _send_sse_error(send, "vLLM stream ended unexpectedly")
             except OSError:  # a write to a client that already left (aiohttp's own OSErrors are caught above)
                 if not state["done"]:
@@ -321,6 +322,7 @@ class Proxy:
             except Exception as exc:  # whatever else breaks the relay: told in-band, recorded, never a cut stream
                 log.exception("stream relay failed")
                 call.error = f"stream relay failed: {type(exc).__name__}: {exc}"
+                record()
                 with contextlib.suppress(OSError):
                     await _send_sse_error(send, "the gateway could not relay vLLM's stream")
         finally:

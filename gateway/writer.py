@@ -180,12 +180,11 @@ class _Spool:
         return segment
 
     def rotate(self) -> None:
-        """Close the current segment so it can be removed once committed or replayed. Its fsync happens outside the
-        lock, so `submit`, which may be waiting for the lock, is not held up by the disk."""
+        """Close the current segment so it can be removed once committed or replayed."""
         with self._lock:
             segment, self._current = self._current, None
-        if segment is not None:
-            self._close(segment)
+            closing = self._closing_locked(segment)
+        self._close(segment, closing)
 
     def rotate_if_due(self, max_bytes: int, max_age_s: float) -> None:
         """Rotate a non-empty current segment that reached `max_bytes` or `max_age_s`, so a healthy database keeps
@@ -197,15 +196,28 @@ class _Spool:
             if segment.size < max_bytes and time.monotonic() - segment.opened < max_age_s:
                 return
             self._current = None
-        self._close(segment)
+            closing = self._closing_locked(segment)
+        self._close(segment, closing)
 
-    def _close(self, segment: _Segment) -> None:
+    @staticmethod
+    def _closing_locked(segment: _Segment | None) -> int | None:
+        """Mark a segment closed; a duplicate of its descriptor for the final fsync, which runs outside the lock (so
+        `submit` is not held up by the disk) while a commit may already remove the segment and close its own."""
+        if segment is None:
+            return None
         segment.closed = True
-        if segment.handle is not None:
+        return os.dup(segment.handle.fileno()) if segment.handle is not None else None
+
+    def _close(self, segment: _Segment | None, duplicate: int | None) -> None:
+        if segment is None:
+            return
+        if duplicate is not None:
             try:
-                self._fsync(segment.handle.fileno())
+                self._fsync(duplicate)
             except OSError as exc:
                 log.error("fsync of spool segment %s failed: %s", segment.path.name, exc)
+            finally:
+                os.close(duplicate)
         with self._lock:
             self._settle_locked(segment)
 
@@ -296,7 +308,8 @@ class _Spool:
         rotation, so the segments left for the next start are durable)."""
         with self._lock:
             for segment in self._own.values():
-                self._release(segment)
+                if segment.closed:  # a submit after close may have opened a new current segment
+                    self._release(segment)
         try:
             self.sync()
         except OSError as exc:

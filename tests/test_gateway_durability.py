@@ -12,14 +12,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 from sqlalchemy import select, text
 
+from gateway.app import build_state
+from gateway.config import load_settings
+from gateway.records import CallRecord
+from gateway.store import db
 from gateway.store.db import make_engine
 from gateway.store.models import Call
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import running_gateway, start_serve
-from tests.pgcluster import PgCluster, create_database
+from tests.pgcluster import PgCluster, create_database, free_port
 from tests.stored import count_calls
 from tests.test_gateway_capture import client_body
 from tests.waiting import SocketReader, wait_until
@@ -250,3 +255,76 @@ def test_sigkill_while_the_database_is_stalled_loses_no_answered_call(
     """Writes to `calls` block on a lock, so every answered call is still in the writer's hands when it dies."""
     answered, stored = _sigkill_mid_burst(upstream, pg_url, tmp_path / "spool", 800, 600, stall=True)
     assert not answered - stored, f"{len(answered - stored)} of {len(answered)} answered calls lost"
+
+
+@pytest.mark.parametrize(
+    ("mode", "stream", "hang_up"),
+    [
+        ("replay", False, False),
+        ("error500", False, False),
+        ("unreachable", False, False),
+        ("replay", True, False),
+        ("cut_stream", True, False),
+        ("slow_stream", True, True),
+    ],
+)
+async def test_every_answer_completes_only_after_its_record_is_logged(
+    upstream: FakeUpstream, sqlite_url: str, tmp_path: Path, mode: str, stream: bool, hang_up: bool
+) -> None:
+    """Whatever the outcome (an answer, an upstream error, a broken stream, a client that leaves), the record is
+    in the write-ahead log before the client is sent the end of the answer, `[DONE]`, or an error."""
+    upstream_url = f"http://127.0.0.1:{free_port()}/v1" if mode == "unreachable" else upstream.base_url
+    state = build_state(load_settings(_env_file=None, database_url=sqlite_url, upstream_url=upstream_url,
+                                      base_model="smollm2", spool_dir=tmp_path / "spool"))  # fmt: skip
+    events: list[str] = []
+    real_submit = state.writer.submit
+
+    def submit(record: CallRecord) -> None:
+        real_submit(record)
+        events.append("logged")
+
+    state.writer.submit = submit  # type: ignore[method-assign]
+    body = orjson.dumps(client_body(upstream.fixture("chat_stream" if stream else "chat")))
+    first_chunk = asyncio.Event()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        if hang_up:
+            await first_chunk.wait()
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    async def send(message: dict) -> None:
+        if message["type"] != "http.response.body":
+            return
+        data = message.get("body", b"")
+        if not message.get("more_body", False):
+            events.append("end")
+        elif b"[DONE]" in data:
+            events.append("done")
+        elif b'"error"' in data:
+            events.append("error")
+        else:
+            events.append("chunk")
+            first_chunk.set()
+
+    upstream.mode = "replay" if mode == "unreachable" else mode
+    db.upgrade(sqlite_url)
+    await state.proxy.start()
+    try:
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+        await asyncio.wait_for(state.proxy.handle(scope, receive, send, None), 30)
+    finally:
+        upstream.mode = "replay"
+        await state.proxy.close()
+        state.writer.close()
+        state.engine.dispose()
+    assert "logged" in events and events[-1] == "end", events
+    first_sign_of_an_end = min(events.index(kind) for kind in ("done", "error", "end") if kind in events)
+    assert events.index("logged") < first_sign_of_an_end, events
+    if mode == "cut_stream":
+        assert "error" in events  # the broken stream was told in-band
+    assert state.writer.records_logged == 1
