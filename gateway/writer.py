@@ -26,6 +26,7 @@ import base64
 import contextlib
 import fcntl
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -61,7 +62,8 @@ _PACKED: dict[str, tuple[Callable[[Any], bytes | None], Callable[[bytes], list[A
 
 
 def spool_line(record: CallRecord) -> bytes:
-    """One JSONL line, lossless for every field the database stores."""
+    """One JSONL line, lossless for every field the database stores. Every record passes here on the response path,
+    so the common case (string keys only, as JSON parsing gives) skips orjson's slower non-string-key mode."""
     data = {name: getattr(record, name) for name in _FIELDS}
     for name, (encode, _) in _PACKED.items():
         try:
@@ -70,7 +72,10 @@ def spool_line(record: CallRecord) -> bytes:
             continue  # unpackable values stay JSON, to be refused by the store and kept in rejected/
         if packed is not None:
             data[name] = base64.b64encode(packed).decode()
-    return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+    try:
+        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
 
 
 def read_spool_line(line: bytes) -> CallRecord:
@@ -100,6 +105,8 @@ class _Segment:
     # Open, and flock'ed, while this process may append to it or still commits its records from memory: no other
     # process replays it meanwhile. Closed once it is handed to replay (dropped) or removed.
     handle: BinaryIO | None
+    mapped: mmap.mmap | None  # the preallocated file, mapped while it is the current segment
+    capacity: int
     opened: float
     size: int = 0
     appended: int = 0
@@ -109,49 +116,53 @@ class _Segment:
     gone: bool = False  # removed or replayed
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
 class _Spool:
     """The write-ahead log: the segment files of one spool directory and the one segment this process appends to.
 
-    Every record is appended (one unbuffered `write`, so it is in the kernel's page cache and survives the process)
-    before its answer completes. A segment is removed once every record in it is committed from memory, or, if
-    some were dropped from memory (queue full, database away), once it has been replayed from the file. `sync`
-    makes what was appended durable across power loss; it runs every fsync interval on its own thread, or after
-    every append when the interval is 0. `fsync` is a seam for tests."""
+    Every record is appended before its answer completes. A segment is preallocated (so a full disk is an error at
+    creation, not a SIGBUS later) and mapped, and an append is a copy into the mapping: the bytes are then in the
+    kernel's page cache, so they survive the process, and no system call is made. That matters: a `write()` releases
+    the GIL, and the writer thread, busy building rows, then kept the event loop waiting up to a switch interval
+    (5 ms) per record. A segment is closed by rotation, or when full, and truncated to what it holds; it is removed
+    once every record in it is committed from memory, or, if some were dropped from memory (queue full, database
+    away), once it has been replayed from the file. `sync` makes what was appended durable across power loss; it
+    runs every fsync interval on its own thread, or after every append when the interval is 0. `fsync` is a seam for
+    tests."""
 
-    def __init__(self, directory: Path, sync_each: bool = False, fsync: Callable[[int], None] = os.fsync) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        segment_bytes: int = 16 * 1024 * 1024,
+        sync_each: bool = False,
+        fsync: Callable[[int], None] = os.fsync,
+    ) -> None:
         self.directory = directory
+        self._segment_bytes = segment_bytes
         self._sync_each = sync_each
         self._fsync = fsync
         self._lock = threading.Lock()
         self._current: _Segment | None = None
         self._last_ns = 0
         self._own: dict[Path, _Segment] = {}  # this process's segments still on disk
+        self._full: list[tuple[_Segment, int | None]] = []  # closed when full, left for `sync` to finish
         self._unsynced = False  # appends since the last file sync
         self._dir_dirty = False  # segments created or removed since the last directory sync
         self.syncs = 0
 
     def append(self, data: bytes, count: int) -> _Segment:
-        """Append whole lines to the current segment (opened on demand); returns it. Called from the event loop and
-        the writer thread, so it only writes (and syncs when every append must be durable)."""
+        """Append whole lines to the current segment (opened on demand, or anew when it is full); returns it.
+        Called from the event loop and the writer thread."""
         with self._lock:
-            if self._current is None:
-                self._current = self._open_segment()
             segment = self._current
-            assert segment.handle is not None
-            try:
-                _write_all(segment.handle.fileno(), data)
-            except OSError:
-                # The segment may now end in a partial line: close it so only this append is torn.
+            if segment is not None and segment.size + len(data) > segment.capacity:
                 self._current = None
-                segment.closed = True
-                self._settle_locked(segment)
-                raise
+                # Truncating and fsyncing it are for the sync thread (or the writer's), never for this path.
+                self._full.append((segment, self._closing_locked(segment)))
+                segment = None
+            if segment is None:
+                segment = self._current = self._open_segment(max(self._segment_bytes, len(data)))
+            assert segment.mapped is not None
+            segment.mapped[segment.size : segment.size + len(data)] = data
             segment.size += len(data)
             segment.appended += count
             self._unsynced = True
@@ -159,41 +170,50 @@ class _Spool:
                 self._sync_locked()
             return segment
 
-    def _open_segment(self) -> _Segment:
+    def _open_segment(self, capacity: int) -> _Segment:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._last_ns = max(time.time_ns(), self._last_ns + 1)
         name = f"{_SEGMENT_PREFIX}{self._last_ns}-{os.getpid()}{_SEGMENT_SUFFIX}"
         temporary = self.directory / f".{name}.tmp"
-        handle = open(temporary, "xb", buffering=0)  # held open across appends until rotated and committed
+        handle = open(temporary, "x+b", buffering=0)  # held open until the segment is removed or handed to replay
         try:
+            os.posix_fallocate(handle.fileno(), 0, capacity)
+            mapped = mmap.mmap(handle.fileno(), capacity)
             # Lock before the segment becomes visible under its real name, so no replayer takes it while we append.
             fcntl.flock(handle, fcntl.LOCK_EX)
             os.replace(temporary, self.directory / name)
-        except OSError:
+        except (OSError, ValueError):
             handle.close()
             with contextlib.suppress(OSError):
                 temporary.unlink()
             raise
         self._dir_dirty = True
-        segment = _Segment(self.directory / name, handle, time.monotonic())
+        segment = _Segment(self.directory / name, handle, mapped, capacity, time.monotonic())
         self._own[segment.path] = segment
         return segment
 
     def rotate(self) -> None:
         """Close the current segment so it can be removed once committed or replayed."""
+        self.finish_full()
         with self._lock:
             segment, self._current = self._current, None
             closing = self._closing_locked(segment)
         self._close(segment, closing)
 
-    def rotate_if_due(self, max_bytes: int, max_age_s: float) -> None:
-        """Rotate a non-empty current segment that reached `max_bytes` or `max_age_s`, so a healthy database keeps
-        the log short: a closed segment whose records are all committed is removed."""
+    def finish_full(self) -> None:
+        """Truncate, fsync and settle the segments `append` closed because they were full."""
+        with self._lock:
+            full, self._full = self._full, []
+        for segment, closing in full:
+            self._close(segment, closing)
+
+    def rotate_if_due(self, max_age_s: float) -> None:
+        """Rotate a non-empty current segment older than `max_age_s`, so a healthy database keeps the log short: a
+        closed segment whose records are all committed is removed."""
+        self.finish_full()
         with self._lock:
             segment = self._current
-            if segment is None or segment.appended == 0:
-                return
-            if segment.size < max_bytes and time.monotonic() - segment.opened < max_age_s:
+            if segment is None or segment.appended == 0 or time.monotonic() - segment.opened < max_age_s:
                 return
             self._current = None
             closing = self._closing_locked(segment)
@@ -201,11 +221,14 @@ class _Spool:
 
     @staticmethod
     def _closing_locked(segment: _Segment | None) -> int | None:
-        """Mark a segment closed; a duplicate of its descriptor for the final fsync, which runs outside the lock (so
-        `submit` is not held up by the disk) while a commit may already remove the segment and close its own."""
+        """Mark a segment closed and unmap it; a duplicate of its descriptor for truncating and fsyncing it outside
+        the lock (so `submit` is not held up by the disk) while a commit may already remove the segment."""
         if segment is None:
             return None
         segment.closed = True
+        if segment.mapped is not None:
+            segment.mapped.close()  # what it holds stays in the page cache, to be fsynced through the descriptor
+            segment.mapped = None
         return os.dup(segment.handle.fileno()) if segment.handle is not None else None
 
     def _close(self, segment: _Segment | None, duplicate: int | None) -> None:
@@ -213,9 +236,10 @@ class _Spool:
             return
         if duplicate is not None:
             try:
+                os.ftruncate(duplicate, segment.size)  # the unused preallocated tail
                 self._fsync(duplicate)
             except OSError as exc:
-                log.error("fsync of spool segment %s failed: %s", segment.path.name, exc)
+                log.error("closing spool segment %s failed: %s", segment.path.name, exc)
             finally:
                 os.close(duplicate)
         with self._lock:
@@ -265,6 +289,7 @@ class _Spool:
         """One group fsync: the current segment if anything was appended since the last, the directory if segments
         were created or removed. The file is synced through a duplicate descriptor, outside the lock, so appends go
         on while the disk works and a concurrent rotation cannot close the descriptor under it."""
+        self.finish_full()
         with self._lock:
             segment = self._current
             duplicate = None
@@ -347,10 +372,14 @@ class _Spool:
             return sum(segment.appended for segment in self._own.values() if segment.dropped)
 
     def size_bytes(self) -> int:
+        """Bytes the segments hold (for this process's current one, what was appended, not what was preallocated)."""
+        with self._lock:
+            current = self._current
+            used = {current.path: current.size} if current is not None else {}
         total = 0
         for path in self.segments():
             with contextlib.suppress(FileNotFoundError):  # replayed since the listing
-                total += path.stat().st_size
+                total += used[path] if path in used else path.stat().st_size
         return total
 
 
@@ -417,18 +446,17 @@ class RecordWriter:
         flush_interval_s: float = 0.05,
         retry_interval_s: float = 1.0,
         fsync_interval_s: float = 0.01,
-        segment_bytes: int = 64 * 1024 * 1024,
+        segment_bytes: int = 16 * 1024 * 1024,
         segment_age_s: float = 1.0,
         fsync: Callable[[int], None] = os.fsync,
     ) -> None:
         self._engine = engine
-        self._spool = _Spool(Path(spool_dir), sync_each=fsync_interval_s == 0, fsync=fsync)
+        self._spool = _Spool(Path(spool_dir), segment_bytes, sync_each=fsync_interval_s == 0, fsync=fsync)
         self._syncer = _Syncer(self._sync, fsync_interval_s) if fsync_interval_s > 0 else None
         self._queue: queue.Queue[_Entry] = queue.Queue(maxsize=queue_size)
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
         self._retry_interval_s = retry_interval_s
-        self._segment_bytes = segment_bytes
         self._segment_age_s = segment_age_s
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -494,7 +522,7 @@ class RecordWriter:
             return None
         try:
             segment = self._spool.append(line, 1)
-        except OSError as exc:
+        except Exception as exc:  # OSError (EMFILE, a full disk) or anything else: the call is answered regardless
             if not self._log_failing:  # once per episode, not once per record while the disk keeps failing
                 self._log_failing = True
                 log.error("spool append failed; records are kept in memory only until it works again: %s", exc)
@@ -602,7 +630,7 @@ class RecordWriter:
                     self._settle(len(batch))
                 elif self._stopping.is_set():
                     break
-                self._spool.rotate_if_due(self._segment_bytes, self._segment_age_s)
+                self._spool.rotate_if_due(self._segment_age_s)
                 self._recover_or_replay()
             except Exception:
                 # Never let the thread die: everything after it would sit in the queue and then spill.
@@ -712,6 +740,8 @@ class RecordWriter:
             count = 0
             batch: list[CallRecord] = []
             for number, line in enumerate(handle, 1):
+                if line[:1] == b"\0":
+                    break  # the preallocated tail of a segment whose process died before truncating it
                 try:
                     batch.append(read_spool_line(line))
                 except (ValueError, TypeError) as exc:

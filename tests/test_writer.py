@@ -56,6 +56,8 @@ def test_spool_line_round_trips_exactly() -> None:
     assert back.completion_logprobs[2:] == record.completion_logprobs[2:]
     back.completion_logprobs = record.completion_logprobs = None
     assert back == record
+    int_keys = make_record(request={"logit_bias": {50256: -100}})  # orjson's slower mode, only when needed
+    assert read_spool_line(spool_line(int_keys)).request == {"logit_bias": {"50256": -100}}
     unpackable = make_record(prompt_token_ids=[2**40])  # kept as JSON, so the store can refuse it and keep it aside
     assert read_spool_line(spool_line(unpackable)).prompt_token_ids == [2**40]
 
@@ -270,11 +272,11 @@ def test_a_spool_that_cannot_be_opened_keeps_records_in_memory(
     failures = {"left": 3}
     real_open = writer_module._Spool._open_segment
 
-    def flaky(self: object) -> object:
+    def flaky(self: object, capacity: int) -> object:
         if failures["left"]:
             failures["left"] -= 1
             raise OSError(24, "Too many open files")
-        return real_open(self)  # type: ignore[arg-type]
+        return real_open(self, capacity)  # type: ignore[arg-type]
 
     monkeypatch.setattr(writer_module._Spool, "_open_segment", flaky)
     writer = RecordWriter(engine, spool_dir, queue_size=1, **FAST)
@@ -331,6 +333,7 @@ os.kill(os.getpid(), signal.SIGKILL)
     successor.close()
     assert sorted(_ids(engine)) == sorted(r.id for r in records)
     assert successor.records_replayed == 300 and _segments(spool_dir) == []
+    assert successor.records_unreadable == 0  # the killed process's untruncated, zero-filled tail is not a record
 
 
 def test_replaying_a_segment_twice_stores_each_call_once(engine: Engine, spool_dir: Path) -> None:
@@ -457,3 +460,40 @@ def test_a_stalled_database_keeps_memory_bounded_and_loses_nothing(engine: Engin
         writer_module.write_calls = real_write
         writer.close()
     assert sorted(_ids(engine)) == sorted(r.id for r in records) and _segments(spool_dir) == []
+
+
+def test_a_full_segment_is_closed_and_truncated_off_the_hot_path(engine: Engine, spool_dir: Path) -> None:
+    fsyncs = _Fsyncs()
+    writer = RecordWriter(engine, spool_dir, segment_bytes=8192, fsync_interval_s=3600, fsync=fsyncs, **FAST)
+    records = _records(40)
+    for record in records:
+        writer.submit(record)
+    segments = _segments(spool_dir)
+    assert len(segments) > 3 and fsyncs.take() == []  # new segments opened as each filled; nothing synced inline
+    writer._sync()  # the sync thread's round: full segments truncated to their records and made durable
+    assert set(fsyncs.take()) == {path.name for path in segments} | {"dir"}
+    *full, current = segments
+    assert all(path.read_bytes().endswith(b"\n") for path in full)  # truncated to whole records
+    assert current.read_bytes().endswith(b"\0")  # still preallocated: appends need no system call
+    lines = [line for path in segments for line in path.read_bytes().rstrip(b"\0").splitlines(keepends=True)]
+    assert sorted(read_spool_line(line).id for line in lines) == sorted(r.id for r in records)
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records) and _segments(spool_dir) == []
+
+
+def test_replay_stops_at_a_dead_process_s_zero_filled_tail_and_skips_a_torn_record(
+    engine: Engine, spool_dir: Path
+) -> None:
+    records = _records(5)
+    torn = spool_line(make_record("torn", 0))
+    spool_dir.mkdir()
+    segment = spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl"
+    segment.write_bytes(b"".join(spool_line(r) for r in records) + torn[:100] + bytes(65536))
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    assert writer.records_replayed == 5 and writer.records_unreadable == 1 and not segment.exists()
