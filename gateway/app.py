@@ -89,6 +89,8 @@ def build_state(settings: Settings) -> GatewayState:
         router=policy_router,
         writer=writer,
         metrics=metrics,
+        engine=engine,
+        token_state_wait_s=settings.token_state_wait_s,
     )
     return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy)
 

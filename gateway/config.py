@@ -60,6 +60,13 @@ class Settings(BaseSettings):
     keep_alive_s: float = Field(
         75.0, gt=0, description="How long an idle connection is kept open (before its first request or between)."
     )
+    token_state_wait_s: float = Field(
+        2.0,
+        ge=0,
+        le=60,
+        description="token_in runs: how long a call whose history holds an assistant message no record matches yet "
+        "waits for another gateway's record of it to be written before it starts a new token segment.",
+    )
     max_connections: int | None = Field(
         None, ge=1, description="Open connections before new ones get a 503; unset: half the open-file limit."
     )

@@ -11,20 +11,23 @@ import contextlib
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
+from sqlalchemy import Engine
 
 from gateway import capture, sampling
 from gateway.attribution import Attribution, PathPrefix, attribute, check_run, split_api_key
 from gateway.auth import Auth, presented_key
+from gateway.asgi_io import send_sse_error, wait_for_disconnect
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.records import CallRecord
 from gateway.routing import PolicyRouter, Route
-from gateway.turns import TurnCounter
+from gateway.token_in import TokenIn
+from gateway.turns import SeqClock
 from gateway.writer import RecordWriter
 
 log = logging.getLogger("trajgate.proxy")
@@ -54,6 +57,11 @@ class Call:
     upstream_started: float = 0.0
     first_chunk: float | None = None
     finished: float = 0.0
+    # token_in runs (gateway/token_in.py): the ids per choice when they don't come from the response itself, each
+    # choice's history key, and why the call started a new token segment.
+    captured: list[capture.ChoiceCapture] | None = None
+    history_keys: dict[int, str] = field(default_factory=dict)
+    segment_reason: str | None = None
 
 
 class Proxy:
@@ -67,6 +75,8 @@ class Proxy:
         router: PolicyRouter,
         writer: RecordWriter,
         metrics: GatewayMetrics,
+        engine: Engine | None = None,
+        token_state_wait_s: float = 0.0,
     ) -> None:
         self.upstream_url = upstream_url
         self.max_body_bytes = max_body_bytes
@@ -74,12 +84,13 @@ class Proxy:
         self.router = router
         self.writer = writer
         self.metrics = metrics
-        self.turns = TurnCounter()
-        self._upstream_headers = {"content-type": "application/json"}
+        self.seq_clock = SeqClock()
+        self.upstream_headers = {"content-type": "application/json"}
         if upstream_api_key:
-            self._upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
+            self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=upstream_timeout_s)
         self.session: aiohttp.ClientSession | None = None
+        self.token_in = TokenIn(self, engine, token_state_wait_s)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
@@ -102,7 +113,7 @@ class Proxy:
         assert self.session is not None
         try:
             async with self.session.get(
-                self.upstream_url + "/models", headers=self._upstream_headers, timeout=aiohttp.ClientTimeout(total=10)
+                self.upstream_url + "/models", headers=self.upstream_headers, timeout=aiohttp.ClientTimeout(total=10)
             ) as response:
                 if response.status != 200:
                     raise GatewayError(502, f"vLLM /models answered {response.status}", "upstream_error")
@@ -144,7 +155,7 @@ class Proxy:
             request=request,
             attribution=attribution,
             route=route,
-            seq=self.turns.assign(attribution.trajectory_id, retry_count > 0, idempotency_key),
+            seq=self.seq_clock.next(),
             retry_count=retry_count,
             idempotency_key=idempotency_key,
             stream=capture.vllm_bool(request.get("stream")),
@@ -157,18 +168,22 @@ class Proxy:
             (b"x-policy-version", str(route.version).encode()),
         ]
 
+        if endpoint == capture.CHAT and route.token_mode == "token_in":
+            await self.token_in.handle(call, upstream_body, asks, receive, send, out_headers)
+            return
+
         assert self.session is not None
         call.upstream_started = time.perf_counter()
         try:
             upstream = await self.session.post(
-                self.upstream_url + path.removeprefix("/v1"), data=upstream_payload, headers=self._upstream_headers
+                self.upstream_url + path.removeprefix("/v1"), data=upstream_payload, headers=self.upstream_headers
             )
         except asyncio.TimeoutError:
-            await self._fail(send, call, out_headers, GatewayError(504, "vLLM timed out", "upstream_error", "timeout"))
+            await self.fail(send, call, out_headers, GatewayError(504, "vLLM timed out", "upstream_error", "timeout"))
             return
         except aiohttp.ClientError as exc:
             message = f"vLLM unreachable: {type(exc).__name__}: {exc}"
-            await self._fail(send, call, out_headers, GatewayError(502, message, "upstream_error", "upstream_error"))
+            await self.fail(send, call, out_headers, GatewayError(502, message, "upstream_error", "upstream_error"))
             return
 
         try:
@@ -193,7 +208,7 @@ class Proxy:
             raw = await upstream.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             status, message = (504, "vLLM timed out") if isinstance(exc, asyncio.TimeoutError) else (502, str(exc))
-            await self._fail(send, call, out_headers, GatewayError(status, message, "upstream_error"))
+            await self.fail(send, call, out_headers, GatewayError(status, message, "upstream_error"))
             return
         call.finished = time.perf_counter()
         call.status = upstream.status
@@ -205,17 +220,29 @@ class Proxy:
             except orjson.JSONDecodeError:
                 call.error = "upstream sent a body that is not JSON"
             else:
-                self._submit(call, response)
+                self.submit(call, response)
                 capture.strip_for_client(response, asks)
                 raw = orjson.dumps(response)
         else:
             # Postgres text cannot hold a NUL; an upstream error body is for people to read, so U+FFFD will do.
             call.error = raw[:4000].decode("utf-8", "replace").replace("\x00", "\ufffd")
         if response is None:
-            self._submit(call, None)
-        await _send_bytes(send, upstream.status, raw, [(b"content-type", content_type), *out_headers])
+            self.submit(call, None)
+        await self.send_answer(send, call, upstream.status, raw, content_type, out_headers)
+
+    async def send_answer(
+        self,
+        send: Any,
+        call: Call,
+        status: int,
+        body: bytes,
+        content_type: bytes,
+        out_headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        """Send a whole (non-stream) answer and count it, with the latency the gateway added around vLLM's time."""
+        await _send_bytes(send, status, body, [(b"content-type", content_type), *out_headers])
         done = time.perf_counter()
-        self.metrics.requests.labels(call.endpoint, str(upstream.status)).inc()
+        self.metrics.requests.labels(call.endpoint, str(status)).inc()
         self.metrics.upstream_latency.labels(call.endpoint).observe(call.finished - call.upstream_started)
         self.metrics.added_latency.labels(call.endpoint).observe(
             (call.upstream_started - call.received) + (done - call.finished)
@@ -246,7 +273,7 @@ class Proxy:
             call.finished = time.perf_counter()
             if not state["done"] and call.error is None:
                 call.error = "stream ended without [DONE]"
-            self._submit(call, assembler.response() if assembler.chunks else None)
+            self.submit(call, assembler.response() if assembler.chunks else None)
         await send(
             {
                 "type": "http.response.start",
@@ -301,7 +328,7 @@ class Proxy:
             state["done"] = True
 
         relay = asyncio.ensure_future(pump())
-        hangup = asyncio.ensure_future(_wait_for_disconnect(receive))
+        hangup = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             await asyncio.wait({relay, hangup}, return_when=asyncio.FIRST_COMPLETED)
             if not relay.done():
@@ -315,7 +342,7 @@ class Proxy:
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 call.error = f"vLLM stream broke: {type(exc).__name__}: {exc}"
                 record()  # in the log before the client hears of the failure, as for every answer
-                await _send_sse_error(send, "vLLM stream ended unexpectedly")
+                await send_sse_error(send, "vLLM stream ended unexpectedly")
             except OSError:  # a write to a client that already left (aiohttp's own OSErrors are caught above)
                 if not state["done"]:
                     call.error = "client disconnected mid-stream"
@@ -324,7 +351,7 @@ class Proxy:
                 call.error = f"stream relay failed: {type(exc).__name__}: {exc}"
                 record()
                 with contextlib.suppress(OSError):
-                    await _send_sse_error(send, "the gateway could not relay vLLM's stream")
+                    await send_sse_error(send, "the gateway could not relay vLLM's stream")
         finally:
             hangup.cancel()
             if not state["done"]:
@@ -335,21 +362,24 @@ class Proxy:
                 self.metrics.upstream_latency.labels(call.endpoint).observe(call.first_chunk - call.upstream_started)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _fail(
+    async def fail(
         self, send: Any, call: Call, out_headers: list[tuple[bytes, bytes]], error: GatewayError
     ) -> None:
         call.finished = time.perf_counter()
         call.status = error.status
         call.error = error.message
-        self._submit(call, None)
+        self.submit(call, None)
         self.metrics.requests.labels(call.endpoint, str(error.status)).inc()
         await send_json(send, error.status, error.body(), out_headers)
 
-    def _submit(self, call: Call, response: dict[str, Any] | None) -> None:
+    def submit(self, call: Call, response: dict[str, Any] | None) -> None:
         """One record per choice (n > 1 gives several rows of the same turn); one error record if none."""
         latency_ms = (call.finished - call.received) * 1000
         ttft_ms = (call.first_chunk - call.received) * 1000 if call.first_chunk is not None else None
-        choices = capture.choices_from_response(response, call.endpoint) if response else []
+        if call.captured is not None:
+            choices = call.captured
+        else:
+            choices = capture.choices_from_response(response, call.endpoint) if response else []
         stored_response = capture.slim_response(response) if response else None
         if not choices:
             choices = [capture.ChoiceCapture(0, None, None, None, None)]
@@ -392,6 +422,8 @@ class Proxy:
                     retry_count=call.retry_count,
                     idempotency_key=call.idempotency_key,
                     created_at=call.created_at,
+                    history_key=call.history_keys.get(choice.index),
+                    segment_reason=call.segment_reason,
                 )
             )
 
@@ -467,11 +499,6 @@ def _int_header(value: str | None) -> int:
         return 0
 
 
-async def _wait_for_disconnect(receive: Any) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
 async def _send_bytes(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     await send(
         {
@@ -485,8 +512,3 @@ async def _send_bytes(send: Any, status: int, body: bytes, headers: list[tuple[b
 
 async def send_json(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     await _send_bytes(send, status, body, [(b"content-type", b"application/json"), *headers])
-
-
-async def _send_sse_error(send: Any, message: str) -> None:
-    event = orjson.dumps({"error": {"message": message, "type": "upstream_error", "param": None, "code": None}})
-    await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True})

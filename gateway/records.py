@@ -42,6 +42,9 @@ class CallRecord:
     retry_count: int
     idempotency_key: str | None
     created_at: float
+    # token_in runs only (gateway.token_in); absent from records spooled before they existed.
+    history_key: str | None = None
+    segment_reason: str | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))

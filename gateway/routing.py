@@ -2,7 +2,8 @@
 
 The table lives in memory so the hot path never asks the database; the gateway refreshes it from the runs and
 their loaded policy versions in the background (and at once after `POST /v1/runs`). It also carries each run's
-sampling settings (overrides and `on_policy_sampling`), which the gateway applies to every call of the run.
+sampling settings (overrides and `on_policy_sampling`), which the gateway applies to every call of the run, and
+its token mode.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class Route:
     sampling: dict[str, Any] = field(default_factory=dict)
     # Train-mode calls are sampled neutral unless the run turned this off (gateway/sampling.py).
     on_policy_sampling: bool = True
+    # "chat" or "token_in" (gateway/run_config.py): how chat calls reach vLLM.
+    token_mode: str = "chat"
 
 
 class PolicyRouter:
@@ -47,7 +50,12 @@ class PolicyRouter:
         self.update(
             [
                 Route(
-                    row.run, row.version or 0, row.served_name or row.base_model, row.sampling, row.on_policy_sampling
+                    row.run,
+                    row.version or 0,
+                    row.served_name or row.base_model,
+                    row.sampling,
+                    row.on_policy_sampling,
+                    row.token_mode,
                 )
                 for row in route_table(engine)
             ]

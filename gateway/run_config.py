@@ -119,6 +119,12 @@ class RunConfig(BaseModel):
     # asked, so the sampled policy is the one trained. Off: the agent's values are sent and calls that use other
     # values are recorded untrainable.
     on_policy_sampling: bool = True
+    # "chat": vLLM renders every chat call with the chat template (what the agent sent is what the model sees).
+    # "token_in": the gateway keeps each trajectory's exact tokens and builds a turn from the previous turn's prompt +
+    # completion ids + the template's tokens for the new messages (gateway/token_in.py), so the model sees its own
+    # past actions exactly as it produced them and a trajectory trains as one sequence. Needs vLLM's
+    # --enable-scale-out.
+    token_mode: Literal["chat", "token_in"] = "chat"
     judge: JudgeConfig | None = None
 
     @field_validator("lora_rank")

@@ -307,6 +307,43 @@ def record_scale_out(rec: Recorder) -> None:
     )
 
 
+def record_token_in(rec: Recorder) -> None:
+    """The gateway's own token_in exchanges (render twice, generate, derender; streamed and not) for the tool loop in
+    tests/token_in_agent.py, recorded by running the real gateway in front of a recording proxy to this vLLM. The
+    loop runs in eval mode so the client's greedy sampling reaches vLLM and a re-record gives the same tokens; the
+    proxy holds each generate chunk until the gateway derendered the previous one (tests/fake_upstream.py lockstep),
+    the same one-chunk-per-derender sequence the fast tests replay."""
+    import tempfile
+
+    import httpx
+    import openai
+
+    from tests.fake_upstream import FakeUpstream
+    from tests.gateway_harness import running_gateway
+    from tests.token_in_agent import RUN, tool_loop
+
+    for stream in (False, True):
+        proxy = FakeUpstream(fixtures={}, forward_to=rec.root_url).start()
+        try:
+            with tempfile.TemporaryDirectory() as tmp, running_gateway(
+                database_url=f"sqlite:///{tmp}/trajgate.db",
+                upstream_url=proxy.base_url,
+                base_model=MODEL,
+                spool_dir=f"{tmp}/spool",
+            ) as gateway:
+                config = {"name": RUN, "config": {"token_mode": "token_in"}}
+                httpx.post(gateway.url + "/v1/runs", json=config, timeout=30).raise_for_status()
+                client = openai.OpenAI(base_url=f"{gateway.url}/eval/t/recorded/v1", api_key="x", max_retries=0)
+                tool_loop(client, stream)
+        finally:
+            proxy.stop()
+        name = "token_in_tool_loop_stream" if stream else "token_in_tool_loop"
+        fixture = {"name": name, "path": None, "exchanges": proxy.recorded, "vllm_version": rec.vllm_version}
+        (rec.out_dir / f"{name}.json").write_text(json.dumps(fixture, indent=1) + "\n")
+        rec.recorded[name] = fixture
+        print(f"{name}: {[(e['path'], e['status']) for e in proxy.recorded]}", flush=True)
+
+
 def record_all(rec: Recorder) -> None:
     path = "/v1/chat/completions"
     question = [
@@ -330,6 +367,7 @@ def record_all(rec: Recorder) -> None:
     )
     record_conversation(rec)
     record_scale_out(rec)
+    record_token_in(rec)
     rec.record("completions", "POST", "/v1/completions", completion("The capital of France is"))
     rec.record(
         "completions_stream",
@@ -414,10 +452,13 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
-        "--only", choices=("all", "scale_out"), default="all", help="record every scenario, or only scale_out_*"
+        "--only",
+        choices=("all", "scale_out", "token_in"),
+        default="all",
+        help="record every scenario, or only scale_out_* or token_in_*",
     )
     args = parser.parse_args()
-    record = record_scale_out if args.only == "scale_out" else record_all
+    record = {"scale_out": record_scale_out, "token_in": record_token_in}.get(args.only, record_all)
     if args.base_url:
         recorder = Recorder(args.base_url, args.out)
         record(recorder)

@@ -6,6 +6,11 @@ the gateway sets in train mode (gateway.sampling.NEUTRAL) are left out of the ma
 re-record gives the same tokens, while train mode samples at temperature 1; tests assert those parameters on
 `received`. Fault modes (`mode`) cover what real
 vLLM can't be made to do on demand: a 500, a hang, a stream cut mid-way.
+
+A fixture may hold several `exchanges` (token_in's render/generate/derender sequences, recorded through this very
+class with `forward_to` a real vLLM): each is served like a fixture of its own. `lockstep` makes a streamed
+`/inference/v1/generate` send its next chunk only once the derender of the previous one has arrived, so the
+gateway derenders one chunk at a time in replay exactly as it did while recording, whatever the machine's load.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientSession, web
 
 from gateway.sampling import NEUTRAL
 
@@ -24,7 +29,15 @@ FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 
 
 def load_fixtures(directory: Path = FIXTURES) -> dict[str, dict[str, Any]]:
-    return {path.stem: json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))}
+    """Every recording by name; a file of `exchanges` gives one entry per exchange (`<name>#<i>`)."""
+    fixtures: dict[str, dict[str, Any]] = {}
+    for path in sorted(directory.glob("*.json")):
+        fixture = json.loads(path.read_text())
+        fixtures[path.stem] = fixture
+        for i, exchange in enumerate(fixture.get("exchanges") or ()):
+            fixtures[f"{path.stem}#{i}"] = {"path": fixture["path"], "stream": False, **exchange}
+            fixtures[f"{path.stem}#{i}"].setdefault("headers", {"content-type": "application/json"})
+    return fixtures
 
 
 _TRUE = (True, 1, "1", "on", "t", "true", "y", "yes")
@@ -36,6 +49,12 @@ def _without_sampling(body: Any) -> Any:
     if not isinstance(body, dict):
         return body
     out = {k: v for k, v in body.items() if k not in NEUTRAL}
+    if isinstance(out.get("chat_request"), dict):  # token_in's derender carries the chat request as sent
+        out["chat_request"] = _without_sampling(out["chat_request"])
+    for generated in ("generate_response", "generate_chunk"):
+        # ... and the generate answer it derenders, whose id and clock vLLM picks anew for every request
+        if isinstance(out.get(generated), dict):
+            out[generated] = {k: v for k, v in out[generated].items() if k not in ("request_id", "created")}
     if "stream" in out:
         flag = out["stream"]
         out["stream"] = (flag.lower() if isinstance(flag, str) else flag) in _TRUE
@@ -45,10 +64,20 @@ def _without_sampling(body: Any) -> Any:
 class FakeUpstream:
     """Runs an aiohttp server on its own thread and loop; tests read `received` and set `mode`."""
 
-    def __init__(self, fixtures: dict[str, dict[str, Any]] | None = None, chunk_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        fixtures: dict[str, dict[str, Any]] | None = None,
+        chunk_delay_s: float = 0.0,
+        forward_to: str | None = None,
+    ) -> None:
         self.fixtures = fixtures if fixtures is not None else load_fixtures()
         self.chunk_delay_s = chunk_delay_s
-        self.mode = "replay"  # replay | error500 | hang | cut_stream | slow_stream
+        # Recording: requests no fixture answers go to this real vLLM (root URL) and land in `recorded`.
+        self.forward_to = forward_to
+        self.recorded: list[dict[str, Any]] = []
+        self.lockstep = True
+        self._derenders = 0
+        self.mode = "replay"  # replay | error500 | fail_once (one 500, then replay) | hang | cut_stream | slow_stream | forbidden
         self.received: list[dict[str, Any]] = []
         self.cancelled_streams = 0
         self.port = 0
@@ -82,14 +111,22 @@ class FakeUpstream:
         except ValueError:
             return web.json_response({"error": {"message": "bad json", "type": "BadRequestError", "code": 400}}, status=400)
         self.received.append(body)
-        if self.mode == "error500":
+        if self.mode in ("error500", "fail_once"):
+            if self.mode == "fail_once":
+                self.mode = "replay"
             return web.json_response(
                 {"error": {"message": "EngineCore died", "type": "InternalServerError", "param": None, "code": 500}},
                 status=500,
             )
         if self.mode == "hang":
             await asyncio.sleep(3600)
+        if self.mode == "forbidden":  # vLLM's scale-out endpoints without --enable-scale-out
+            return web.json_response({"detail": "Forbidden"}, status=403)
+        if request.path.endswith("/derender"):
+            self._derenders += 1
         fixture = self._match(request.path, body)
+        if fixture is None and self.forward_to is not None:
+            return await self._forward(request, body)
         if fixture is None:
             message = f"fake upstream: no recorded response for {request.path} with body {json.dumps(body)[:400]}"
             return web.json_response({"error": {"message": message, "type": "NoFixture", "code": 418}}, status=418)
@@ -100,11 +137,51 @@ class FakeUpstream:
             return web.Response(status=fixture["status"], body=text.encode(), headers={"content-type": content_type})
         return await self._stream(request, fixture["chunks"])
 
+    async def _in_step(self, request: web.Request, derenders_before: int, position: int) -> None:
+        """In lockstep, a token_in generate stream waits for the derender of each chunk it sent."""
+        if not (self.lockstep and request.path.endswith("/generate")):
+            return
+        deadline = asyncio.get_running_loop().time() + 10
+        while self._derenders < derenders_before + position and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.002)
+
+    async def _forward(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """Recording: ask the real vLLM, keep the exchange, answer as it did."""
+        exchange: dict[str, Any] = {"path": request.path, "request": body}
+        self.recorded.append(exchange)
+        async with ClientSession() as session:
+            async with session.post(self.forward_to + request.path, json=body) as upstream:
+                content_type = upstream.headers.get("content-type", "")
+                exchange["status"] = upstream.status
+                if not (body.get("stream") and content_type.startswith("text/event-stream")):
+                    text = await upstream.text()
+                    exchange.update(stream=False, response=json.loads(text) if "json" in content_type else text)
+                    headers = {"content-type": content_type}
+                    return web.Response(status=upstream.status, body=text.encode(), headers=headers)
+                chunks: list[str] = []
+                exchange.update(stream=True, chunks=chunks)
+                response = web.StreamResponse(status=200, headers={"content-type": content_type})
+                await response.prepare(request)
+                derenders_before = self._derenders
+                buffer = b""
+                async for data in upstream.content.iter_any():
+                    buffer += data
+                    *lines, buffer = buffer.split(b"\n")
+                    for line in lines:
+                        if line.startswith(b"data: "):
+                            await self._in_step(request, derenders_before, len(chunks))
+                            chunks.append(line[6:].decode())
+                            await response.write(line + b"\n\n")
+                await response.write_eof()
+                return response
+
     async def _stream(self, request: web.Request, chunks: list[str]) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers={"content-type": "text/event-stream; charset=utf-8"})
         await response.prepare(request)
+        derenders_before = self._derenders
         try:
             for position, payload in enumerate(chunks):
+                await self._in_step(request, derenders_before, position)
                 if self.mode == "cut_stream" and position == len(chunks) // 2:
                     request.transport.close()  # type: ignore[union-attr]
                     return response
@@ -125,6 +202,7 @@ class FakeUpstream:
             app = web.Application(client_max_size=64 * 1024 * 1024)
             app.router.add_get("/v1/models", self._models)
             app.router.add_post("/v1/{tail:.*}", self._post)
+            app.router.add_post("/inference/v1/{tail:.*}", self._post)
             self._runner = web.AppRunner(app, handle_signals=False)
             await self._runner.setup()
             site = web.TCPSite(self._runner, "127.0.0.1", 0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Engine, MetaData, func, select
 
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.db import make_engine
@@ -14,8 +14,9 @@ from gateway.store.models import Call, Group, Trajectory
 
 def stored_calls(db_url: str, trajectory_id: str) -> list[dict[str, Any]]:
     """The trajectory's calls in order, arrays decoded, with the group they landed in. `prompt_token_ids` is the
-    full prompt (rebuilt from the predecessor's ids, gateway.store.lineage); what the row itself holds is
-    `stored_prompt_token_ids`."""
+    full prompt (rebuilt from the predecessor's ids, gateway.store.lineage) and `request` the full request (rebuilt
+    from the predecessor's messages, gateway.store.messages); what the row itself holds is `stored_prompt_token_ids`
+    and `stored_request`."""
     engine = make_engine(db_url)
     try:
         with engine.connect() as conn:
@@ -47,10 +48,40 @@ def stored_calls(db_url: str, trajectory_id: str) -> list[dict[str, Any]]:
             call["parent_seq"],
             call["prefix_len"],
         )
+        call["stored_request"] = call["request"]
+        call["request"] = rebuilder.request(
+            call["seq"], call["choice_index"], call["request"], call["messages_parent_seq"], call["messages_prefix_len"]
+        )
         call["completion_logprobs"] = decode_logprobs(call["completion_logprobs"])
         call["group"] = {"group_id": row.g_id, "expected_size": row.g_size, "mode": row.g_mode}
         out.append(call)
     return out
+
+
+def insert_old_calls(engine: Engine, rows: list[dict[str, Any]]) -> None:
+    """Calls as an older schema revision stored them, with the run, group and trajectory they name (run-a, group-1,
+    traj-1): the tables are reflected from the database, so each row is typed the way that revision stored it and
+    keeps only the columns it had."""
+    created = rows[0]["created_at"]
+    with engine.begin() as conn:
+        tables = MetaData()
+        tables.reflect(conn, only=["runs", "groups", "trajectories", "calls"])
+        conn.execute(
+            tables.tables["runs"].insert(),
+            {"name": "run-a", "base_model": "base-model", "config": {}, "created_at": created, "updated_at": created},
+        )
+        conn.execute(
+            tables.tables["groups"].insert(),
+            {"group_id": "group-1", "run": "run-a", "mode": "train", "closed": False, "state": "open",
+             "created_at": created},
+        )
+        conn.execute(
+            tables.tables["trajectories"].insert(),
+            {"trajectory_id": "traj-1", "run": "run-a", "group_id": "group-1", "mode": "train",
+             "untrainable_calls": 0, "created_at": created},
+        )
+        calls = tables.tables["calls"]
+        conn.execute(calls.insert(), [{k: v for k, v in row.items() if k in calls.c} for row in rows])
 
 
 def count_calls(db_url: str) -> int:

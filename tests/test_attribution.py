@@ -6,7 +6,7 @@ import pytest
 
 from gateway.attribution import attribute, check_run, split_api_key, split_path
 from gateway.errors import GatewayError
-from gateway.turns import TurnCounter
+from gateway.turns import SeqClock
 
 
 def test_headers_win_over_path_and_key() -> None:
@@ -74,13 +74,9 @@ def test_run_names() -> None:
         assert info.value.status == 400
 
 
-def test_turn_counter_orders_and_replaces_retries() -> None:
-    turns = TurnCounter()
-    first = turns.assign("t", is_retry=False, idempotency_key=None)
-    second = turns.assign("t", is_retry=False, idempotency_key=None)
-    assert second > first
-    assert turns.assign("t", is_retry=True, idempotency_key=None) == second
-    keyed = turns.assign("t", is_retry=False, idempotency_key="k1")
-    turns.assign("t", is_retry=False, idempotency_key=None)
-    assert turns.assign("t", is_retry=False, idempotency_key="k1") == keyed
-    assert turns.assign("other", is_retry=True, idempotency_key=None) > 0
+def test_seq_clock_is_strictly_increasing_even_within_one_clock_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = SeqClock()
+    monkeypatch.setattr("gateway.turns.time.time_ns", lambda: 5_000)
+    assert [clock.next() for _ in range(3)] == [5_000, 5_001, 5_002]
+    monkeypatch.setattr("gateway.turns.time.time_ns", lambda: 9_000)
+    assert clock.next() == 9_000

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, MetaData, func, select, text, update
+from sqlalchemy import Engine, func, select, text, update
 
 from gateway.records import CallRecord
 from gateway.store import db
@@ -22,6 +22,7 @@ from gateway.store.runs import run_view
 from gateway.store.records import write_calls
 from gateway.store.training import load_groups
 from tests.factories import make_record
+from tests.stored import insert_old_calls
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 TURNS = ("conversation_turn1", "conversation_turn2_tool_call", "conversation_turn2_tool_result", "conversation_turn3")
@@ -147,16 +148,25 @@ def _every_read(engine: Engine, trajectory_id: str) -> dict[str, list[list[int] 
     }
 
 
-@pytest.mark.parametrize("batching", ["one_batch", "a_batch_per_call", "a_batch_per_call_cold"])
-def test_linear_storage_round_trips_exactly(engine: Engine, batching: str) -> None:
-    calls = _conversation()
+BATCHINGS = ["one_batch", "a_batch_per_call", "a_batch_per_call_cold"]
+
+
+def _write_batched(engine: Engine, calls: list[CallRecord], batching: str) -> None:
+    """Write the calls as the writer may: all in one batch, one per batch, or one per batch with a cold predecessor
+    cache each time (another gateway process wrote the predecessor)."""
     if batching == "one_batch":
         write_calls(engine, calls)
-    else:
-        for call in calls:
-            write_calls(engine, [call])
-            if batching.endswith("cold"):
-                _forget_cache(engine)
+        return
+    for call in calls:
+        write_calls(engine, [call])
+        if batching.endswith("cold"):
+            _forget_cache(engine)
+
+
+@pytest.mark.parametrize("batching", BATCHINGS)
+def test_linear_storage_round_trips_exactly(engine: Engine, batching: str) -> None:
+    calls = _conversation()
+    _write_batched(engine, calls, batching)
 
     rows = _stored(engine, "traj-1")
     assert [r.merge_reason for r in rows] == ["first_call", "extends", "template_dropped_tool_call", "extends"]
@@ -237,29 +247,7 @@ def test_migration_keeps_old_calls_readable_and_new_calls_compact_against_them(d
     engine = db.make_engine(db_url)
     try:
         turn1, turn2 = _conversation()[:2]
-        row = store_records._call_row(turn1, classify(turn1.prompt_token_ids, None))
-        for column in ("merge_reason", "divergence", "parent_seq", "prefix_len"):
-            del row[column]
-        created = row["created_at"]
-        with engine.begin() as conn:
-            # The tables as revision 0003 made them (reflected), so the row is typed the way 0003 stored it.
-            tables = MetaData()
-            tables.reflect(conn, only=["runs", "groups", "trajectories", "calls"])
-            conn.execute(
-                tables.tables["runs"].insert(),
-                {"name": "run-a", "base_model": "base-model", "config": {}, "created_at": created, "updated_at": created},
-            )
-            conn.execute(
-                tables.tables["groups"].insert(),
-                {"group_id": "group-1", "run": "run-a", "mode": "train", "closed": False, "state": "open",
-                 "created_at": created},
-            )
-            conn.execute(
-                tables.tables["trajectories"].insert(),
-                {"trajectory_id": "traj-1", "run": "run-a", "group_id": "group-1", "mode": "train",
-                 "untrainable_calls": 0, "created_at": created},
-            )
-            conn.execute(tables.tables["calls"].insert(), row)
+        insert_old_calls(engine, [store_records._call_row(turn1, classify(turn1.prompt_token_ids, None))])
         db.upgrade(db_url)
         _forget_cache(engine)
         write_calls(engine, [turn2])

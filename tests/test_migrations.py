@@ -14,7 +14,7 @@ from gateway.store import db
 from gateway.store.models import Base
 
 TABLES = {"runs", "policy_versions", "groups", "trajectories", "calls", "train_steps", "trainer_leases"}
-HEAD = "0004"
+HEAD = "0007"
 
 
 def _tables(url: str) -> set[str]:
@@ -55,11 +55,13 @@ def test_indexes_for_later_queries(db_url: str) -> None:
         group_ix = {tuple(ix["column_names"]) for ix in insp.get_indexes("groups")}
         traj_ix = {tuple(ix["column_names"]) for ix in insp.get_indexes("trajectories")}
         call_uq = {tuple(uq["column_names"]) for uq in insp.get_unique_constraints("calls")}
+        call_ix = {tuple(ix["column_names"]) for ix in insp.get_indexes("calls")}
     finally:
         engine.dispose()
     assert ("run", "state", "ready_at") in group_ix
     assert ("group_id",) in traj_ix
     assert ("trajectory_id", "seq", "choice_index") in call_uq
+    assert ("trajectory_id", "history_key") in call_ix  # token_in finds a call's predecessor by its history
 
 
 def test_cli_migrate_twice(db_url: str) -> None:

@@ -77,6 +77,8 @@ def _with_calls(conn: Any, page: list[Any]) -> Iterator[dict[str, Any]]:
             Call.divergence,
             Call.parent_seq,
             Call.prefix_len,
+            Call.messages_parent_seq,
+            Call.messages_prefix_len,
         )
         .join(Trajectory, Trajectory.trajectory_id == Call.trajectory_id)
         .where(Call.trajectory_id.in_([row.trajectory_id for row in page]))
@@ -119,7 +121,10 @@ def _call(row: Any, turn: int, rebuilder: Rebuilder) -> dict[str, Any]:
         "choice_index": row.choice_index,
         "policy_version": row.policy_version,
         "endpoint": row.endpoint,
-        "messages": request_input(row.request, row.endpoint),
+        "messages": request_input(
+            rebuilder.request(row.seq, row.choice_index, row.request, row.messages_parent_seq, row.messages_prefix_len),
+            row.endpoint,
+        ),
         "completion": completion,
         "tool_calls": tool_calls,
         "prompt_token_ids": rebuilder.prompt(

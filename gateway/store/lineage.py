@@ -19,12 +19,17 @@ completion ids; the trainer merges such calls into one row (DESIGN §6). Otherwi
 the call extends it or has no predecessor). Storage: a call stores only its prompt ids past the prefix it shares with
 the predecessor's prompt + completion (`prefix_len` tokens, taken from the row at `parent_seq`), so a trajectory's
 stored ids grow with its length, not with the square of its turns; `Rebuilder` puts full prompts back together.
+The request's chat messages are stored the same way against the same predecessor (gateway.store.messages): only the
+messages past those it shares with the predecessor's request, `messages_prefix_len` of them from
+`messages_parent_seq`. That holds even when the ids do not extend (a template that drops tool calls still sees the
+messages grow by appending), so it has its own pair of columns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 EXTENDS = "extends"
 FIRST_CALL = "first_call"
@@ -54,6 +59,8 @@ class Predecessor:
     prompt_ids: list[int] | None
     completion_ids: list[int] | None
     tool_call: bool
+    # Digests of the predecessor's request messages (gateway.store.messages), None if it had no message list.
+    messages: bytes | None = None
 
     @property
     def tokens(self) -> list[int] | None:
@@ -70,6 +77,8 @@ class Lineage:
     divergence: int | None
     parent_seq: int | None
     prefix_len: int
+    messages_parent_seq: int | None = None
+    messages_prefix_len: int = 0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -104,15 +113,18 @@ def classify(prompt: list[int] | None, predecessor: Predecessor | None) -> Linea
 
 
 class Rebuilder:
-    """Restores full prompt ids from stored rows fed in (seq, choice_index) order, one trajectory at a time.
+    """Restores full prompt ids and requests from stored rows fed in (seq, choice_index) order, one trajectory at a
+    time.
 
     A row's stored prompt is its ids past `prefix_len`; the prefix comes from the full prompt + completion of choice 0
-    at `parent_seq`, which always precedes it. Rows written before linear storage have no parent and hold their full
-    prompt, so they pass through unchanged.
+    at `parent_seq`, which always precedes it. Its stored request holds only the messages past `messages_prefix_len`,
+    whose leading ones are choice 0's full messages at `messages_parent_seq`. Rows written before linear storage have
+    no parent and hold their full prompt and request, so they pass through unchanged.
     """
 
     def __init__(self) -> None:
         self._tokens: dict[int, list[int] | None] = {}
+        self._messages: dict[int, list[Any] | None] = {}
 
     def prompt(
         self,
@@ -137,3 +149,28 @@ class Rebuilder:
     def tokens(self, seq: int) -> list[int] | None:
         """Full prompt + completion of choice 0 at `seq`, if it was fed."""
         return self._tokens.get(seq)
+
+    def request(
+        self,
+        seq: int,
+        choice_index: int,
+        stored: dict[str, Any] | None,
+        parent_seq: int | None,
+        prefix_len: int | None,
+    ) -> dict[str, Any] | None:
+        """The call's full request, its keys in stored order; raises LookupError on a broken chain, as `prompt`."""
+        full = stored
+        if parent_seq is not None and prefix_len:
+            parent = self._messages.get(parent_seq)
+            own = (stored or {}).get("messages")
+            if parent is None or len(parent) < prefix_len or stored is None or not isinstance(own, list):
+                raise LookupError(f"call at seq {seq} refers to the messages of seq {parent_seq}, which are missing")
+            full = {**stored, "messages": parent[:prefix_len] + own}
+        if choice_index == 0:
+            messages = (full or {}).get("messages")
+            self._messages[seq] = messages if isinstance(messages, list) else None
+        return full
+
+    def messages(self, seq: int) -> list[Any] | None:
+        """Full request messages of choice 0 at `seq`, if it was fed."""
+        return self._messages.get(seq)

@@ -127,7 +127,8 @@ class Call(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     trajectory_id: Mapped[str] = mapped_column(ForeignKey("trajectories.trajectory_id", ondelete="CASCADE"))
-    # Order within the trajectory; a retried call reuses the seq of the attempt it replaces.
+    # Order within the trajectory (the gateway's nanosecond clock at receipt). A call's row sits at the seq of the
+    # attempt it holds: the newest, the one the client saw answered (gateway.store.attempts).
     seq: Mapped[int] = mapped_column(BigInteger)
     choice_index: Mapped[int] = mapped_column(Integer, default=0)
     run: Mapped[str] = mapped_column(String(ID_LENGTH))
@@ -157,8 +158,24 @@ class Call(Base):
     # choice 0's prompt + completion at parent_seq in the same trajectory. No parent: the whole prompt is stored.
     parent_seq: Mapped[int | None] = mapped_column(BigInteger)
     prefix_len: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # token_in runs (gateway.token_in): hash of the messages answered plus the assistant message returned, by which
+    # the next call finds this one; and why the call started a new token sequence (null when it continued one).
+    history_key: Mapped[str | None] = mapped_column(String(64))
+    segment_reason: Mapped[str | None] = mapped_column(String(32))
+    # The same for the request's chat messages (gateway.store.messages): `request` holds only the messages past the
+    # first messages_prefix_len, which are the leading messages of choice 0's full request at messages_parent_seq.
+    messages_parent_seq: Mapped[int | None] = mapped_column(BigInteger)
+    messages_prefix_len: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Retry matching (gateway.store.attempts): the request's identity in its trajectory, and the earliest attempt of
+    # the call this row stands for. Null on calls written before 0007, which are never matched.
+    request_hash: Mapped[bytes | None] = mapped_column(LargeBinary)
+    first_seq: Mapped[int | None] = mapped_column(BigInteger)
+    first_retry_count: Mapped[int | None] = mapped_column(Integer)
 
-    __table_args__ = (UniqueConstraint("trajectory_id", "seq", "choice_index"),)
+    __table_args__ = (
+        UniqueConstraint("trajectory_id", "seq", "choice_index"),
+        Index(None, "trajectory_id", "history_key"),
+    )
 
 
 class TrainerLease(Base):

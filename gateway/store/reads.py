@@ -85,6 +85,8 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
         Call.divergence,
         Call.parent_seq,
         Call.prefix_len,
+        Call.messages_parent_seq,
+        Call.messages_prefix_len,
     ]
     if include_tokens:
         columns += [Call.prompt_token_ids, Call.completion_token_ids, Call.completion_logprobs]
@@ -110,7 +112,12 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
             "policy_version": row.policy_version,
             "endpoint": row.endpoint,
             "stream": row.stream,
-            "messages": request_input(row.request, row.endpoint),
+            "messages": request_input(
+                rebuilder.request(
+                    row.seq, row.choice_index, row.request, row.messages_parent_seq, row.messages_prefix_len
+                ),
+                row.endpoint,
+            ),
             "completion": completion,
             "tool_calls": tool_calls,
             # packed int32, past the prefix shared with the predecessor

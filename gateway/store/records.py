@@ -1,9 +1,11 @@
 """Persisting captured calls: the one statement path every record takes into the database.
 
 Writes are upserts so the same record can arrive more than once (spool replay after a crash between commit and
-delete, a batch re-spooled after a partial failure) and still leave exactly one row, and so a client's retry of a
-call (same trajectory and seq) replaces the attempt it retried. The newest attempt (by created_at) wins whatever
-order they arrive in, because a record that spilled to the spool can reach the database after its retry.
+delete, a batch re-spooled after a partial failure) and still leave exactly one row. A client's retry of a call
+replaces the attempt it retried: which stored rows an incoming attempt belongs with is decided here, in the writer's
+transaction, by content (gateway.store.attempts), so it does not matter which gateway process saw which attempt. The
+newest attempt (by created_at) wins whatever order they arrive in, because a record that spilled to the spool can
+reach the database after its retry.
 """
 
 from __future__ import annotations
@@ -13,17 +15,20 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from functools import cache
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Connection, Engine, Executable, Table, bindparam, func, select, text, update
+from sqlalchemy import Connection, Engine, Executable, Table, bindparam, delete, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
+from gateway.store.attempts import Attempt, Settlement, request_hash, settle
 from gateway.store.lineage import Lineage, Predecessor, Rebuilder, classify
+from gateway.store.messages import compact_request, keeps_key_order, message_digests, shared_messages
 from gateway.store.models import Call, Group, Run, Trajectory
 
 _runs = cast(Table, Run.__table__)
@@ -31,6 +36,7 @@ _groups = cast(Table, Group.__table__)
 _trajectories = cast(Table, Trajectory.__table__)
 _calls = cast(Table, Call.__table__)
 _CALL_KEY = ("trajectory_id", "seq", "choice_index")
+_Seq = tuple[str, int]  # (trajectory_id, seq): one attempt of a call, all its choices
 
 
 class _Statements(NamedTuple):
@@ -107,8 +113,11 @@ def _statements(dialect: str) -> _Statements:
     )
 
 
-def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
+def _call_row(
+    record: CallRecord, lineage: Lineage, hash_: bytes | None = None, first: tuple[int, int] | None = None
+) -> dict[str, Any]:
     prompt = record.prompt_token_ids
+    first_seq, first_retry_count = first if first is not None else (record.seq, record.retry_count)
     return {
         "id": record.id,
         "trajectory_id": record.trajectory_id,
@@ -118,8 +127,8 @@ def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
         "policy_version": record.policy_version,
         "endpoint": record.endpoint,
         "stream": record.stream,
-        "request": record.request,
-        "response": record.response,
+        "request": compact_request(record.request, lineage.messages_prefix_len),
+        "response": _own_choice(record.response, record.choice_index),
         "prompt_token_ids": encode_ids(prompt[lineage.prefix_len :] if prompt is not None else None),
         "completion_token_ids": encode_ids(record.completion_token_ids),
         "completion_logprobs": encode_logprobs(record.completion_logprobs),
@@ -138,6 +147,13 @@ def _call_row(record: CallRecord, lineage: Lineage) -> dict[str, Any]:
         "divergence": lineage.divergence,
         "parent_seq": lineage.parent_seq,
         "prefix_len": lineage.prefix_len,
+        "history_key": record.history_key,
+        "segment_reason": record.segment_reason,
+        "messages_parent_seq": lineage.messages_parent_seq,
+        "messages_prefix_len": lineage.messages_prefix_len,
+        "request_hash": hash_,
+        "first_seq": first_seq,
+        "first_retry_count": first_retry_count,
     }
 
 
@@ -158,6 +174,10 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
         if key not in latest or record.created_at >= latest[key].created_at:
             latest[key] = record
     calls = [latest[key] for key in sorted(latest)]
+    hashes: dict[_Seq, bytes | None] = {}
+    for record in calls:
+        if (record.trajectory_id, record.seq) not in hashes:
+            hashes[(record.trajectory_id, record.seq)] = request_hash(record)
 
     runs: dict[str, dict[str, Any]] = {}
     groups: dict[str, dict[str, Any]] = {}
@@ -197,7 +217,8 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
             )
         if conn.dialect.name == "postgresql":
             # One writer at a time per trajectory, so two gateways never derive a call's stored prefix from a
-            # predecessor the other is replacing. The untrainable update below locks these rows anyway.
+            # predecessor the other is replacing, and each settles retries against the other's committed attempts
+            # (gateway.store.attempts). The untrainable update below locks these rows anyway.
             conn.execute(
                 select(_trajectories.c.trajectory_id)
                 .where(_trajectories.c.trajectory_id.in_(sorted(trajectories)))
@@ -205,18 +226,33 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
                 .with_for_update()
             )
         # Unprepared: their IN lists vary in length, so each size would be a prepared statement of its own.
-        calls, lineages = _lineages(conn, calls)
+        digests: dict[str, bytes | None] = {}
+        calls, lineages, firsts = _lineages(conn, calls, hashes, digests)
         with _prepared(conn):
             if calls:
-                conn.execute(
-                    statements.calls, [_call_row(record, lineage) for record, lineage in zip(calls, lineages)]
-                )
+                rows = []
+                for record, lineage in zip(calls, lineages):
+                    key = (record.trajectory_id, record.seq)
+                    rows.append(_call_row(record, lineage, hashes[key], firsts[key]))
+                conn.execute(statements.calls, rows)
         conn.execute(statements.reopen, {"group_ids": sorted(groups)})
         conn.execute(statements.untrainable, {"ids": sorted(trajectories)})
     cache = _cache_for(engine)
     for record in calls:
         if record.choice_index == 0:
-            cache.remember(record.trajectory_id, _predecessor_of(record), record.id)
+            cache.remember(record.trajectory_id, _predecessor_of(record, digests[record.id]), record.id)
+
+
+def _own_choice(response: dict[str, Any] | None, choice_index: int) -> dict[str, Any] | None:
+    """The response as one choice's row stores it: with only that choice. Every choice of an `n > 1` call has a row
+    of its own, and each row holding all n choices made a call's stored response grow with the square of n; every
+    reader takes a row's answer from its own choice. A response whose choices are not all indexed is kept whole."""
+    choices = (response or {}).get("choices")
+    if response is None or not isinstance(choices, list) or len(choices) < 2:
+        return response
+    if not all(isinstance(c, dict) and isinstance(c.get("index"), int) for c in choices):
+        return response
+    return {**response, "choices": [c for c in choices if c["index"] == choice_index]}
 
 
 def _answered_tool_call(response: dict[str, Any] | None, choice_index: int) -> bool:
@@ -226,12 +262,13 @@ def _answered_tool_call(response: dict[str, Any] | None, choice_index: int) -> b
     return False
 
 
-def _predecessor_of(record: CallRecord) -> Predecessor:
+def _predecessor_of(record: CallRecord, messages: bytes | None) -> Predecessor:
     return Predecessor(
         record.seq,
         record.prompt_token_ids,
         record.completion_token_ids,
         _answered_tool_call(record.response, record.choice_index),
+        messages,
     )
 
 
@@ -241,10 +278,12 @@ class _Entry(NamedTuple):
     prompt: bytes | None  # packed like the columns: 4 bytes a token, not ~36 as a list of ints
     completion: bytes | None
     tool_call: bool
+    messages: bytes | None  # digests of the request's messages, not the messages
 
 
 class _LineageCache:
-    """The newest choice-0 call written per trajectory by this process, with its full ids, so that the next call
+    """The newest choice-0 call written per trajectory by this process, with its full ids and its messages' digests,
+    so that the next call
     of a trajectory usually finds its predecessor here instead of rebuilding it from the database. An entry is used
     only when the database still holds that very call (same id) at the predecessor's seq. Bounded by the bytes of
     ids it holds; the least recently written trajectories go first."""
@@ -260,7 +299,9 @@ class _LineageCache:
             entry = self._entries.get(trajectory_id)
         if entry is None or entry.call_id != call_id or entry.seq != seq:
             return None
-        return Predecessor(seq, decode_ids(entry.prompt), decode_ids(entry.completion), entry.tool_call)
+        return Predecessor(
+            seq, decode_ids(entry.prompt), decode_ids(entry.completion), entry.tool_call, entry.messages
+        )
 
     def remember(self, trajectory_id: str, predecessor: Predecessor, call_id: str) -> None:
         entry = _Entry(
@@ -269,6 +310,7 @@ class _LineageCache:
             encode_ids(predecessor.prompt_ids),
             encode_ids(predecessor.completion_ids),
             predecessor.tool_call,
+            predecessor.messages,
         )
         with self._lock:
             current = self._entries.get(trajectory_id)
@@ -285,7 +327,7 @@ class _LineageCache:
 
 
 def _size(entry: _Entry) -> int:
-    return len(entry.prompt or b"") + len(entry.completion or b"")
+    return len(entry.prompt or b"") + len(entry.completion or b"") + len(entry.messages or b"")
 
 
 _caches: weakref.WeakKeyDictionary[Engine, _LineageCache] = weakref.WeakKeyDictionary()
@@ -304,23 +346,32 @@ def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-def _rebuild(conn: Connection, trajectory_id: str) -> tuple[dict[tuple[int, int], list[int] | None], Rebuilder]:
-    """Every stored call of the trajectory with its full prompt ids, keyed by (seq, choice_index)."""
+class RebuiltCalls(NamedTuple):
+    prompts: dict[tuple[int, int], list[int] | None]
+    requests: dict[tuple[int, int], dict[str, Any] | None]
+    rebuilder: Rebuilder
+
+
+def rebuild_calls(conn: Connection, trajectory_id: str, requests: bool = True) -> RebuiltCalls:
+    """Every stored call of the trajectory with its full prompt ids and (unless `requests` is false: the schema
+    below revision 0006 has no message columns) its full request, keyed by (seq, choice_index)."""
+    columns = [
+        _calls.c.seq,
+        _calls.c.choice_index,
+        _calls.c.prompt_token_ids,
+        _calls.c.completion_token_ids,
+        _calls.c.parent_seq,
+        _calls.c.prefix_len,
+    ]
+    if requests:
+        columns += [_calls.c.request, _calls.c.messages_parent_seq, _calls.c.messages_prefix_len]
     rows = conn.execute(
-        select(
-            _calls.c.seq,
-            _calls.c.choice_index,
-            _calls.c.prompt_token_ids,
-            _calls.c.completion_token_ids,
-            _calls.c.parent_seq,
-            _calls.c.prefix_len,
-        )
-        .where(_calls.c.trajectory_id == trajectory_id)
-        .order_by(_calls.c.seq, _calls.c.choice_index)
+        select(*columns).where(_calls.c.trajectory_id == trajectory_id).order_by(_calls.c.seq, _calls.c.choice_index)
     ).all()
-    rebuilder = Rebuilder()
-    prompts = {
-        (row.seq, row.choice_index): rebuilder.prompt(
+    rebuilt = RebuiltCalls({}, {}, Rebuilder())
+    for row in rows:
+        key = (row.seq, row.choice_index)
+        rebuilt.prompts[key] = rebuilt.rebuilder.prompt(
             row.seq,
             row.choice_index,
             decode_ids(row.prompt_token_ids),
@@ -328,19 +379,28 @@ def _rebuild(conn: Connection, trajectory_id: str) -> tuple[dict[tuple[int, int]
             row.parent_seq,
             row.prefix_len,
         )
-        for row in rows
-    }
-    return prompts, rebuilder
+        if requests:
+            rebuilt.requests[key] = rebuilt.rebuilder.request(
+                row.seq, row.choice_index, row.request, row.messages_parent_seq, row.messages_prefix_len
+            )
+    return rebuilt
 
 
-def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecord], list[Lineage]]:
-    """Each record's merge diagnostics and storage prefix against its predecessor, in the same transaction.
+def _lineages(
+    conn: Connection, calls: list[CallRecord], hashes: dict[_Seq, bytes | None], digests: dict[str, bytes | None]
+) -> tuple[list[CallRecord], list[Lineage], dict[_Seq, tuple[int, int]]]:
+    """Each record's merge diagnostics and storage prefixes (ids and messages) against its predecessor, in the same
+    transaction, and the earliest attempt (first_seq, first_retry_count) each written row stands for; `digests` gets
+    each kept record's message digests, by record id.
 
-    Records older than the attempt already stored at their key are dropped (the upsert would skip them anyway). A
-    record that replaces a stored choice-0 call with different content would leave that call's compact children
-    pointing at ids that no longer exist, so those children get their full prompt back first.
+    Attempts are first settled into calls (gateway.store.attempts): an attempt older than its call's newest is not
+    written, and a stored row whose call now has a newer attempt elsewhere is deleted. Records older than the attempt
+    already stored at their key are dropped (the upsert would skip them anyway). A record that replaces or deletes a
+    stored choice-0 call would leave that call's compact children pointing at ids or messages that no longer exist,
+    so those children get their full prompt and request back first.
     """
     cache = _cache_for(conn.engine)
+    key_order = keeps_key_order(conn.dialect.name)
     trajectory_ids = sorted({record.trajectory_id for record in calls})
     stored: dict[str, dict[tuple[int, int], Any]] = {t: {} for t in trajectory_ids}
     for row in conn.execute(
@@ -351,40 +411,70 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
             _calls.c.id,
             _calls.c.created_at,
             _calls.c.parent_seq,
+            _calls.c.messages_parent_seq,
+            _calls.c.retry_count,
+            _calls.c.idempotency_key,
+            _calls.c.request_hash,
+            _calls.c.first_seq,
+            _calls.c.first_retry_count,
         ).where(_calls.c.trajectory_id.in_(trajectory_ids))
     ):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
 
+    by_trajectory: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
+    for record in calls:
+        by_trajectory[record.trajectory_id].append(record)
+    settlements = {t: _settle(stored[t], by_trajectory[t], hashes) for t in trajectory_ids}
+    firsts = {(t, seq): first for t, settlement in settlements.items() for seq, first in settlement.first.items()}
     kept: list[CallRecord] = []
     for record in calls:
+        if record.seq in settlements[record.trajectory_id].dropped:
+            continue
         row = stored[record.trajectory_id].get((record.seq, record.choice_index))
         if row is None or _aware(row.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
             kept.append(record)
+            digests[record.id] = message_digests(record.request, key_order)
 
     lineages: list[Lineage] = []
     for trajectory_id in trajectory_ids:
         records = [r for r in kept if r.trajectory_id == trajectory_id]
+        removed = settlements[trajectory_id].removed
         rows = stored[trajectory_id]
-        replaced = {
+        replaced = removed | {
             r.seq for r in records if r.choice_index == 0 and (r.seq, 0) in rows and rows[(r.seq, 0)].id != r.id
         }
         incoming = {(r.seq, r.choice_index) for r in records}
         orphans = [
-            key for key, row in rows.items() if row.parent_seq in replaced and key not in incoming
+            key
+            for key, row in rows.items()
+            if (row.parent_seq in replaced or row.messages_parent_seq in replaced)
+            and key not in incoming
+            and key[0] not in removed
         ]
-        rebuilt: tuple[dict[tuple[int, int], list[int] | None], Rebuilder] | None = None
+        rebuilt: RebuiltCalls | None = None
         if orphans:
-            rebuilt = _rebuild(conn, trajectory_id)
-            for seq, choice_index in orphans:
+            rebuilt = rebuild_calls(conn, trajectory_id)
+            for key in orphans:
                 conn.execute(
                     update(_calls)
                     .where(
                         _calls.c.trajectory_id == trajectory_id,
-                        _calls.c.seq == seq,
-                        _calls.c.choice_index == choice_index,
+                        _calls.c.seq == key[0],
+                        _calls.c.choice_index == key[1],
                     )
-                    .values(prompt_token_ids=encode_ids(rebuilt[0][(seq, choice_index)]), parent_seq=None, prefix_len=0)
+                    .values(
+                        prompt_token_ids=encode_ids(rebuilt.prompts[key]),
+                        parent_seq=None,
+                        prefix_len=0,
+                        request=rebuilt.requests[key],
+                        messages_parent_seq=None,
+                        messages_prefix_len=0,
+                    )
                 )
+        if removed:
+            conn.execute(delete(_calls).where(_calls.c.trajectory_id == trajectory_id, _calls.c.seq.in_(removed)))
+            rows = {key: row for key, row in rows.items() if key[0] not in removed}
+        _update_firsts(conn, trajectory_id, rows, settlements[trajectory_id])
         # After this batch, choice 0 at each seq is the incoming record if any, else the stored row.
         in_batch = {r.seq: r for r in records if r.choice_index == 0}
         choice0 = sorted({seq for seq, choice in rows if choice == 0} | set(in_batch))
@@ -394,15 +484,15 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
             if earlier:
                 seq = earlier[-1]
                 if seq in in_batch:
-                    predecessor = _predecessor_of(in_batch[seq])
+                    predecessor = _predecessor_of(in_batch[seq], digests[in_batch[seq].id])
                 else:
                     row = rows[(seq, 0)]
                     predecessor = cache.get(trajectory_id, seq, row.id)
                     if predecessor is None:
                         if rebuilt is None:
-                            rebuilt = _rebuild(conn, trajectory_id)
-                        tokens = rebuilt[1].tokens(seq)
-                        prompt = rebuilt[0].get((seq, 0))
+                            rebuilt = rebuild_calls(conn, trajectory_id)
+                        tokens = rebuilt.rebuilder.tokens(seq)
+                        prompt = rebuilt.prompts.get((seq, 0))
                         response = conn.execute(
                             select(_calls.c.response).where(
                                 _calls.c.trajectory_id == trajectory_id, _calls.c.seq == seq, _calls.c.choice_index == 0
@@ -413,24 +503,104 @@ def _lineages(conn: Connection, calls: list[CallRecord]) -> tuple[list[CallRecor
                             prompt,
                             None if tokens is None or prompt is None else tokens[len(prompt) :],
                             _answered_tool_call(response, 0),
+                            message_digests(rebuilt.requests.get((seq, 0)), key_order),
                         )
-            lineages.append(classify(record.prompt_token_ids, predecessor))
+            lineage = classify(record.prompt_token_ids, predecessor)
+            lineages.append(_with_messages(lineage, digests[record.id], predecessor))
     ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
-    return ordered, lineages
+    return ordered, lineages, firsts
+
+
+def _settle(rows: dict[tuple[int, int], Any], calls: list[CallRecord], hashes: dict[_Seq, bytes | None]) -> Settlement:
+    """One trajectory's incoming records folded into its stored calls; each seq is seen through its newest row."""
+    stored: dict[int, Attempt] = {}
+    for (seq, _), row in sorted(rows.items(), key=lambda item: _aware(item[1].created_at)):
+        first = None if row.first_seq is None else (row.first_seq, row.first_retry_count)
+        created_at = _aware(row.created_at).timestamp()
+        stored[seq] = _attempt(seq, row.request_hash, row.retry_count, created_at, row.idempotency_key, first)
+    incoming: dict[int, Attempt] = {}
+    for record in calls:
+        hash_ = hashes[(record.trajectory_id, record.seq)]
+        attempt = _attempt(record.seq, hash_, record.retry_count, record.created_at, record.idempotency_key, None)
+        if record.seq not in incoming or attempt.created_at > incoming[record.seq].created_at:
+            incoming[record.seq] = attempt
+    return settle(stored.values(), incoming.values())
+
+
+def _attempt(
+    seq: int, hash_: bytes | None, retry_count: int, created_at: float, key: str | None, first: tuple[int, int] | None
+) -> Attempt:
+    first_seq, first_retry_count = first if first is not None else (seq, retry_count)
+    # Rounded to the microsecond the timestamp columns keep, so a record and its own stored row compare equal.
+    return Attempt(seq, hash_, retry_count, round(created_at, 6), key is not None, first_seq, first_retry_count)
+
+
+def _update_firsts(
+    conn: Connection, trajectory_id: str, rows: dict[tuple[int, int], Any], settlement: Settlement
+) -> None:
+    """A stored call that an earlier attempt (arriving late) joined now stands for that attempt too."""
+    changed: set[int] = set()
+    for (seq, _), row in rows.items():
+        first = settlement.first.get(seq)
+        held = (row.first_seq, row.first_retry_count) if row.first_seq is not None else (seq, row.retry_count)
+        if first is not None and held != first:
+            changed.add(seq)
+    for seq in sorted(changed):
+        first_seq, first_retry_count = settlement.first[seq]
+        conn.execute(
+            update(_calls)
+            .where(_calls.c.trajectory_id == trajectory_id, _calls.c.seq == seq)
+            .values(first_seq=first_seq, first_retry_count=first_retry_count)
+        )
+
+
+def _with_messages(lineage: Lineage, own: bytes | None, predecessor: Predecessor | None) -> Lineage:
+    """The lineage with the messages' storage prefix: the leading messages shared with the predecessor's request."""
+    if predecessor is None:
+        return lineage
+    shared = shared_messages(own, predecessor.messages)
+    if not shared:
+        return lineage
+    return replace(lineage, messages_parent_seq=predecessor.seq, messages_prefix_len=shared)
 
 
 def materialize_prompts(conn: Connection) -> int:
     """Give every compact call its full prompt back (parent_seq null, prefix_len 0); returns how many were
     rewritten. For a downgrade below revision 0004, which drops the columns that explain a compact prompt."""
-    trajectory_ids = conn.execute(
-        select(_calls.c.trajectory_id).where(_calls.c.parent_seq.is_not(None)).distinct()
-    ).scalars().all()
+    return _materialize(
+        conn,
+        _calls.c.parent_seq,
+        False,
+        lambda rebuilt, key: {"prompt_token_ids": encode_ids(rebuilt.prompts[key]), "parent_seq": None, "prefix_len": 0},
+    )
+
+
+def materialize_requests(conn: Connection) -> int:
+    """Give every call with compact messages its full request back (messages_parent_seq null, messages_prefix_len
+    0); returns how many were rewritten. For a downgrade below revision 0006, which drops the columns that explain a
+    compact request."""
+    return _materialize(
+        conn,
+        _calls.c.messages_parent_seq,
+        True,
+        lambda rebuilt, key: {"request": rebuilt.requests[key], "messages_parent_seq": None, "messages_prefix_len": 0},
+    )
+
+
+def _materialize(
+    conn: Connection,
+    parent: Any,
+    requests: bool,
+    values: Callable[[RebuiltCalls, tuple[int, int]], dict[str, Any]],
+) -> int:
+    """Rewrite every row whose `parent` column is set with the `values` its rebuilt trajectory gives it."""
+    trajectory_ids = conn.execute(select(_calls.c.trajectory_id).where(parent.is_not(None)).distinct()).scalars().all()
     count = 0
     for trajectory_id in trajectory_ids:
-        prompts, _ = _rebuild(conn, trajectory_id)
+        rebuilt = rebuild_calls(conn, trajectory_id, requests=requests)
         compact = conn.execute(
             select(_calls.c.seq, _calls.c.choice_index).where(
-                _calls.c.trajectory_id == trajectory_id, _calls.c.parent_seq.is_not(None)
+                _calls.c.trajectory_id == trajectory_id, parent.is_not(None)
             )
         ).all()
         for row in compact:
@@ -441,7 +611,7 @@ def materialize_prompts(conn: Connection) -> int:
                     _calls.c.seq == row.seq,
                     _calls.c.choice_index == row.choice_index,
                 )
-                .values(prompt_token_ids=encode_ids(prompts[(row.seq, row.choice_index)]), parent_seq=None, prefix_len=0)
+                .values(**values(rebuilt, (row.seq, row.choice_index)))
             )
             count += 1
     return count

@@ -26,6 +26,7 @@ class RouteRow(NamedTuple):
     served_name: str | None
     sampling: dict[str, Any]
     on_policy_sampling: bool
+    token_mode: str
 
 
 def _insert(conn: Connection) -> Callable[..., Any]:
@@ -60,7 +61,8 @@ def route_table(engine: Engine) -> list[RouteRow]:
         config = row.config or {}  # a run the gateway created on a first call stores {}: the defaults apply
         sampling = config.get("sampling") or {}
         on_policy = config.get("on_policy_sampling", True)
-        routes.append(RouteRow(row.name, row.base_model, row.step, row.served_name, sampling, on_policy))
+        token_mode = config.get("token_mode", "chat")
+        routes.append(RouteRow(row.name, row.base_model, row.step, row.served_name, sampling, on_policy, token_mode))
     return routes
 
 

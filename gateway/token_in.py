@@ -1,0 +1,771 @@
+"""The `token_in` run mode: a chat call continues its trajectory's exact token sequence instead of a re-rendering.
+
+In `chat` mode vLLM renders every call's messages with the chat template, and templates do not reproduce what the
+model generated (SmolLM2's drops the assistant's tool calls), so the model never sees its own actions and every turn
+trains as a separate row. Here the gateway builds the prompt itself from vLLM's scale-out endpoints:
+
+1. Find the predecessor *by content*: every token_in record carries a `history_key`, a hash of the messages the call
+   answered plus the assistant message it returned (one per choice). A new call hashes its message prefixes that
+   end at an assistant message and takes the longest recorded one: this gateway's memory first, then the database.
+   Content, not order or process, decides, so retries, concurrent calls and several gateways all stay correct.
+2. Prompt = predecessor prompt ids + its completion ids + the bridge: the template's tokens for the messages after
+   the matched assistant message and the generation prompt, taken from two renders (history up to the assistant
+   message without a generation prompt, and the full request), preceded by what the template puts after the
+   assistant's end token, and by the end token itself if the completion did not end with it.
+3. Generate from those ids (`/inference/v1/generate`), derender the ids into a normal ChatCompletion or chunk stream
+   (`/v1/chat/completions/derender`, tool parser applied), and record the exact ids and logprobs.
+
+A call with no usable predecessor starts a new segment from the full render and records why (`segment_reason`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from gateway import capture
+from gateway.asgi_io import send_sse_error, wait_for_disconnect
+from gateway.errors import GatewayError
+from gateway.store.token_state import RecordedTurn, recorded_turns
+
+if TYPE_CHECKING:
+    from gateway.proxy import Call, Proxy
+
+log = logging.getLogger("trajgate.token_in")
+
+RENDER = "/v1/chat/completions/render"
+GENERATE = "/inference/v1/generate"
+DERENDER = "/v1/chat/completions/derender"
+SCALE_OUT_HINT = "start vLLM with --enable-scale-out to use token_mode token_in"
+
+# Why a call started a new token segment (calls.segment_reason); null when it continued its predecessor.
+FIRST_CALL = "first_call"
+NO_MATCH = "no_recorded_history_matches"
+TEMPLATE_UNSTABLE = "template_unstable"
+END_TOKEN_UNKNOWN = "end_token_unknown"
+STATE_UNAVAILABLE = "state_unavailable"
+
+# Keys an SDK may send as null (or not at all) on a message without changing what it says.
+_TEXT_PART = "text"
+# A finish that ends on the end-of-turn token; vLLM's detokenizer leaves that token's text out of the answer.
+_ENDED = ("stop", "tool_calls")
+# One database read of recorded turns may take this long before the call goes on without it.
+STATE_READ_TIMEOUT_S = 5.0
+# Longest pause between two reads while waiting for another gateway's record.
+_POLL_S = 0.1
+# Message prefixes looked up per call, newest first: a predecessor further back would leave a long bridge anyway.
+MAX_CANDIDATES = 64
+
+
+def normalise_message(message: Any) -> Any:
+    """The message as the history key sees it: the harmless differences between SDKs taken out.
+
+    `content` null, absent and "" are alike; a list of text parts equals its joined text; keys sent as null are
+    dropped (refusal, annotations, audio, function_call...); tool-call arguments compare as parsed JSON, so
+    re-serialised arguments match the text the model produced."""
+    if not isinstance(message, dict):
+        return message
+    out: dict[str, Any] = {}
+    for key, value in message.items():
+        if value is None:
+            continue
+        if key == "content":
+            value = _normalise_content(value)
+            if value == "":
+                continue
+        elif key == "tool_calls":
+            if not value:
+                continue
+            value = [_normalise_tool_call(call) for call in value] if isinstance(value, list) else value
+        out[key] = value
+    return out
+
+
+def _normalise_content(content: Any) -> Any:
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == _TEXT_PART and isinstance(part.get(_TEXT_PART), str)
+        for part in content
+    ):
+        return "".join(part[_TEXT_PART] for part in content)
+    if isinstance(content, list):
+        return [{k: v for k, v in p.items() if v is not None} if isinstance(p, dict) else p for p in content]
+    return content
+
+
+def _normalise_tool_call(call: Any) -> Any:
+    if not isinstance(call, dict):
+        return call
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            pass
+    out = {"id": call.get("id"), "type": call.get("type") or "function"}
+    out["function"] = {"name": function.get("name"), "arguments": arguments}
+    return out
+
+
+def extend_key(key: str, message: Any) -> str:
+    """The history key of a history whose key is `key`, with `message` appended (the empty history's key is "")."""
+    canonical = orjson.dumps(normalise_message(message), option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    return hashlib.sha256(key.encode() + b"\0" + canonical).hexdigest()
+
+
+def history_keys(messages: Sequence[Any]) -> list[str]:
+    """keys[i] is the history key of messages[: i + 1]."""
+    keys: list[str] = []
+    key = ""
+    for message in messages:
+        key = extend_key(key, message)
+        keys.append(key)
+    return keys
+
+
+def bridge_ids(
+    prefix: list[int], full: list[int], completion: list[int], end_token: int
+) -> list[int] | None:
+    """The ids between a predecessor's completion and the new generation prompt's end, or None when the template does
+    not keep a stable prefix (the full render does not start with the prefix render, or the prefix render has no end
+    token to find the template's separator after).
+
+    `prefix` renders the history up to the matched assistant message without a generation prompt; `full` renders the
+    whole request with one. The template closes the assistant message with the end token and a separator (ChatML:
+    `<|im_end|>` then `\\n`); the completion already holds the end token unless generation stopped early."""
+    if len(full) < len(prefix) or full[: len(prefix)] != prefix:
+        return None
+    try:
+        end_at = len(prefix) - 1 - prefix[::-1].index(end_token)
+    except ValueError:
+        return None
+    closing = [] if completion and completion[-1] == end_token else [end_token]
+    return closing + prefix[end_at + 1 :] + full[len(prefix) :]
+
+
+@dataclass(frozen=True, slots=True)
+class TurnState:
+    """What a recorded choice leaves for the turn that continues it."""
+
+    seq: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    finish_reason: str | None
+
+
+class TokenStates:
+    """This gateway's recent token states by (trajectory, history key), so a trajectory's next call usually needs no
+    database read. Bounded by the token ids held; the least recently used go first."""
+
+    def __init__(self, max_tokens: int = 8_000_000) -> None:
+        self._max_tokens = max_tokens
+        self._tokens = 0
+        self._states: OrderedDict[tuple[str, str], TurnState] = OrderedDict()
+        self._trajectories: OrderedDict[str, None] = OrderedDict()
+
+    def get(self, trajectory_id: str, key: str) -> TurnState | None:
+        state = self._states.get((trajectory_id, key))
+        if state is not None:
+            self._states.move_to_end((trajectory_id, key))
+        return state
+
+    def knows(self, trajectory_id: str) -> bool:
+        return trajectory_id in self._trajectories
+
+    def put(self, trajectory_id: str, key: str, state: TurnState) -> None:
+        old = self._states.pop((trajectory_id, key), None)
+        if old is not None:
+            self._tokens -= _size(old)
+        self._states[(trajectory_id, key)] = state
+        self._tokens += _size(state)
+        self._trajectories[trajectory_id] = None
+        self._trajectories.move_to_end(trajectory_id)
+        while self._tokens > self._max_tokens and self._states:
+            _, evicted = self._states.popitem(last=False)
+            self._tokens -= _size(evicted)
+        while len(self._trajectories) > 100_000:
+            self._trajectories.popitem(last=False)
+
+
+def _size(state: TurnState) -> int:
+    return len(state.prompt_ids) + len(state.completion_ids)
+
+
+@dataclass(slots=True)
+class Plan:
+    """The prompt a call is generated from, and why it starts a new segment (None: it continues a predecessor)."""
+
+    prompt: list[int]
+    sampling_params: dict[str, Any]
+    segment_reason: str | None
+
+
+class UpstreamFailure(Exception):
+    """A scale-out step answered with an error; carries what the client is told."""
+
+    def __init__(self, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class TokenIn:
+    """Serves the chat calls of token_in runs for the proxy (which hands over a call once it is attributed)."""
+
+    def __init__(self, proxy: Proxy, engine: Engine | None, wait_s: float) -> None:
+        self.proxy = proxy
+        self.engine = engine
+        self.wait_s = wait_s
+        self.states = TokenStates()
+        self.root_url = proxy.upstream_url.removesuffix("/v1")
+        # Per run, the end-of-turn token seen ending a completion: the bridge needs it after a `length` finish.
+        self.end_tokens: dict[str, int] = {}
+
+    # -- finding the predecessor ---------------------------------------------------------------------------------
+
+    async def predecessor(
+        self, trajectory_id: str, messages: Sequence[Any], keys: list[str]
+    ) -> tuple[TurnState | None, int, str | None]:
+        """The longest recorded history prefix ending at an assistant message: (state, prefix length, reason if none).
+
+        Memory first; then the database, polled for up to `wait_s` while the newest assistant message is not found
+        and the trajectory has token_in turns recorded (its record may be on its way from another gateway)."""
+        candidates = [i + 1 for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
+        candidates = candidates[::-1][:MAX_CANDIDATES]
+        if not candidates:
+            return None, 0, FIRST_CALL
+        best: tuple[TurnState, int] | None = None
+        for length in candidates:
+            state = self.states.get(trajectory_id, keys[length - 1])
+            if state is not None:
+                best = (state, length)
+                break
+        if best is not None and best[1] == candidates[0]:
+            return best[0], best[1], None
+        known = self.states.knows(trajectory_id)
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            wanted = [length for length in candidates if best is None or length > best[1]]
+            try:
+                found, recorded = await self._read(trajectory_id, [keys[length - 1] for length in wanted])
+            except (SQLAlchemyError, asyncio.TimeoutError) as exc:
+                log.warning("token state read failed: %s", type(exc).__name__)
+                if best is not None:
+                    return best[0], best[1], None
+                return None, 0, STATE_UNAVAILABLE
+            for length in wanted:
+                turn = found.get(keys[length - 1])
+                if turn is not None:
+                    best = (TurnState(turn.seq, turn.prompt_ids, turn.completion_ids, turn.finish_reason), length)
+                    break
+            if best is not None and best[1] == candidates[0]:
+                break
+            if not (known or recorded) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0)))
+        if best is None:
+            return None, 0, NO_MATCH if (known or recorded) else FIRST_CALL
+        return best[0], best[1], None
+
+    async def _read(self, trajectory_id: str, keys: list[str]) -> tuple[dict[str, RecordedTurn], bool]:
+        if self.engine is None:
+            return {}, False
+        return await asyncio.wait_for(
+            asyncio.to_thread(recorded_turns, self.engine, trajectory_id, keys), STATE_READ_TIMEOUT_S
+        )
+
+    # -- building the prompt -------------------------------------------------------------------------------------
+
+    async def plan(self, call: Call, render_body: dict[str, Any], keys: list[str]) -> Plan:
+        messages = render_body.get("messages")
+        if not isinstance(messages, list):
+            full = await self._post(RENDER, render_body)  # vLLM explains what is wrong with the body
+            return Plan(full["token_ids"], full["sampling_params"], FIRST_CALL)
+        state, length, reason = await self.predecessor(call.attribution.trajectory_id, messages, keys)
+        if state is None:
+            full = await self._post(RENDER, render_body)
+            return Plan(full["token_ids"], full["sampling_params"], reason)
+        prefix_body = {**render_body, "messages": messages[:length], "add_generation_prompt": False}
+        full, prefix = await asyncio.gather(self._post(RENDER, render_body), self._post(RENDER, prefix_body))
+        end_token = self._end_token(call.route.run, state)
+        if end_token is None:
+            return Plan(full["token_ids"], full["sampling_params"], END_TOKEN_UNKNOWN)
+        bridge = bridge_ids(prefix["token_ids"], full["token_ids"], state.completion_ids, end_token)
+        if bridge is None:
+            return Plan(full["token_ids"], full["sampling_params"], TEMPLATE_UNSTABLE)
+        return Plan(state.prompt_ids + state.completion_ids + bridge, full["sampling_params"], None)
+
+    def _end_token(self, run: str, state: TurnState) -> int | None:
+        if state.finish_reason in _ENDED and state.completion_ids:
+            return state.completion_ids[-1]
+        return self.end_tokens.get(run)
+
+    # -- upstream ------------------------------------------------------------------------------------------------
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        session = self.proxy.session
+        assert session is not None
+        try:
+            async with session.post(
+                self.root_url + path, data=orjson.dumps(body), headers=self.proxy.upstream_headers
+            ) as response:
+                raw = await response.read()
+                status = response.status
+        except asyncio.TimeoutError:
+            raise UpstreamFailure(GatewayError(504, f"vLLM timed out on {path}", "upstream_error", "timeout")) from None
+        except aiohttp.ClientError as exc:
+            message = f"vLLM unreachable on {path}: {type(exc).__name__}: {exc}"
+            raise UpstreamFailure(GatewayError(502, message, "upstream_error", "upstream_error")) from None
+        if status != 200:
+            raise UpstreamFailure(upstream_error(path, status, raw))
+        try:
+            answer = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            message = f"vLLM sent a body that is not a JSON object on {path}"
+            raise UpstreamFailure(GatewayError(502, message, "upstream_error"))
+        return answer
+
+    # -- the call ------------------------------------------------------------------------------------------------
+
+    async def handle(
+        self,
+        call: Call,
+        upstream_body: dict[str, Any],
+        asks: capture.ClientAsks,
+        receive: Any,
+        send: Any,
+        out_headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        """Plan, generate, derender and answer one chat call; every failure is recorded and answered OpenAI-style."""
+        messages = upstream_body.get("messages")
+        keys = history_keys(messages) if isinstance(messages, list) else []
+        render_body = {k: v for k, v in upstream_body.items() if k not in ("stream", "stream_options")}
+        chat_request = dict(upstream_body)
+        if not asks.logprobs:
+            chat_request.pop("logprobs", None)
+        if not asks.token_ids:
+            chat_request.pop("return_token_ids", None)
+        call.upstream_started = time.perf_counter()
+        try:
+            plan = await self.plan(call, render_body, keys)
+            call.segment_reason = plan.segment_reason
+            sampling_params = {**plan.sampling_params, "logprobs": plan.sampling_params.get("logprobs") or 0}
+            model = upstream_body["model"]
+            generate_body = {"model": model, "token_ids": plan.prompt, "sampling_params": sampling_params}
+            if call.stream:
+                await self._stream(call, generate_body, chat_request, asks, keys, receive, send, out_headers)
+                return
+            generated = await self._post(GENERATE, generate_body)
+            derendered = await self._post(
+                DERENDER,
+                {"model": model, "chat_request": chat_request, "generate_response": for_derender(generated)},
+            )
+        except UpstreamFailure as failure:
+            await self.proxy.fail(send, call, out_headers, failure.error)
+            return
+        call.first_chunk = call.finished = time.perf_counter()
+        call.status = 200
+        response = self._answer(call, plan.prompt, generated, derendered)
+        self._record(call, plan.prompt, generated.get("choices") or [], response, keys)
+        capture.strip_for_client(response, asks)
+        await self.proxy.send_answer(send, call, 200, orjson.dumps(response), b"application/json", out_headers)
+
+    def _answer(
+        self, call: Call, prompt: list[int], generated: dict[str, Any], derendered: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The ChatCompletion as chat mode would have sent it: gateway-assigned id, real usage, ids on the side."""
+        response = derendered
+        response["id"] = "chatcmpl-" + call.request_id.removeprefix("req-")
+        response["prompt_token_ids"] = prompt
+        by_index = {choice.get("index", 0): choice for choice in generated.get("choices") or ()}
+        completion_tokens = 0
+        for choice in response.get("choices") or ():
+            ids = by_index.get(choice.get("index", 0), {}).get("token_ids") or []
+            choice["token_ids"] = ids
+            completion_tokens += len(ids)
+            # vLLM's chat path reports a tool call this way; non-stream derender says "stop" (streaming agrees).
+            if choice.get("finish_reason") == "stop" and (choice.get("message") or {}).get("tool_calls"):
+                choice["finish_reason"] = "tool_calls"
+        response["usage"] = _usage(len(prompt), completion_tokens)
+        return response
+
+    def _record(
+        self,
+        call: Call,
+        prompt: list[int],
+        generated_choices: Sequence[dict[str, Any]],
+        response: dict[str, Any] | None,
+        keys: list[str],
+    ) -> None:
+        """One record per choice with the exact ids and logprobs from generate; remember each choice's state under
+        its history key so this trajectory's next call finds it without the database."""
+        messages_key = keys[-1] if keys else ""
+        answered = {c.get("index", 0): c for c in (response or {}).get("choices") or ()}
+        captured: list[capture.ChoiceCapture] = []
+        for generated in generated_choices:
+            index = generated.get("index", 0)
+            ids = generated.get("token_ids") or None
+            entries = (generated.get("logprobs") or {}).get("content")
+            logprobs = None if entries is None else [entry["logprob"] for entry in entries]
+            answer = answered.get(index, {})
+            finish_reason = answer.get("finish_reason") or generated.get("finish_reason")
+            captured.append(capture.ChoiceCapture(index, prompt, ids, logprobs, finish_reason))
+            if generated.get("finish_reason") == "stop" and generated.get("stop_reason") is None and ids:
+                self.end_tokens[call.route.run] = ids[-1]
+            message = answer.get("message")
+            if message is not None and ids:
+                key = extend_key(messages_key, message)
+                call.history_keys[index] = key
+                self.states.put(
+                    call.attribution.trajectory_id, key, TurnState(call.seq, prompt, ids, finish_reason)
+                )
+        call.captured = captured
+        self.proxy.submit(call, response)
+
+    # -- streaming -----------------------------------------------------------------------------------------------
+
+    async def _stream(
+        self,
+        call: Call,
+        generate_body: dict[str, Any],
+        chat_request: dict[str, Any],
+        asks: capture.ClientAsks,
+        keys: list[str],
+        receive: Any,
+        send: Any,
+        out_headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        """Generate as a stream and derender it chunk by chunk, each derender carrying the previous `stream_state`.
+
+        Generate chunks that arrive while a derender is in flight are coalesced into the next derender, so the HTTP
+        round-trips stay bounded by what the client can be sent, not by the number of tokens. The record is written
+        whatever happens to the client (the OpenAI SDK hangs up on `[DONE]`)."""
+        session = self.proxy.session
+        assert session is not None
+        prompt = generate_body["token_ids"]
+        try:
+            upstream = await session.post(
+                self.root_url + GENERATE,
+                data=orjson.dumps({**generate_body, "stream": True}),
+                headers=self.proxy.upstream_headers,
+            )
+        except asyncio.TimeoutError:
+            error = GatewayError(504, f"vLLM timed out on {GENERATE}", "upstream_error", "timeout")
+            await self.proxy.fail(send, call, out_headers, error)
+            return
+        except aiohttp.ClientError as exc:
+            error = GatewayError(502, f"vLLM unreachable on {GENERATE}: {exc}", "upstream_error", "upstream_error")
+            await self.proxy.fail(send, call, out_headers, error)
+            return
+        try:
+            if upstream.status != 200:
+                error = upstream_error(GENERATE, upstream.status, await upstream.read())
+                await self.proxy.fail(send, call, out_headers, error)
+                return
+            relay = StreamRelay(self, call, upstream, chat_request, asks, prompt, keys, send)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *out_headers],
+                }
+            )
+            call.status = 200
+            work = asyncio.ensure_future(relay.run())
+            hangup = asyncio.ensure_future(wait_for_disconnect(receive))
+            try:
+                await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
+                if not work.done():
+                    work.cancel()
+                    call.error = "client disconnected mid-stream"
+                try:
+                    await work
+                except asyncio.CancelledError:
+                    pass
+                except UpstreamFailure as failure:
+                    call.error = failure.error.message
+                    relay.record()  # in the log before the client hears of the failure, as for every answer
+                    with contextlib.suppress(OSError):
+                        await send_sse_error(send, failure.error.message)
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    call.error = f"vLLM stream broke: {type(exc).__name__}: {exc}"
+                    relay.record()
+                    with contextlib.suppress(OSError):
+                        await send_sse_error(send, "vLLM stream ended unexpectedly")
+                except OSError:
+                    if not relay.done:
+                        call.error = "client disconnected mid-stream"
+                except Exception as exc:  # told in-band and recorded, never a cut stream
+                    log.exception("token_in stream failed")
+                    call.error = f"stream relay failed: {type(exc).__name__}: {exc}"
+                    relay.record()
+                    with contextlib.suppress(OSError):
+                        await send_sse_error(send, "the gateway could not relay vLLM's stream")
+            finally:
+                hangup.cancel()
+                if not relay.done:
+                    upstream.close()  # drop the connection so vLLM sees the hang-up and stops generating
+                relay.record()
+                self.proxy.metrics.requests.labels(call.endpoint, "200").inc()
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            upstream.release()
+
+
+class StreamRelay:
+    """One streamed token_in call: reads generate's SSE, derenders coalesced chunks, sends client chunks."""
+
+    def __init__(
+        self,
+        owner: TokenIn,
+        call: Call,
+        upstream: aiohttp.ClientResponse,
+        chat_request: dict[str, Any],
+        asks: capture.ClientAsks,
+        prompt: list[int],
+        keys: list[str],
+        send: Any,
+    ) -> None:
+        self.owner = owner
+        self.keys = keys
+        self.call = call
+        self.upstream = upstream
+        self.chat_request = {**chat_request, "stream": True}
+        self.asks = asks
+        self.prompt = prompt
+        self.send = send
+        self.pending: list[dict[str, Any]] = []
+        self.arrived = asyncio.Event()
+        self.reading = True
+        self.done = False
+        self.recorded = False
+        self.assembler = capture.StreamAssembler(capture.CHAT)
+        self.generated: dict[int, dict[str, Any]] = {}  # per choice: ids, logprobs, finish/stop reason
+        self.states: dict[int, Any] = {}
+        self.prompt_sent = False
+        self.derenders = 0
+        self.head: dict[str, Any] = {}
+
+    async def run(self) -> None:
+        reader = asyncio.ensure_future(self._read())
+        try:
+            while True:
+                await self.arrived.wait()
+                self.arrived.clear()
+                batch, self.pending = self.pending, []
+                if batch:
+                    await self._derender(batch)
+                if not self.reading and not self.pending:
+                    break
+            await reader  # surfaces a read error
+        finally:
+            reader.cancel()
+        if self.head and (self.chat_request.get("stream_options") or {}).get("include_usage"):
+            tokens = sum(len(g["token_ids"]) for g in self.generated.values())
+            usage_chunk = {**self.head, "choices": [], "usage": _usage(len(self.prompt), tokens)}
+            self.assembler.feed(usage_chunk)
+            await self._send_chunk(usage_chunk)
+        self.done = True
+        self.call.finished = time.perf_counter()
+        self.record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
+        await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+
+    async def _read(self) -> None:
+        partial: list[bytes] = []
+        try:
+            async for data in self.upstream.content.iter_any():
+                partial.append(data)
+                if b"\n" not in data:
+                    continue
+                *lines, rest = b"".join(partial).split(b"\n")
+                partial = [rest] if rest else []
+                self._take(lines)
+            if partial:
+                self._take([b"".join(partial)])
+        finally:
+            self.reading = False
+            self.arrived.set()
+
+    def _take(self, lines: list[bytes]) -> None:
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue
+            chunk = orjson.loads(payload)
+            if "error" in chunk and "choices" not in chunk:
+                message = (chunk["error"] or {}).get("message") if isinstance(chunk["error"], dict) else chunk["error"]
+                raise UpstreamFailure(GatewayError(502, f"vLLM generate stream failed: {message}", "upstream_error"))
+            self.pending.append(chunk)
+        if self.pending:
+            self.arrived.set()
+
+    async def _derender(self, batch: list[dict[str, Any]]) -> None:
+        for index, merged in merge_generate_chunks(batch).items():
+            choice = merged["choices"][0]
+            slot = self.generated.setdefault(index, {"token_ids": [], "logprobs": [], "finish_reason": None})
+            slot["token_ids"].extend(choice.get("token_ids") or ())
+            slot["logprobs"].extend(e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or ())
+            if choice.get("finish_reason") is not None:
+                slot["finish_reason"] = choice["finish_reason"]
+                slot["stop_reason"] = choice.get("stop_reason")
+            body = {
+                "model": self.chat_request["model"],
+                "chat_request": self.chat_request,
+                "stream": True,
+                "generate_chunk": for_derender(merged),
+                "stream_state": self.states.get(index),
+                "prompt_token_ids": self.prompt,
+            }
+            answer = await self.owner._post(DERENDER, body)
+            self.derenders += 1
+            self.states[index] = answer.get("stream_state")
+            chunk = answer.get("chunk")
+            if not isinstance(chunk, dict):
+                continue
+            if self.call.first_chunk is None:
+                self.call.first_chunk = time.perf_counter()
+            chunk["id"] = "chatcmpl-" + self.call.request_id.removeprefix("req-")
+            self.head = {k: chunk.get(k) for k in ("id", "object", "created", "model")}
+            for out in chunk.get("choices") or ():
+                out["token_ids"] = choice.get("token_ids")
+            if not self.prompt_sent:
+                chunk["prompt_token_ids"] = self.prompt
+                self.prompt_sent = True
+            self.assembler.feed(chunk)
+            if _says_something(chunk) or self.asks.token_ids or self.asks.logprobs:
+                await self._send_chunk(chunk)
+
+    async def _send_chunk(self, chunk: dict[str, Any]) -> None:
+        capture.strip_for_client(chunk, self.asks)
+        body = b"data: " + orjson.dumps(chunk) + b"\n\n"
+        await self.send({"type": "http.response.body", "body": body, "more_body": True})
+
+    def record(self) -> None:
+        """Submit the call once, complete or partial."""
+        if self.recorded:
+            return
+        self.recorded = True
+        call = self.call
+        if not call.finished:
+            call.finished = time.perf_counter()
+        if not self.done and call.error is None:
+            call.error = "stream ended before vLLM finished"
+        response = self.assembler.response() if self.assembler.chunks else None
+        if response is not None:
+            response["prompt_token_ids"] = self.prompt
+            for choice in response["choices"]:
+                choice["token_ids"] = self.generated.get(choice["index"], {}).get("token_ids") or None
+        generated = [
+            {
+                "index": index,
+                "token_ids": slot["token_ids"],
+                "logprobs": {"content": [{"logprob": value} for value in slot["logprobs"]]},
+                "finish_reason": slot["finish_reason"],
+                "stop_reason": slot.get("stop_reason"),
+            }
+            for index, slot in sorted(self.generated.items())
+        ]
+        if call.error is not None:
+            call.captured = [
+                capture.ChoiceCapture(g["index"], self.prompt, g["token_ids"] or None, None, g["finish_reason"])
+                for g in generated
+            ] or None
+            self.owner.proxy.submit(call, response)
+            return
+        self.owner._record(call, self.prompt, generated, response, self.keys)
+
+
+def merge_generate_chunks(chunks: Sequence[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Generate stream chunks that piled up, as one chunk per choice: ids and logprob entries concatenated, the last
+    finish and stop reasons kept. One derender request per choice then covers them all."""
+    merged: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for choice in chunk.get("choices") or ():
+            index = choice.get("index", 0)
+            if index not in merged:
+                merged[index] = {**chunk, "choices": [copy.deepcopy(choice)]}
+                continue
+            target = merged[index]["choices"][0]
+            target["token_ids"] = (target.get("token_ids") or []) + (choice.get("token_ids") or [])
+            if choice.get("logprobs") is not None:
+                entries = (target.get("logprobs") or {}).get("content") or []
+                target["logprobs"] = {"content": entries + (choice["logprobs"].get("content") or [])}
+            for key in ("finish_reason", "stop_reason"):
+                if choice.get(key) is not None:
+                    target[key] = choice[key]
+            for key, value in chunk.items():
+                if key != "choices" and value is not None:
+                    merged[index][key] = value
+    return merged
+
+
+def for_derender(generated: dict[str, Any]) -> dict[str, Any]:
+    """The generate response (or chunk) as derender should see it: without the end-of-turn token a choice stopped on.
+
+    vLLM's own chat path leaves that token's text out of the answer; derender would put it into the content
+    (`...Celsius.<|im_end|>` when a tool parser keeps special tokens). The logprobs keep their entry for it, as the
+    chat path's do. A stop string (stop_reason text) was not generated as a token, so nothing is taken then."""
+    out = {**generated, "choices": []}
+    for choice in generated.get("choices") or ():
+        ids = choice.get("token_ids") or []
+        if choice.get("finish_reason") == "stop" and not isinstance(choice.get("stop_reason"), str) and ids:
+            choice = {**choice, "token_ids": ids[:-1]}
+        out["choices"].append(choice)
+    return out
+
+
+def upstream_error(path: str, status: int, raw: bytes) -> GatewayError:
+    """What the client is told when a scale-out step fails: a 403 means the endpoints are off (one clear error naming
+    the flag); other client errors pass vLLM's status and message through; server errors become a 502."""
+    if status == 403:
+        return GatewayError(502, f"vLLM refused {path} (403): {SCALE_OUT_HINT}", "upstream_error", "scale_out_disabled")
+    message = raw[:2000].decode("utf-8", "replace").replace("\x00", "\ufffd")
+    error_type = "upstream_error"
+    with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+        error = orjson.loads(raw).get("error")
+        if isinstance(error, dict):
+            message = str(error.get("message") or message)
+            error_type = str(error.get("type") or error_type)
+        elif isinstance(error, str):
+            message = error
+    if 400 <= status < 500:
+        return GatewayError(status, message, error_type)
+    return GatewayError(502, f"vLLM answered {status} on {path}: {message}", "upstream_error", "upstream_error")
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+def _says_something(chunk: dict[str, Any]) -> bool:
+    """Whether a derendered chunk carries anything for the client (derender answers every token, most with an empty
+    delta while the tool parser holds markup back)."""
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if choice.get("finish_reason") is not None or any(delta.get(k) for k in ("role", "content", "tool_calls")):
+            return True
+        if delta.get("reasoning") or delta.get("reasoning_content"):
+            return True
+    return False

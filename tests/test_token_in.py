@@ -1,0 +1,274 @@
+"""The token_in run mode against render/generate/derender exchanges recorded from real vLLM CPU + SmolLM2.
+
+The recordings (tests/fixtures/vllm/token_in_tool_loop*.json) were made by this gateway driving the tool loop of
+tests/token_in_agent.py through a recording proxy, so replay answers only the exact requests the gateway sent then:
+a different prompt, bridge or derender body gets no answer and the test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import uuid
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway import token_in
+from gateway.store.lineage import EXTENDS
+from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESULT, WEATHER_TOOL
+from tests.fake_upstream import FIXTURES, FakeUpstream
+from tests.gateway_harness import RunningGateway, running_gateway
+from tests.stored import stored_calls
+from tests.token_in_agent import RUN, tool_loop
+
+RECORDED = json.loads((FIXTURES / "token_in_tool_loop.json").read_text())["exchanges"]
+RENDER, DERENDER = "/v1/chat/completions/render", "/v1/chat/completions/derender"
+
+
+def renders() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(full, prefix) render answers of the recorded turns 2 and 3, straight from vLLM."""
+    calls = [e for e in RECORDED if e["path"] == RENDER]
+    pairs = []
+    for first, second in zip(calls[1::2], calls[2::2]):
+        full, prefix = (first, second) if "add_generation_prompt" not in first["request"] else (second, first)
+        pairs.append((full["response"], prefix["response"]))
+    return pairs
+
+
+def start_token_in(gateway: RunningGateway) -> None:
+    body = {"name": RUN, "config": {"token_mode": "token_in"}}
+    response = httpx.post(gateway.url + "/v1/runs", json=body, timeout=30)
+    assert response.status_code in (200, 201), response.text
+
+
+def client_for(gateway: RunningGateway, trajectory: str) -> openai.OpenAI:
+    # eval mode: the client's greedy sampling reaches vLLM, as when the exchanges were recorded
+    return openai.OpenAI(base_url=f"{gateway.url}/eval/t/{trajectory}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture
+def token_gateway(gateway_settings: dict[str, object]) -> Any:
+    with running_gateway(**{**gateway_settings, "token_state_wait_s": 0.3}) as gw:
+        start_token_in(gw)
+        yield gw
+
+
+# -- the pure parts ----------------------------------------------------------------------------------------------
+
+
+def test_history_key_ignores_what_sdks_vary() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    compact = '{"city":"Paris"}'  # arguments re-serialised by a client
+    function = call["function"]
+    forms = [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "assistant", "tool_calls": [call], "refusal": None, "annotations": None, "audio": None},
+        {"role": "assistant", "content": "", "tool_calls": [call], "function_call": None},
+        {"role": "assistant", "content": [], "tool_calls": [{**call, "function": {**function, "arguments": compact}}]},
+    ]
+    keys = {token_in.extend_key("", form) for form in forms}
+    assert len(keys) == 1
+    text = {"role": "user", "content": "hi there"}
+    parts = {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}
+    assert token_in.extend_key("", text) == token_in.extend_key("", parts)
+    # what the model said or did is never "harmless"
+    other_city = {**call, "function": {**call["function"], "arguments": '{"city": "Lyon"}'}}
+    assert token_in.extend_key("", {"role": "assistant", "tool_calls": [other_city]}) not in keys
+    assert token_in.extend_key("", {"role": "user", "content": "hi  there"}) != token_in.extend_key("", text)
+    assert token_in.history_keys([text, text])[1] == token_in.extend_key(token_in.extend_key("", text), text)
+
+
+def test_bridge_is_the_template_tokens_after_the_matched_assistant_message() -> None:
+    for full, prefix in renders():
+        completion_end = prefix["token_ids"][-2]  # ChatML: ... <|im_end|> \n
+        bridge = token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5, completion_end], completion_end)
+        assert bridge == full["token_ids"][len(prefix["token_ids"]) - 1 :]
+        assert bridge[0] == 198  # the "\n" SmolLM2's template puts after <|im_end|>
+        # a completion cut by max_tokens gets the end token too
+        cut = token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5], completion_end)
+        assert cut == [completion_end, *bridge]
+        # a template that does not keep a stable prefix: no bridge
+        unstable = [full["token_ids"][0] + 1, *full["token_ids"][1:]]
+        assert token_in.bridge_ids(prefix["token_ids"], unstable, [completion_end], completion_end) is None
+
+
+def test_coalesced_generate_chunks_and_the_end_token_left_out_of_derender() -> None:
+    def chunk(ids: list[int], finish: str | None = None) -> dict[str, Any]:
+        content = [{"token_id": t, "logprob": -0.5} for t in ids]
+        choice = {"index": 0, "token_ids": ids, "logprobs": {"content": content}, "finish_reason": finish}
+        return {"request_id": "g", "choices": [{**choice, "stop_reason": None}]}
+
+    merged = token_in.merge_generate_chunks([chunk([1]), chunk([2, 3]), chunk([4], "stop")])[0]
+    assert merged["choices"][0]["token_ids"] == [1, 2, 3, 4]
+    assert [e["token_id"] for e in merged["choices"][0]["logprobs"]["content"]] == [1, 2, 3, 4]
+    assert merged["choices"][0]["finish_reason"] == "stop"
+    shown = token_in.for_derender(merged)["choices"][0]
+    assert shown["token_ids"] == [1, 2, 3] and len(shown["logprobs"]["content"]) == 4
+    assert token_in.for_derender(chunk([1, 2], "length"))["choices"][0]["token_ids"] == [1, 2]
+
+
+# -- through the gateway -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_tool_loop_turns_extend_and_clients_see_openai_shapes(
+    token_gateway: RunningGateway, upstream: FakeUpstream, db_url: str, stream: bool
+) -> None:
+    trajectory = f"loop-{uuid.uuid4().hex[:8]}"
+    turns = tool_loop(client_for(token_gateway, trajectory), stream)
+    assert turns[0]["assistant"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert json.loads(turns[0]["assistant"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert all("<|im_end|>" not in (t["assistant"].get("content") or "") for t in turns)
+    assert turns[1]["assistant"]["content"]
+    token_gateway.flush()
+    calls = stored_calls(db_url, trajectory)
+    assert len(calls) == 3 and all(c["trainable"] and c["status_code"] == 200 for c in calls)
+    assert [c["segment_reason"] for c in calls] == ["first_call", None, None]
+    assert [c["merge_reason"] for c in calls[1:]] == [EXTENDS, EXTENDS]
+    for (full, prefix), before, after in zip(renders(), calls, calls[1:]):
+        bridge = full["token_ids"][len(prefix["token_ids"]) - 1 :]
+        assert after["prompt_token_ids"] == before["prompt_token_ids"] + before["completion_token_ids"] + bridge
+        assert len(after["completion_logprobs"]) == len(after["completion_token_ids"])
+    assert calls[0]["finish_reason"] == "tool_calls" and calls[0]["response"]["choices"][0]["message"]["tool_calls"]
+    assert all(c["history_key"] for c in calls) and len({c["history_key"] for c in calls}) == 3
+
+
+def test_stream_ends_with_usage_and_done_and_strips_ids(token_gateway: RunningGateway) -> None:
+    trajectory = f"usage-{uuid.uuid4().hex[:8]}"
+    body = {
+        "model": RUN,
+        "messages": [*TOOL_EXAMPLE, {"role": "user", "content": WEATHER_QUESTION}],
+        "tools": TOOLS,
+        "max_tokens": 48,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    url = f"{token_gateway.url}/eval/t/{trajectory}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["prompt_tokens"] == 87
+    assert chunks[-1]["usage"]["completion_tokens"] == 31
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "tool_calls"
+    assert all(c.get("prompt_token_ids") is None for c in chunks)
+    assert all(ch.get("token_ids") is None and ch.get("logprobs") is None for c in chunks for ch in c["choices"])
+    # derender answers every token; the client gets only the chunks that say something
+    assert len(chunks) < 31
+
+
+def test_retry_and_concurrent_turns_extend_the_same_predecessor(token_gateway: RunningGateway, db_url: str) -> None:
+    trajectory = f"retry-{uuid.uuid4().hex[:8]}"
+    client = client_for(token_gateway, trajectory)
+    turns = tool_loop(client, False, turns=2)
+    second = turns[1]["messages"]
+
+    def again() -> None:
+        client.chat.completions.create(model=RUN, messages=second, tools=TOOLS, max_tokens=48, temperature=0)
+
+    threads = [threading.Thread(target=again) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    token_gateway.flush()
+    calls = stored_calls(db_url, trajectory)
+    assert len(calls) == 4
+    first = calls[0]["prompt_token_ids"] + calls[0]["completion_token_ids"]
+    assert [c["prompt_token_ids"][: len(first)] == first for c in calls[1:]] == [True, True, True]
+    assert calls[1]["prompt_token_ids"] == calls[2]["prompt_token_ids"] == calls[3]["prompt_token_ids"]
+    assert [c["segment_reason"] for c in calls[1:]] == [None, None, None]
+
+
+def test_a_second_gateway_finds_the_state_in_the_database(gateway_settings: dict[str, object], db_url: str) -> None:
+    trajectory = f"two-{uuid.uuid4().hex[:8]}"
+    settings = {**gateway_settings, "token_state_wait_s": 2.0}
+    with running_gateway(**settings) as first, running_gateway(**settings) as second:
+        start_token_in(first)
+        httpx.post(second.url + "/v1/runs", json={"name": RUN, "config": {}}, timeout=30)  # its router refreshes
+        turn1 = tool_loop(client_for(first, trajectory), False, turns=1)[0]
+        first.flush()
+        messages = [*turn1["messages"], turn1["assistant"]]
+        call_id = turn1["assistant"]["tool_calls"][0]["id"]
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": WEATHER_RESULT})
+        client_for(second, trajectory).chat.completions.create(
+            model=RUN, messages=messages, tools=TOOLS, max_tokens=48, temperature=0
+        )
+        second.flush()
+    calls = stored_calls(db_url, trajectory)
+    assert [c["merge_reason"] for c in calls] == ["first_call", EXTENDS]
+    assert calls[1]["segment_reason"] is None
+
+
+def test_history_that_matches_nothing_recorded_starts_a_new_segment(token_gateway: RunningGateway, db_url: str) -> None:
+    trajectory = f"edit-{uuid.uuid4().hex[:8]}"
+    client = client_for(token_gateway, trajectory)
+    turn1 = tool_loop(client, False, turns=1)[0]
+    # the same first request again: its only assistant message is the in-context example, which no call returned
+    client.chat.completions.create(model=RUN, messages=turn1["messages"], tools=TOOLS, max_tokens=48, temperature=0)
+    token_gateway.flush()
+    calls = stored_calls(db_url, trajectory)
+    assert [c["segment_reason"] for c in calls] == ["first_call", "no_recorded_history_matches"]
+    assert calls[1]["prompt_token_ids"] == calls[0]["prompt_token_ids"]  # the full render, again
+
+
+def test_predecessor_lookup_prefers_the_longest_recorded_history() -> None:
+    class _Proxy:
+        upstream_url = "http://vllm/v1"
+
+    owner = token_in.TokenIn(_Proxy(), None, wait_s=0.05)  # type: ignore[arg-type]
+    user = {"role": "user", "content": "q"}
+    reply1 = {"role": "assistant", "content": "a1"}
+    reply2 = {"role": "assistant", "content": "a2"}
+    messages = [user, reply1, user, reply2, user]
+    keys = token_in.history_keys(messages)
+    owner.states.put("t", keys[1], token_in.TurnState(1, [1], [2], "stop"))
+    owner.states.put("t", keys[3], token_in.TurnState(2, [3], [4], "stop"))
+    state, length, reason = asyncio.run(owner.predecessor("t", messages, keys))
+    assert (state.seq, length, reason) == (2, 4, None)  # type: ignore[union-attr]
+    edited = [user, reply1, user, {"role": "assistant", "content": "a2 (edited)"}, user]
+    state, length, reason = asyncio.run(owner.predecessor("t", edited, token_in.history_keys(edited)))
+    assert (state.seq, length, reason) == (1, 2, None)  # type: ignore[union-attr]
+    state, length, reason = asyncio.run(owner.predecessor("other", messages, keys))
+    assert (state, reason) == (None, "first_call")
+    state, length, reason = asyncio.run(owner.predecessor("t", [user], token_in.history_keys([user])))
+    assert (state, reason) == (None, "first_call")
+
+
+def test_vllm_without_scale_out_gets_one_clear_error(gateway_settings: dict[str, object], db_url: str) -> None:
+    forbidden = FakeUpstream(fixtures={}).start()
+    forbidden.mode = "forbidden"
+    trajectory = f"flag-{uuid.uuid4().hex[:8]}"
+    try:
+        with running_gateway(**{**gateway_settings, "upstream_url": forbidden.base_url}) as gw:
+            start_token_in(gw)
+            with pytest.raises(openai.APIStatusError) as raised:
+                tool_loop(client_for(gw, trajectory), False, turns=1)
+            gw.flush()
+    finally:
+        forbidden.stop()
+    assert raised.value.status_code == 502
+    assert "start vLLM with --enable-scale-out to use token_mode token_in" in raised.value.message
+    calls = stored_calls(db_url, trajectory)
+    assert len(calls) == 1 and calls[0]["status_code"] == 502 and not calls[0]["trainable"]
+    assert "--enable-scale-out" in calls[0]["error"]
+
+
+def test_chat_mode_is_unchanged(gateway: RunningGateway, upstream: FakeUpstream) -> None:
+    fixture = json.loads((FIXTURES / "chat_tools.json").read_text())
+    before = len(upstream.received)
+    client = openai.OpenAI(base_url=f"{gateway.url}/eval/t/chat-{uuid.uuid4().hex[:8]}/v1", api_key="x", max_retries=0)
+    body = {k: v for k, v in fixture["request"].items() if k not in ("logprobs", "return_token_ids", "model")}
+    answer = client.chat.completions.create(model="chat-run", **body)
+    assert answer.choices[0].message.tool_calls
+    assert [set(r) >= {"messages"} for r in upstream.received[before:]] == [True]  # one plain chat request
+
+
+TOOLS = [WEATHER_TOOL]
