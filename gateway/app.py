@@ -56,6 +56,7 @@ def build_state(settings: Settings) -> GatewayState:
         settings.spool_dir,
         queue_size=settings.writer_queue_size,
         batch_size=settings.writer_batch_size,
+        fsync_interval_s=settings.wal_fsync_ms / 1000,
     )
     policy_router = PolicyRouter(settings.base_model)
     auth = Auth(settings.agent_keys, settings.admin_key)
@@ -66,6 +67,10 @@ def build_state(settings: Settings) -> GatewayState:
             "spool_bytes": writer.spool_bytes,
             "db_up": 1.0 if writer.db_up else 0.0,
             "held": writer.records_held,
+            "logged": writer.records_logged,
+            "unlogged": writer.records_unlogged,
+            "syncs": writer.syncs,
+            "sync_errors": writer.sync_errors,
             "written": writer.records_written,
             "spooled": writer.records_spooled,
             "replayed": writer.records_replayed,

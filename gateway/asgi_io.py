@@ -28,10 +28,13 @@ async def send_sse_error(send: Any, message: str) -> None:
     await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True})
 
 
-async def relay_until_done(relay: Awaitable[None], receive: Any, send: Any, done: Callable[[], bool]) -> str | None:
+async def relay_until_done(
+    relay: Awaitable[None], receive: Any, send: Any, done: Callable[[], bool], record: Callable[[str], None]
+) -> str | None:
     """Run a stream relay until it ends or the client hangs up; returns why the stream ended early (for the call's
     record), None when it did not. Cancelling the relay on a hang-up stops reading from vLLM, which lets it abort
-    the generation; every failure other than a client that left is told in-band, so a stream is never cut silently."""
+    the generation; every failure other than a client that left is told in-band, so a stream is never cut silently,
+    and `record(error)` runs before the client is told, so the failed call is in the write-ahead log first."""
     work = asyncio.ensure_future(relay)
     hangup = asyncio.ensure_future(wait_for_disconnect(receive))
     error: str | None = None
@@ -58,6 +61,8 @@ async def relay_until_done(relay: Awaitable[None], receive: Any, send: Any, done
             error = f"stream relay failed: {type(exc).__name__}: {exc}"
             told = "the gateway could not relay vLLM's stream"
         if told is not None:
+            assert error is not None
+            record(error)
             with contextlib.suppress(OSError):
                 await send_sse_error(send, told)
     finally:

@@ -36,7 +36,14 @@ class Settings(BaseSettings):
         default_factory=list, description="Comma-separated keys agents may use; empty means no agent auth."
     )
     admin_key: SecretStr | None = Field(None, description="Key for admin and read endpoints; unset means no auth.")
-    spool_dir: Path = Field(Path("spool"), description="Where records go when the database is unavailable.")
+    spool_dir: Path = Field(
+        Path("spool"), description="The write-ahead log: every record is appended here before its answer completes."
+    )
+    wal_fsync_ms: float = Field(
+        10.0,
+        ge=0,
+        description="Group fsync interval of the spool: the most answered calls a power loss can take (0: every call).",
+    )
     checkpoint_dir: Path = Field(Path("checkpoints"), description="Adapters and optimizer state, per run and step.")
 
     host: str = Field("127.0.0.1", description="Address `trajgate serve` listens on.")

@@ -21,13 +21,30 @@ class _WriterCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats = self._stats()
         yield GaugeMetricFamily("trajgate_writer_queue_depth", "Records waiting in memory", stats["queue_depth"])
-        yield GaugeMetricFamily("trajgate_spool_bytes", "Bytes of records spooled to disk", stats["spool_bytes"])
+        yield GaugeMetricFamily(
+            "trajgate_spool_bytes", "Bytes in the spool (the write-ahead log) not known stored", stats["spool_bytes"]
+        )
         yield GaugeMetricFamily("trajgate_db_up", "1 if the writer can reach the database", stats["db_up"])
         yield GaugeMetricFamily(
             "trajgate_records_held", "Records kept in memory because the spool could not be written", stats["held"]
         )
+        yield CounterMetricFamily(
+            "trajgate_records_logged", "Records appended to the spool before their answer completed", stats["logged"]
+        )
+        yield CounterMetricFamily(
+            "trajgate_records_unlogged",
+            "Records answered without a copy in the spool (it could not be written): a crash would lose them",
+            stats["unlogged"],
+        )
+        yield CounterMetricFamily("trajgate_spool_syncs", "Group fsyncs of the spool", stats["syncs"])
+        yield CounterMetricFamily(
+            "trajgate_spool_sync_errors", "Failed fsyncs of the spool (safe from a crash, not power loss)",
+            stats["sync_errors"],
+        )
         yield CounterMetricFamily("trajgate_records_written", "Records written to the database", stats["written"])
-        yield CounterMetricFamily("trajgate_records_spooled", "Records that went to the spool", stats["spooled"])
+        yield CounterMetricFamily(
+            "trajgate_records_spooled", "Records dropped from memory, left for replay from the spool", stats["spooled"]
+        )
         yield CounterMetricFamily(
             "trajgate_records_replayed", "Spooled records written to the database on replay", stats["replayed"]
         )

@@ -272,6 +272,11 @@ class Proxy:
             if not state["done"] and call.error is None:
                 call.error = "stream ended without [DONE]"
             self.submit(call, assembler.response() if assembler.chunks else None)
+
+        def fail(error: str) -> None:
+            call.error = error
+            record()
+
         await send(
             {
                 "type": "http.response.start",
@@ -326,7 +331,7 @@ class Proxy:
             state["done"] = True
 
         try:
-            error = await relay_until_done(pump(), receive, send, lambda: state["done"])
+            error = await relay_until_done(pump(), receive, send, lambda: state["done"], fail)
             if error is not None:
                 call.error = error
         finally:

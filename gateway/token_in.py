@@ -483,7 +483,7 @@ class TokenIn:
             )
             call.status = 200
             try:
-                error = await relay_until_done(relay.run(), receive, send, lambda: relay.done)
+                error = await relay_until_done(relay.run(), receive, send, lambda: relay.done, relay.fail)
                 if error is not None:
                     call.error = error
             finally:
@@ -626,6 +626,11 @@ class StreamRelay:
         capture.strip_for_client(chunk, self.asks)
         body = b"data: " + orjson.dumps(chunk) + b"\n\n"
         await self.send({"type": "http.response.body", "body": body, "more_body": True})
+
+    def fail(self, error: str) -> None:
+        """The stream broke: record why, before the client is told."""
+        self.call.error = error
+        self.record()
 
     def record(self) -> None:
         """Submit the call once, complete or partial."""

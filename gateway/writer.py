@@ -1,15 +1,23 @@
 """The record writer: the only way captured calls reach the database.
 
-The response path must never wait on the database and no record may be lost, so `submit` only puts the record on
-a bounded in-memory queue (or, when that is full, appends it to a disk spool) and one background thread does all
-database work in batches. When the database is unreachable the thread spools batches instead, polls the database,
-and replays the spool when it is back. Every write is an idempotent upsert (see gateway.store.records), which is
-what makes replaying a segment again after a crash between commit and delete harmless.
+An answered call must survive a crash of the gateway whatever the database is doing, and the response path must
+never wait on the database. So `submit` first appends the record to the spool, an append-only write-ahead log on
+disk (one unbuffered write: once it returns, the record is in the kernel's page cache and survives the process
+being killed), then puts it on a bounded in-memory queue; one background thread writes the queue to the database
+in batches. A segment of the log is removed once every record in it is committed. Records the queue has no room
+for, and batches the database cannot take while it is away, are dropped from memory (so memory stays bounded) and
+stored later by replaying the log, as is whatever a killed process left. Every write is an idempotent upsert (see
+gateway.store.records), which is what makes replaying a record that was already stored harmless.
+
+Power loss takes what the page cache held: a second thread fsyncs the current segment (and the directory, after
+segments are created or removed) every fsync interval, so at most that interval's answered calls are at risk;
+an interval of 0 fsyncs every record before `submit` returns.
 
 Spool layout: append-only JSONL segments `spool-<unix_ns>-<pid>.jsonl` in the spool directory, one record a line.
-The writer that owns a segment holds an exclusive flock on it while it may still append; replay takes the same lock,
-so several gateway processes can share one spool directory and none replays a segment another is still writing.
-Records that can never be written (the database rejects their data) go to `rejected/` for an operator to inspect.
+The writer that owns a segment holds an exclusive flock on it while it may still append or still commits its records
+from memory; replay takes the same lock, so several gateway processes can share one spool directory and none
+replays a segment another is still using. Records that can never be written (the database rejects their data) go
+to `rejected/` for an operator to inspect.
 """
 
 from __future__ import annotations
@@ -18,13 +26,14 @@ import base64
 import contextlib
 import fcntl
 import logging
+import mmap
 import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -53,7 +62,8 @@ _PACKED: dict[str, tuple[Callable[[Any], bytes | None], Callable[[bytes], list[A
 
 
 def spool_line(record: CallRecord) -> bytes:
-    """One JSONL line, lossless for every field the database stores."""
+    """One JSONL line, lossless for every field the database stores. Every record passes here on the response path,
+    so the common case (string keys only, as JSON parsing gives) skips orjson's slower non-string-key mode."""
     data = {name: getattr(record, name) for name in _FIELDS}
     for name, (encode, _) in _PACKED.items():
         try:
@@ -62,7 +72,10 @@ def spool_line(record: CallRecord) -> bytes:
             continue  # unpackable values stay JSON, to be refused by the store and kept in rejected/
         if packed is not None:
             data[name] = base64.b64encode(packed).decode()
-    return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+    try:
+        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
 
 
 def read_spool_line(line: bytes) -> CallRecord:
@@ -84,63 +97,248 @@ def _segment_order(path: Path) -> tuple[int, int] | None:
     return (int(ns), int(pid)) if ns.isdigit() and pid.isdigit() else None
 
 
+@dataclass(eq=False)
+class _Segment:
+    """One segment this process appended to, and how far its records got."""
+
+    path: Path
+    # Open, and flock'ed, while this process may append to it or still commits its records from memory: no other
+    # process replays it meanwhile. Closed once it is handed to replay (dropped) or removed.
+    handle: BinaryIO | None
+    mapped: mmap.mmap | None  # the preallocated file, mapped while it is the current segment
+    capacity: int
+    opened: float
+    size: int = 0
+    appended: int = 0
+    committed: int = 0  # of them in the database (or set aside as rejected), written from memory
+    dropped: bool = False  # some of them are only in the file now: the file must be replayed before removal
+    closed: bool = False  # rotated: nothing more is appended
+    gone: bool = False  # removed or replayed
+
+
 class _Spool:
-    """The segment files of one spool directory, and the one segment this process appends to."""
+    """The write-ahead log: the segment files of one spool directory and the one segment this process appends to.
 
-    def __init__(self, directory: Path) -> None:
+    Every record is appended before its answer completes. A segment is preallocated (so a full disk is an error at
+    creation, not a SIGBUS later) and mapped, and an append is a copy into the mapping: the bytes are then in the
+    kernel's page cache, so they survive the process, and no system call is made. That matters: a `write()` releases
+    the GIL, and the writer thread, busy building rows, then kept the event loop waiting up to a switch interval
+    (5 ms) per record. A segment is closed by rotation, or when full, and truncated to what it holds; it is removed
+    once every record in it is committed from memory, or, if some were dropped from memory (queue full, database
+    away), once it has been replayed from the file. `sync` makes what was appended durable across power loss; it
+    runs every fsync interval on its own thread, or after every append when the interval is 0. `fsync` is a seam for
+    tests."""
+
+    def __init__(
+        self,
+        directory: Path,
+        segment_bytes: int = 16 * 1024 * 1024,
+        sync_each: bool = False,
+        fsync: Callable[[int], None] = os.fsync,
+    ) -> None:
         self.directory = directory
+        self._segment_bytes = segment_bytes
+        self._sync_each = sync_each
+        self._fsync = fsync
         self._lock = threading.Lock()
-        self._file: BinaryIO | None = None
-        self._path: Path | None = None
+        self._current: _Segment | None = None
         self._last_ns = 0
-        # Records this process appended, per segment not yet replayed: what `RecordWriter.flush` waits on.
-        self._own: dict[Path, int] = {}
-        # Their sum, readable without the lock (which may be held across a disk write).
-        self.pending = 0
+        self._own: dict[Path, _Segment] = {}  # this process's segments still on disk
+        self._full: list[tuple[_Segment, int | None]] = []  # closed when full, left for `sync` to finish
+        self._unsynced = False  # appends since the last file sync
+        self._dir_dirty = False  # segments created or removed since the last directory sync
+        self.syncs = 0
 
-    def append(self, lines: bytes, count: int) -> None:
-        """Append whole lines; called from the event loop and the writer thread, so it only writes and flushes."""
+    def append(self, data: bytes, count: int) -> _Segment:
+        """Append whole lines to the current segment (opened on demand, or anew when it is full); returns it.
+        Called from the event loop and the writer thread."""
         with self._lock:
-            if self._file is None:
-                self._open_segment()
-            assert self._file is not None and self._path is not None
-            try:
-                self._file.write(lines)
-                self._file.flush()
-            except OSError:
-                # The segment may now end in a partial line: start a new one so only this append is torn.
-                handle, self._file, self._path = self._file, None, None
-                with contextlib.suppress(OSError):
-                    handle.close()
-                raise
-            self._own[self._path] = self._own.get(self._path, 0) + count
-            self.pending += count
+            segment = self._current
+            if segment is not None and segment.size + len(data) > segment.capacity:
+                self._current = None
+                # Truncating and fsyncing it are for the sync thread (or the writer's), never for this path.
+                self._full.append((segment, self._closing_locked(segment)))
+                segment = None
+            if segment is None:
+                segment = self._current = self._open_segment(max(self._segment_bytes, len(data)))
+            assert segment.mapped is not None
+            segment.mapped[segment.size : segment.size + len(data)] = data
+            segment.size += len(data)
+            segment.appended += count
+            self._unsynced = True
+            if self._sync_each:
+                self._sync_locked()
+            return segment
 
-    def _open_segment(self) -> None:
+    def _open_segment(self, capacity: int) -> _Segment:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._last_ns = max(time.time_ns(), self._last_ns + 1)
         name = f"{_SEGMENT_PREFIX}{self._last_ns}-{os.getpid()}{_SEGMENT_SUFFIX}"
         temporary = self.directory / f".{name}.tmp"
-        handle = open(temporary, "xb")  # held open across appends until rotate()
+        handle = open(temporary, "x+b", buffering=0)  # held open until the segment is removed or handed to replay
         try:
+            os.posix_fallocate(handle.fileno(), 0, capacity)
+            mapped = mmap.mmap(handle.fileno(), capacity)
             # Lock before the segment becomes visible under its real name, so no replayer takes it while we append.
             fcntl.flock(handle, fcntl.LOCK_EX)
             os.replace(temporary, self.directory / name)
-        except OSError:
+        except (OSError, ValueError):
             handle.close()
             with contextlib.suppress(OSError):
                 temporary.unlink()
             raise
-        self._file, self._path = handle, self.directory / name
+        self._dir_dirty = True
+        segment = _Segment(self.directory / name, handle, mapped, capacity, time.monotonic())
+        self._own[segment.path] = segment
+        return segment
 
     def rotate(self) -> None:
-        """Close the current segment so it can be replayed; the fsync happens outside the lock so `submit`,
-        which may be waiting for the lock, is not held up by the disk."""
+        """Close the current segment so it can be removed once committed or replayed."""
+        self.finish_full()
         with self._lock:
-            handle, self._file, self._path = self._file, None, None
+            segment, self._current = self._current, None
+            closing = self._closing_locked(segment)
+        self._close(segment, closing)
+
+    def finish_full(self) -> None:
+        """Truncate, fsync and settle the segments `append` closed because they were full."""
+        with self._lock:
+            full, self._full = self._full, []
+        for segment, closing in full:
+            self._close(segment, closing)
+
+    def rotate_if_due(self, max_age_s: float) -> None:
+        """Rotate a non-empty current segment older than `max_age_s`, so a healthy database keeps the log short: a
+        closed segment whose records are all committed is removed."""
+        self.finish_full()
+        with self._lock:
+            segment = self._current
+            if segment is None or segment.appended == 0 or time.monotonic() - segment.opened < max_age_s:
+                return
+            self._current = None
+            closing = self._closing_locked(segment)
+        self._close(segment, closing)
+
+    @staticmethod
+    def _closing_locked(segment: _Segment | None) -> int | None:
+        """Mark a segment closed and unmap it; a duplicate of its descriptor for truncating and fsyncing it outside
+        the lock (so `submit` is not held up by the disk) while a commit may already remove the segment."""
+        if segment is None:
+            return None
+        segment.closed = True
+        if segment.mapped is not None:
+            segment.mapped.close()  # what it holds stays in the page cache, to be fsynced through the descriptor
+            segment.mapped = None
+        return os.dup(segment.handle.fileno()) if segment.handle is not None else None
+
+    def _close(self, segment: _Segment | None, duplicate: int | None) -> None:
+        if segment is None:
+            return
+        if duplicate is not None:
+            try:
+                os.ftruncate(duplicate, segment.size)  # the unused preallocated tail
+                self._fsync(duplicate)
+            except OSError as exc:
+                log.error("closing spool segment %s failed: %s", segment.path.name, exc)
+            finally:
+                os.close(duplicate)
+        with self._lock:
+            self._settle_locked(segment)
+
+    def commit(self, segment: _Segment, count: int) -> None:
+        """`count` of the segment's records are in the database: remove it once all are and nothing was dropped."""
+        with self._lock:
+            segment.committed += count
+            self._settle_locked(segment)
+
+    def drop(self, segment: _Segment) -> None:
+        """Some of the segment's records were let go from memory: from now on only replaying the file stores them."""
+        with self._lock:
+            segment.dropped = True
+            self._settle_locked(segment)
+
+    def _settle_locked(self, segment: _Segment) -> None:
+        if not segment.closed or segment.gone:
+            return
+        if segment.dropped:
+            self._release(segment)  # unlocked: this process's replay, or another's, may take it now
+        elif segment.committed >= segment.appended:
+            with contextlib.suppress(FileNotFoundError):
+                segment.path.unlink()
+            self._dir_dirty = True
+            self._release(segment)
+            segment.gone = True
+            self._own.pop(segment.path, None)
+
+    @staticmethod
+    def _release(segment: _Segment) -> None:
+        handle, segment.handle = segment.handle, None
         if handle is not None:
-            os.fsync(handle.fileno())
-            handle.close()  # releases the flock
+            with contextlib.suppress(OSError):
+                handle.close()  # releases the flock
+
+    def replayed(self, path: Path) -> None:
+        """A segment was replayed and removed (by this process)."""
+        with self._lock:
+            self._dir_dirty = True
+            segment = self._own.pop(path, None)
+            if segment is not None:
+                segment.gone = True
+
+    def sync(self) -> None:
+        """One group fsync: the current segment if anything was appended since the last, the directory if segments
+        were created or removed. The file is synced through a duplicate descriptor, outside the lock, so appends go
+        on while the disk works and a concurrent rotation cannot close the descriptor under it."""
+        self.finish_full()
+        with self._lock:
+            segment = self._current
+            duplicate = None
+            if self._unsynced and segment is not None and segment.handle is not None:
+                duplicate = os.dup(segment.handle.fileno())
+            self._unsynced = False
+            directory, self._dir_dirty = self._dir_dirty, False
+        try:
+            if duplicate is not None:
+                self._fsync(duplicate)
+            if directory:
+                self._sync_directory()
+            self.syncs += 1
+        except OSError:
+            with self._lock:  # try again next time
+                self._unsynced = self._unsynced or duplicate is not None
+                self._dir_dirty = self._dir_dirty or directory
+            raise
+        finally:
+            if duplicate is not None:
+                os.close(duplicate)
+
+    def _sync_locked(self) -> None:
+        assert self._current is not None and self._current.handle is not None
+        self._fsync(self._current.handle.fileno())
+        self._unsynced = False
+        if self._dir_dirty:
+            self._sync_directory()
+            self._dir_dirty = False
+        self.syncs += 1
+
+    def _sync_directory(self) -> None:
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            self._fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close_all(self) -> None:
+        """Close every descriptor this process still holds and sync the directory (at shutdown, after the last
+        rotation, so the segments left for the next start are durable)."""
+        with self._lock:
+            for segment in self._own.values():
+                if segment.closed:  # a submit after close may have opened a new current segment
+                    self._release(segment)
+        try:
+            self.sync()
+        except OSError as exc:
+            log.error("fsync of the spool directory failed at shutdown: %s", exc)
 
     def segments(self) -> list[Path]:
         """Segment files, oldest first (this process's and any other's)."""
@@ -157,17 +355,31 @@ class _Spool:
         ]
         return [path for _, path in sorted(found)]
 
-    def forget_replayed(self) -> None:
-        """Drop counts for own segments that are gone (replayed here or by another process sharing the dir)."""
+    @property
+    def current_dropped(self) -> bool:
+        segment = self._current
+        return segment is not None and segment.dropped
+
+    @property
+    def pending(self) -> int:
+        """Records of this process's segments that only a replay will store: what `RecordWriter.flush` waits on.
+        Segments another process sharing the directory replayed are forgotten here."""
         with self._lock:
-            self._own = {path: n for path, n in self._own.items() if path == self._path or path.exists()}
-            self.pending = sum(self._own.values())
+            for segment in list(self._own.values()):
+                if segment.dropped and segment.closed and not segment.path.exists():
+                    segment.gone = True
+                    del self._own[segment.path]
+            return sum(segment.appended for segment in self._own.values() if segment.dropped)
 
     def size_bytes(self) -> int:
+        """Bytes the segments hold (for this process's current one, what was appended, not what was preallocated)."""
+        with self._lock:
+            current = self._current
+            used = {current.path: current.size} if current is not None else {}
         total = 0
         for path in self.segments():
             with contextlib.suppress(FileNotFoundError):  # replayed since the listing
-                total += path.stat().st_size
+                total += used[path] if path in used else path.stat().st_size
         return total
 
 
@@ -190,9 +402,40 @@ def _is_record_error(exc: BaseException) -> bool:
     return not isinstance(exc, SQLAlchemyError)  # e.g. a token id that does not fit int32
 
 
+_Entry = tuple[CallRecord, "_Segment | None"]  # a record and the log segment holding it (None: not logged)
+
+
+class _Syncer:
+    """Calls `tick` (a group fsync) every `interval_s` until stopped, then once more. `wait` is a seam for tests."""
+
+    def __init__(
+        self, tick: Callable[[], None], interval_s: float, wait: Callable[[float], bool] | None = None
+    ) -> None:
+        self.interval_s = interval_s
+        self._tick = tick
+        self._stop = threading.Event()
+        self._wait = wait or self._stop.wait
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="trajgate-wal-sync", daemon=True)
+        self._thread.start()
+
+    def run(self) -> None:
+        while not self._wait(self.interval_s):
+            self._tick()
+        self._tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 class RecordWriter:
-    """Batches records from the hot path into the database on one background thread, spooling to disk when the
-    database is down or the queue is full, so that no record is lost and `submit` never blocks."""
+    """Logs every record to the spool before its answer completes, then batches records from memory into the
+    database on one background thread, so that no answered call is lost, even to a crash, and `submit` never
+    waits on the database."""
 
     def __init__(
         self,
@@ -202,71 +445,106 @@ class RecordWriter:
         batch_size: int = 256,
         flush_interval_s: float = 0.05,
         retry_interval_s: float = 1.0,
+        fsync_interval_s: float = 0.01,
+        segment_bytes: int = 16 * 1024 * 1024,
+        segment_age_s: float = 1.0,
+        fsync: Callable[[int], None] = os.fsync,
     ) -> None:
         self._engine = engine
-        self._spool = _Spool(Path(spool_dir))
-        self._queue: queue.Queue[CallRecord] = queue.Queue(maxsize=queue_size)
+        self._spool = _Spool(Path(spool_dir), segment_bytes, sync_each=fsync_interval_s == 0, fsync=fsync)
+        self._syncer = _Syncer(self._sync, fsync_interval_s) if fsync_interval_s > 0 else None
+        self._queue: queue.Queue[_Entry] = queue.Queue(maxsize=queue_size)
         self._batch_size = batch_size
         self._flush_interval_s = flush_interval_s
         self._retry_interval_s = retry_interval_s
+        self._segment_age_s = segment_age_s
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         # Guards the counters below and `_closed`; flush() waits on it for progress.
         self._cond = threading.Condition()
         self._closed = False
         self._submitted = 0
-        self._settled = 0  # taken off the hot path: written, spooled, rejected or lost
-        self._inflight: Sequence[CallRecord] = ()
-        # Records the spool could not take (EMFILE, a full disk): kept in memory and retried by the writer thread,
-        # because a failing disk says nothing about the records themselves.
+        self._settled = 0  # taken off the hot path: written, dropped to the log, rejected or lost
+        self._inflight: Sequence[_Entry] = ()
+        # Records the log could not take (EMFILE, a full disk) and the database could not either: kept in memory and
+        # retried from the writer thread, because a failing disk says nothing about the records themselves.
         self._held: deque[CallRecord] = deque()
         self._next_held_retry = 0.0
         self._next_ping = 0.0
         self._next_spill_replay = 0.0
         self._spilling = False
+        self._log_failing = False
         self.db_up = True
+        self.records_logged = 0
+        self.records_unlogged = 0  # answered without a copy on disk (the log failed): a crash would lose them
         self.records_written = 0
-        self.records_spooled = 0
+        self.records_spooled = 0  # dropped from memory, so stored by replaying the log
         self.records_rejected = 0
         self.records_lost = 0
         self.records_replayed = 0
         self.records_unreadable = 0  # spool lines replay could not read (a torn append): lost, usually at start-up
         self.spool_errors = 0
+        self.sync_errors = 0
         self.write_errors = 0
 
     # --- the hot path -------------------------------------------------------------------------------------------
 
     def submit(self, record: CallRecord) -> None:
-        """Hand a record over without waiting: the queue if it has room, else the spool (a buffered append)."""
+        """Append the record to the log (so it survives a crash once this returns), then hand it to the writer
+        thread without waiting: the queue if it has room; if not, the logged copy is all there is until replay."""
+        segment = self._log(record)
         with self._cond:
             self._submitted += 1
+            self.records_logged += int(segment is not None)
             closed = self._closed
             if not closed:
                 try:
-                    self._queue.put_nowait(record)
+                    self._queue.put_nowait((record, segment))
                     return
                 except queue.Full:
                     pass
         if not self._spilling:
             self._spilling = True
             if closed:
-                log.warning("record submitted after the writer closed; spooling it for the next start")
+                log.warning("record submitted after the writer closed; it waits in the spool for the next start")
             else:
-                log.warning("writer queue full (%d records); spilling to the spool", self._queue.maxsize)
-        self._to_spool([record])
+                log.warning("writer queue full (%d records); the spool keeps the rest", self._queue.maxsize)
+        self._drop([(record, segment)])
         self._settle(1)
+
+    def _log(self, record: CallRecord) -> _Segment | None:
+        """Append one record to the log; None (never an exception) if it could not be."""
+        try:
+            line = spool_line(record)
+        except Exception as exc:  # whatever the record holds, submit must not raise
+            log.error("cannot log call %s: %s", record.id, exc)
+            self._count(records_unlogged=1)
+            return None
+        try:
+            segment = self._spool.append(line, 1)
+        except Exception as exc:  # OSError (EMFILE, a full disk) or anything else: the call is answered regardless
+            if not self._log_failing:  # once per episode, not once per record while the disk keeps failing
+                self._log_failing = True
+                log.error("spool append failed; records are kept in memory only until it works again: %s", exc)
+            self._count(records_unlogged=1, spool_errors=1)
+            return None
+        self._log_failing = False
+        return segment
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the writer thread; it first replays what a previous process left in the spool."""
+        """Start the writer thread, which first replays what a previous process left in the spool, and the
+        group-fsync thread."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="trajgate-writer", daemon=True)
             self._thread.start()
+            if self._syncer is not None:
+                self._syncer.start()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until every record submitted so far is in the database, or safely spooled while the database is
-        down. False on timeout (for instance under sustained overload, when the spool never empties)."""
+        """Wait until every record submitted so far is in the database, or safely in the log while the database is
+        down. False on timeout (for instance under sustained overload, when the log never empties)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             target = self._submitted
@@ -274,17 +552,18 @@ class RecordWriter:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, self._retry_interval_s))
         return True
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop accepting (later submits go to the spool), drain the queue, replay the spool once more if the
-        database is up, and close the spool segment. Whatever the thread cannot finish in time is spooled.
+        """Stop accepting (later submits only go to the log), drain the queue, replay the log once more if the
+        database is up, and close the log. Whatever the thread cannot finish in time stays in the log.
         Calling it again only closes the segment that submits after the first close appended to."""
         with self._cond:
             already_closed, self._closed = self._closed, True
         if already_closed:
             self._spool.rotate()
+            self._spool.close_all()
             return
         self._stopping.set()
         thread = self._thread
@@ -292,17 +571,20 @@ class RecordWriter:
             thread.join(timeout_s)
         if thread is None or thread.is_alive():
             if thread is not None:
-                log.error("writer still busy %.0f s after close; spooling what it holds", timeout_s)
+                log.error("writer still busy %.0f s after close; leaving what it holds in the spool", timeout_s)
             # Duplicates of the in-flight batch are harmless: every write is an upsert.
             leftovers = list(self._inflight) + self._take_all()
             if leftovers:
-                self._to_spool(leftovers)
+                self._drop(leftovers, keep=False)
                 self._settle(len(leftovers))
         held = self._take_held(len(self._held))
-        if held:  # the last chance to keep them: a spool that fails now loses them
-            self._to_spool(held, keep=False)
+        if held:  # the last chance to keep them: a log that fails now loses them
+            self._drop([(record, None) for record in held], keep=False)
             self._settle(len(held))
         self._spool.rotate()
+        if self._syncer is not None:
+            self._syncer.stop()
+        self._spool.close_all()
 
     # --- counters -----------------------------------------------------------------------------------------------
 
@@ -318,6 +600,19 @@ class RecordWriter:
     def records_held(self) -> int:
         return len(self._held)
 
+    @property
+    def syncs(self) -> int:
+        return self._spool.syncs
+
+    # --- the group-fsync thread ---------------------------------------------------------------------------------
+
+    def _sync(self) -> None:
+        try:
+            self._spool.sync()
+        except OSError as exc:
+            self._count(sync_errors=1)
+            log.error("fsync of the spool failed (appended records are safe from a crash, not power loss): %s", exc)
+
     # --- the writer thread --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -327,12 +622,15 @@ class RecordWriter:
                 batch = self._next_batch()
                 if batch:
                     self._inflight = batch
-                    if not (self.db_up and self._write(batch)):
-                        self._to_spool(batch)
+                    if self.db_up and self._write([record for record, _ in batch]):
+                        self._committed(batch)
+                    else:
+                        self._drop(batch)
                     self._inflight = ()
                     self._settle(len(batch))
                 elif self._stopping.is_set():
                     break
+                self._spool.rotate_if_due(self._segment_age_s)
                 self._recover_or_replay()
             except Exception:
                 # Never let the thread die: everything after it would sit in the queue and then spill.
@@ -342,9 +640,9 @@ class RecordWriter:
             self._replay_spool()
         self._spool.rotate()
 
-    def _next_batch(self) -> list[CallRecord]:
+    def _next_batch(self) -> list[_Entry]:
         if self._held and not self._stopping.is_set() and time.monotonic() >= self._next_held_retry:
-            return self._take_held(self._batch_size)
+            return [(record, None) for record in self._take_held(self._batch_size)]
         try:
             batch = [self._queue.get(timeout=self._flush_interval_s)]
         except queue.Empty:
@@ -371,18 +669,27 @@ class RecordWriter:
             records.append(self._held.popleft())
         return records
 
-    def _take_all(self) -> list[CallRecord]:
-        records = []
+    def _take_all(self) -> list[_Entry]:
+        entries = []
         while True:
             try:
-                records.append(self._queue.get_nowait())
+                entries.append(self._queue.get_nowait())
             except queue.Empty:
-                return records
+                return entries
+
+    def _committed(self, entries: Sequence[_Entry]) -> None:
+        """Count stored records against their segments, so fully committed segments can be removed."""
+        per_segment: dict[_Segment, int] = {}
+        for _, segment in entries:
+            if segment is not None:
+                per_segment[segment] = per_segment.get(segment, 0) + 1
+        for segment, count in per_segment.items():
+            self._spool.commit(segment, count)
 
     def _recover_or_replay(self) -> None:
-        """While down, poll the database every retry interval and replay the spool once it answers; while up,
-        replay records that spilled because the queue was full, when the queue has gone quiet (or every retry
-        interval under sustained load, so the spill cannot grow forever)."""
+        """While down, poll the database every retry interval and replay the log once it answers; while up,
+        replay records that were dropped from memory because the queue was full, when the queue has gone quiet (or
+        every retry interval under sustained load, so the log cannot grow forever)."""
         now = time.monotonic()
         if not self.db_up:
             if now < self._next_ping:
@@ -400,9 +707,10 @@ class RecordWriter:
                 self._set_db_up(True)
 
     def _replay_spool(self) -> bool:
-        """Write every closed segment, oldest first, deleting each once committed. False if the database failed
-        part-way; the remaining segments stay for the next attempt."""
-        self._spool.rotate()  # never replay the segment still being appended to
+        """Write every closed segment not committed from memory, oldest first, removing each once committed. False
+        if the database failed part-way; the remaining segments stay for the next attempt."""
+        if self._spool.current_dropped:
+            self._spool.rotate()  # never replay the segment still being appended to
         replayed = 0
         try:
             for path in self._spool.segments():
@@ -412,7 +720,6 @@ class RecordWriter:
                 replayed += count
             return True
         finally:
-            self._spool.forget_replayed()
             with self._cond:
                 self._cond.notify_all()
             if replayed:
@@ -427,12 +734,14 @@ class RecordWriter:
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                return 0  # a live writer still appends to it, or another process is replaying it
+                return 0  # a live writer still appends to it or commits it from memory, or another replays it
             if os.fstat(handle.fileno()).st_nlink == 0:
                 return 0  # replayed and removed between our open and our lock
             count = 0
             batch: list[CallRecord] = []
             for number, line in enumerate(handle, 1):
+                if line[:1] == b"\0":
+                    break  # the preallocated tail of a segment whose process died before truncating it
                 try:
                     batch.append(read_spool_line(line))
                 except (ValueError, TypeError) as exc:
@@ -446,6 +755,7 @@ class RecordWriter:
             if batch and not self._write(batch):
                 return None
             path.unlink()
+            self._spool.replayed(path)
             self._count(records_replayed=count + len(batch))
             return count + len(batch)
 
@@ -495,23 +805,29 @@ class RecordWriter:
             log.error("could not keep rejected call %s: %s", record.id, err)
             self._count(records_lost=1)
 
-    def _to_spool(self, records: Sequence[CallRecord], keep: bool = True) -> None:
-        """Append records to the spool, never raising into the hot path. A record that cannot be serialised is
-        lost (counted and logged). A failing disk (EMFILE, ENOSPC) is not the records' fault: they are held in
-        memory and retried from the writer thread, unless `keep` is False (the writer is closing)."""
+    def _drop(self, entries: Sequence[_Entry], keep: bool = True) -> None:
+        """Let records go from memory: those in the log stay there for replay; those not in it (the log failed) are
+        appended now, or, if the disk still fails, held in memory and retried from the writer thread, unless `keep`
+        is False (the writer is closing: then they are lost, counted and logged)."""
+        segments = {segment for _, segment in entries if segment is not None}
+        for segment in segments:
+            self._spool.drop(segment)
+        self._count(records_spooled=len(entries) - sum(1 for _, segment in entries if segment is None))
         lines: list[bytes] = []
         kept: list[CallRecord] = []
-        for record in records:
+        for record, segment in entries:
+            if segment is not None:
+                continue
             try:
                 lines.append(spool_line(record))
                 kept.append(record)
-            except Exception as exc:  # whatever the record holds, submit must not raise
+            except Exception as exc:  # what could not be serialised for the log cannot be kept on disk either
                 log.error("cannot spool call %s: %s", record.id, exc)
                 self._count(records_lost=1)
         if not lines:
             return
         try:
-            self._spool.append(b"".join(lines), len(lines))
+            self._spool.drop(self._spool.append(b"".join(lines), len(lines)))
         except OSError as exc:
             if not keep:
                 log.error("spool append failed while closing, %d records lost: %s", len(lines), exc)
@@ -546,6 +862,7 @@ class RecordWriter:
 
     def _count(
         self,
+        records_unlogged: int = 0,
         records_written: int = 0,
         records_spooled: int = 0,
         records_rejected: int = 0,
@@ -553,10 +870,12 @@ class RecordWriter:
         records_replayed: int = 0,
         records_unreadable: int = 0,
         spool_errors: int = 0,
+        sync_errors: int = 0,
         write_errors: int = 0,
     ) -> None:
         # The event loop thread and the writer thread both count; `+=` on an attribute is not atomic.
         with self._cond:
+            self.records_unlogged += records_unlogged
             self.records_written += records_written
             self.records_spooled += records_spooled
             self.records_rejected += records_rejected
@@ -564,4 +883,5 @@ class RecordWriter:
             self.records_replayed += records_replayed
             self.records_unreadable += records_unreadable
             self.spool_errors += spool_errors
+            self.sync_errors += sync_errors
             self.write_errors += write_errors

@@ -205,8 +205,11 @@ def test_health_ready_metrics_models(gateway: RunningGateway, upstream: FakeUpst
     assert 'trajgate_requests_total{endpoint="chat",status="200"} 1.0' in metrics
     assert "trajgate_added_latency_seconds_bucket" in metrics
     assert "trajgate_records_written_total 1.0" in metrics
+    assert "trajgate_records_logged_total 1.0" in metrics  # in the write-ahead log before the answer completed
     assert "trajgate_writer_queue_depth 0.0" in metrics
-    for counter in ("records_spooled", "records_replayed", "records_rejected", "records_lost", "spool_errors"):
+    counters = ("records_spooled", "records_replayed", "records_rejected", "records_lost", "records_unlogged",
+                "spool_errors", "spool_sync_errors")  # fmt: skip
+    for counter in counters:
         assert f"trajgate_{counter}_total 0.0" in metrics  # what an operator alerts on when a call was not stored
     assert "trajgate_spool_unreadable_lines_total 0.0" in metrics and "trajgate_records_held 0.0" in metrics
     models = httpx.get(gateway.base_url + "/models").json()

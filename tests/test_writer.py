@@ -7,6 +7,10 @@ import asyncio
 import logging
 import math
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +22,7 @@ from gateway.store import db
 from gateway.store.arrays import decode_logprobs
 from gateway.store.models import Call
 from gateway.store.records import count_calls, write_calls
-from gateway.writer import RecordWriter, read_spool_line, spool_line
+from gateway.writer import RecordWriter, _Syncer, read_spool_line, spool_line
 from tests.factories import make_record
 from tests.pgcluster import PgCluster, free_port
 from tests.waiting import wait_until
@@ -52,6 +56,8 @@ def test_spool_line_round_trips_exactly() -> None:
     assert back.completion_logprobs[2:] == record.completion_logprobs[2:]
     back.completion_logprobs = record.completion_logprobs = None
     assert back == record
+    int_keys = make_record(request={"logit_bias": {50256: -100}})  # orjson's slower mode, only when needed
+    assert read_spool_line(spool_line(int_keys)).request == {"logit_bias": {"50256": -100}}
     unpackable = make_record(prompt_token_ids=[2**40])  # kept as JSON, so the store can refuse it and keep it aside
     assert read_spool_line(spool_line(unpackable)).prompt_token_ids == [2**40]
 
@@ -68,9 +74,10 @@ async def test_records_submitted_from_an_event_loop_all_arrive_once(engine: Engi
     try:
         assert sorted(_ids(engine)) == sorted(r.id for r in records)
         assert writer.records_written == 2000 and writer.records_spooled == 0 and writer.db_up
-        assert writer.queue_depth == 0 and writer.spool_bytes == 0
+        assert writer.records_logged == 2000 and writer.queue_depth == 0
     finally:
         writer.close()
+    assert writer.spool_bytes == 0  # every record committed, so the log was removed
 
 
 async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: Path) -> None:
@@ -265,11 +272,11 @@ def test_a_spool_that_cannot_be_opened_keeps_records_in_memory(
     failures = {"left": 3}
     real_open = writer_module._Spool._open_segment
 
-    def flaky(self: object) -> None:
+    def flaky(self: object, capacity: int) -> object:
         if failures["left"]:
             failures["left"] -= 1
             raise OSError(24, "Too many open files")
-        real_open(self)  # type: ignore[arg-type]
+        return real_open(self, capacity)  # type: ignore[arg-type]
 
     monkeypatch.setattr(writer_module._Spool, "_open_segment", flaky)
     writer = RecordWriter(engine, spool_dir, queue_size=1, **FAST)
@@ -295,3 +302,198 @@ def test_replay_counts_what_it_replays_and_what_it_could_not_read(engine: Engine
     assert writer.flush(10)
     writer.close()
     assert writer.records_replayed == 12 and writer.records_unreadable == 2
+
+
+def test_a_submitted_record_survives_the_process_being_killed(engine: Engine, spool_dir: Path) -> None:
+    """Once `submit` returns, the record is in the log: a process SIGKILLed before its writer stored anything
+    (here: never started) leaves every record for the next start to replay."""
+    records = _records(300)
+    child = f"""
+import os, signal, sys
+from pathlib import Path
+from gateway.store.db import make_engine
+from gateway.writer import RecordWriter, read_spool_line
+writer = RecordWriter(make_engine("sqlite://"), Path(sys.argv[1]))
+for line in sys.stdin.buffer:
+    writer.submit(read_spool_line(line))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", child, str(spool_dir)],
+        input=b"".join(spool_line(r) for r in records),
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    assert count_calls(engine) == 0
+    successor = RecordWriter(engine, spool_dir, **FAST)
+    successor.start()
+    assert successor.flush(20)
+    successor.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    assert successor.records_replayed == 300 and _segments(spool_dir) == []
+    assert successor.records_unreadable == 0  # the killed process's untruncated, zero-filled tail is not a record
+
+
+def test_replaying_a_segment_twice_stores_each_call_once(engine: Engine, spool_dir: Path) -> None:
+    """A crash between a replay's commit and its delete replays the segment again: upserts keep one row a call."""
+    records = _records(40)
+    spool_dir.mkdir()
+    lines = b"".join(spool_line(r) for r in records)
+    (spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl").write_bytes(lines)
+    for _ in range(2):
+        writer = RecordWriter(engine, spool_dir, **FAST)
+        writer.start()
+        assert writer.flush(10)
+        writer.close()
+        assert writer.records_replayed == 40 and _segments(spool_dir) == []
+        (spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl").write_bytes(lines)  # the same, again
+    assert count_calls(engine) == 40 and sorted(_ids(engine)) == sorted(r.id for r in records)
+
+
+class _Fsyncs:
+    """The fsync seam: records what was synced (a segment file, or the spool directory) instead of timing it."""
+
+    def __init__(self) -> None:
+        self.synced: list[str] = []
+
+    def __call__(self, fd: int) -> None:
+        target = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        self.synced.append("dir" if target.is_dir() else target.name)
+        os.fsync(fd)
+
+    def take(self) -> list[str]:
+        taken, self.synced = self.synced, []
+        return taken
+
+
+def test_group_fsync_syncs_each_segment_once_per_round_and_the_directory_after_it_changes(
+    engine: Engine, spool_dir: Path
+) -> None:
+    fsyncs = _Fsyncs()
+    # The interval is far beyond the test, so only the rounds the test runs (`_sync`) happen.
+    writer = RecordWriter(engine, spool_dir, fsync_interval_s=3600, segment_age_s=3600, fsync=fsyncs, **FAST)
+    for record in _records(50):
+        writer.submit(record)
+    assert fsyncs.take() == []  # appends never wait for the disk
+    [segment] = _segments(spool_dir)
+    writer._sync()
+    assert fsyncs.take() == [segment.name, "dir"]  # fifty appends, one fsync; the new segment's name made durable
+    writer._sync()
+    assert fsyncs.take() == []  # nothing new
+    writer.submit(make_record("one-more", 0))
+    writer._sync()
+    assert fsyncs.take() == [segment.name]
+    writer.start()
+    assert writer.flush(10)
+    writer._spool.rotate()  # every record is committed, so rotation removes the segment
+    assert _segments(spool_dir) == [] and fsyncs.take() == [segment.name]  # synced as it is closed
+    writer._sync()
+    assert fsyncs.take() == ["dir"]  # the removal made durable
+    writer.close()
+
+
+def test_fsync_interval_zero_syncs_every_record_before_submit_returns(engine: Engine, spool_dir: Path) -> None:
+    fsyncs = _Fsyncs()
+    writer = RecordWriter(engine, spool_dir, fsync_interval_s=0, fsync=fsyncs, **FAST)
+    writer.submit(make_record("a", 0))
+    [segment] = _segments(spool_dir)
+    assert fsyncs.take() == [segment.name, "dir"]
+    writer.submit(make_record("a", 1))
+    assert fsyncs.take() == [segment.name]
+    writer.close()
+
+
+def test_the_sync_thread_waits_the_configured_interval_between_rounds() -> None:
+    waits: list[float] = []
+    rounds: list[int] = []
+
+    def wait(timeout_s: float) -> bool:
+        waits.append(timeout_s)
+        return len(waits) == 4  # stopped during the fourth wait
+
+    syncer = _Syncer(lambda: rounds.append(len(waits)), 0.025, wait=wait)
+    syncer.run()
+    assert waits == [0.025] * 4
+    assert rounds == [1, 2, 3, 4]  # one round after each interval, and a last one when stopped
+
+
+def test_committed_segments_are_rotated_and_removed_while_running(engine: Engine, spool_dir: Path) -> None:
+    """With a healthy database the log stays short: an old enough segment is closed, and removed once stored."""
+    writer = RecordWriter(engine, spool_dir, segment_age_s=0.05, **FAST)
+    writer.start()
+    try:
+        records = _records(60)
+        for batch in range(3):
+            for record in records[batch * 20 : batch * 20 + 20]:
+                writer.submit(record)
+            assert writer.flush(10)
+            wait_until(lambda: _segments(spool_dir) == [], 10, f"batch {batch}'s segment to be removed")
+        assert count_calls(engine) == 60 and writer.records_spooled == 0 and writer.records_replayed == 0
+    finally:
+        writer.close()
+
+
+def test_a_stalled_database_keeps_memory_bounded_and_loses_nothing(engine: Engine, spool_dir: Path) -> None:
+    """While writes cannot finish, records beyond the queue live only in the log, and are replayed afterwards."""
+    import gateway.writer as writer_module
+
+    gate = threading.Event()
+    real_write = writer_module.write_calls
+
+    def stalled(engine: Engine, records: list[CallRecord]) -> None:
+        gate.wait(30)
+        real_write(engine, records)
+
+    writer = RecordWriter(engine, spool_dir, queue_size=50, batch_size=10, **FAST)
+    writer_module.write_calls = stalled  # type: ignore[assignment]
+    try:
+        writer.start()
+        records = _records(1000)
+        for record in records:
+            writer.submit(record)
+        assert writer.queue_depth <= 50 and writer.records_spooled >= 1000 - 50 - 10
+        gate.set()
+        assert writer.flush(30)
+    finally:
+        writer_module.write_calls = real_write
+        writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records) and _segments(spool_dir) == []
+
+
+def test_a_full_segment_is_closed_and_truncated_off_the_hot_path(engine: Engine, spool_dir: Path) -> None:
+    fsyncs = _Fsyncs()
+    writer = RecordWriter(engine, spool_dir, segment_bytes=8192, fsync_interval_s=3600, fsync=fsyncs, **FAST)
+    records = _records(40)
+    for record in records:
+        writer.submit(record)
+    segments = _segments(spool_dir)
+    assert len(segments) > 3 and fsyncs.take() == []  # new segments opened as each filled; nothing synced inline
+    writer._sync()  # the sync thread's round: full segments truncated to their records and made durable
+    assert set(fsyncs.take()) == {path.name for path in segments} | {"dir"}
+    *full, current = segments
+    assert all(path.read_bytes().endswith(b"\n") for path in full)  # truncated to whole records
+    assert current.read_bytes().endswith(b"\0")  # still preallocated: appends need no system call
+    lines = [line for path in segments for line in path.read_bytes().rstrip(b"\0").splitlines(keepends=True)]
+    assert sorted(read_spool_line(line).id for line in lines) == sorted(r.id for r in records)
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records) and _segments(spool_dir) == []
+
+
+def test_replay_stops_at_a_dead_process_s_zero_filled_tail_and_skips_a_torn_record(
+    engine: Engine, spool_dir: Path
+) -> None:
+    records = _records(5)
+    torn = spool_line(make_record("torn", 0))
+    spool_dir.mkdir()
+    segment = spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl"
+    segment.write_bytes(b"".join(spool_line(r) for r in records) + torn[:100] + bytes(65536))
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    assert writer.records_replayed == 5 and writer.records_unreadable == 1 and not segment.exists()
