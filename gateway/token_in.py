@@ -376,13 +376,18 @@ class TokenIn:
             return
         call.first_chunk = call.finished = time.perf_counter()
         call.status = 200
-        response = self._answer(call, plan.prompt, generated, derendered)
+        response = self._answer(call, plan.prompt, generated, derendered, chat_request)
         self._record(call, plan.prompt, generated.get("choices") or [], response, keys)
         capture.strip_for_client(response, asks)
         await self.proxy.send_answer(send, call, 200, orjson.dumps(response), b"application/json", out_headers)
 
     def _answer(
-        self, call: Call, prompt: list[int], generated: dict[str, Any], derendered: dict[str, Any]
+        self,
+        call: Call,
+        prompt: list[int],
+        generated: dict[str, Any],
+        derendered: dict[str, Any],
+        chat_request: dict[str, Any],
     ) -> dict[str, Any]:
         """The ChatCompletion as chat mode would have sent it: gateway-assigned id, real usage, ids on the side."""
         response = derendered
@@ -391,6 +396,8 @@ class TokenIn:
         by_index = {choice.get("index", 0): choice for choice in generated.get("choices") or ()}
         completion_tokens = 0
         for choice in response.get("choices") or ():
+            if choice.get("logprobs") is not None:
+                choice["logprobs"] = {"content": chat_logprobs(choice["logprobs"], chat_request)}
             ids = by_index.get(choice.get("index", 0), {}).get("token_ids") or []
             choice["token_ids"] = ids
             completion_tokens += len(ids)
@@ -527,6 +534,7 @@ class StreamRelay:
         self.assembler = capture.StreamAssembler(capture.CHAT)
         self.generated: dict[int, dict[str, Any]] = {}  # per choice: ids, logprobs, finish/stop reason
         self.states: dict[int, Any] = {}
+        self.logprobs: dict[int, list[dict[str, Any]]] = {}  # per choice: entries not yet sent (no chunk came back)
         self.prompt_sent = False
         self.derenders = 0
         self.head: dict[str, Any] = {}
@@ -595,20 +603,28 @@ class StreamRelay:
             if choice.get("finish_reason") is not None:
                 slot["finish_reason"] = choice["finish_reason"]
                 slot["stop_reason"] = choice.get("stop_reason")
+            shown = for_derender(merged)
             body = {
                 "model": self.chat_request["model"],
                 "chat_request": self.chat_request,
                 "stream": True,
-                "generate_chunk": for_derender(merged),
+                "generate_chunk": shown,
                 "stream_state": self.states.get(index),
                 "prompt_token_ids": self.prompt,
             }
-            answer = await self.owner._post(DERENDER, body)
+            if self.asks.logprobs:
+                answer, entries = await asyncio.gather(self.owner._post(DERENDER, body), self._logprobs(merged))
+                self.logprobs.setdefault(index, []).extend(entries)
+            else:
+                answer = await self.owner._post(DERENDER, body)
             self.derenders += 1
             self.states[index] = answer.get("stream_state")
             chunk = answer.get("chunk")
             if not isinstance(chunk, dict):
                 continue
+            if self.asks.logprobs:
+                for out in chunk.get("choices") or ():
+                    out["logprobs"] = {"content": self.logprobs.pop(index, [])}
             if self.call.first_chunk is None:
                 self.call.first_chunk = time.perf_counter()
             chunk["id"] = "chatcmpl-" + self.call.request_id.removeprefix("req-")
@@ -621,6 +637,18 @@ class StreamRelay:
             self.assembler.feed(chunk)
             if _says_something(chunk) or self.asks.token_ids or self.asks.logprobs:
                 await self._send_chunk(chunk)
+
+    async def _logprobs(self, merged: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chat-shaped logprob entries of a coalesced generate chunk. vLLM's streaming derender returns none, the
+        non-stream one returns exactly what the chat path streams (token strings, bytes, top_logprobs), so the chunk's
+        ids go through it too, only when the client asked. The end token stays in: only its entry is used, and a last
+        chunk holding just that token would otherwise be refused for having no ids."""
+        chat_request = {k: v for k, v in self.chat_request.items() if k not in ("stream", "stream_options")}
+        body = {"model": chat_request["model"], "chat_request": chat_request, "generate_response": merged}
+        answer = await self.owner._post(DERENDER, body)
+        self.derenders += 1
+        choices = answer.get("choices") or [{}]
+        return chat_logprobs(choices[0].get("logprobs"), self.chat_request)
 
     async def _send_chunk(self, chunk: dict[str, Any]) -> None:
         capture.strip_for_client(chunk, self.asks)
@@ -723,6 +751,16 @@ def upstream_error(path: str, status: int, raw: bytes) -> GatewayError:
     if 400 <= status < 500:
         return GatewayError(status, message, error_type)
     return GatewayError(502, f"vLLM answered {status} on {path}: {message}", "upstream_error", "upstream_error")
+
+
+def chat_logprobs(derendered: dict[str, Any] | None, chat_request: dict[str, Any]) -> list[dict[str, Any]]:
+    """Derender's logprob entries as vLLM's chat path writes them. Generate always lists the sampled token among its
+    top logprobs (it is asked for `logprobs: 0`), and derender passes that on; chat mode without `top_logprobs`
+    answers `top_logprobs: []`."""
+    entries = list((derendered or {}).get("content") or ())
+    if not chat_request.get("top_logprobs"):
+        entries = [{**entry, "top_logprobs": []} for entry in entries]
+    return entries
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:

@@ -344,6 +344,62 @@ def record_token_in(rec: Recorder) -> None:
         print(f"{name}: {[(e['path'], e['status']) for e in proxy.recorded]}", flush=True)
 
 
+# token_in calls whose answers the fast tests compare with chat mode's: logprobs (with and without top_logprobs) and n.
+TOKEN_IN_PROMPT = [{"role": "user", "content": "Say hi in French."}]
+TOKEN_IN_LOGPROBS = [{"logprobs": True, "top_logprobs": 2}, {"logprobs": True}]
+TOKEN_IN_N = {"n": 2, "temperature": 0.8, "seed": 1, "max_tokens": 8}
+
+
+def record_token_in_calls(rec: Recorder) -> None:
+    """token_in calls with `logprobs`/`top_logprobs` and with `n: 2`, each streamed and not, recorded through the
+    gateway like the tool loop; beside them, chat mode's answer to the same greedy logprobs requests, straight from
+    vLLM, which the gateway's logprobs must equal."""
+    import tempfile
+    import uuid
+
+    import httpx
+    import openai
+
+    from tests.fake_upstream import FakeUpstream
+    from tests.gateway_harness import running_gateway
+    from tests.token_in_agent import RUN
+
+    reference = [json.loads(rec._raw("POST", "/v1/chat/completions", chat(TOKEN_IN_PROMPT, **extra))[2])
+                 for extra in TOKEN_IN_LOGPROBS]
+    for name, calls in (
+        ("token_in_logprobs", [{"max_tokens": 24, "temperature": 0, **extra} for extra in TOKEN_IN_LOGPROBS]),
+        ("token_in_n", [TOKEN_IN_N]),
+    ):
+        proxy = FakeUpstream(fixtures={}, forward_to=rec.root_url).start()
+        try:
+            with tempfile.TemporaryDirectory() as tmp, running_gateway(
+                database_url=f"sqlite:///{tmp}/trajgate.db",
+                upstream_url=proxy.base_url,
+                base_model=MODEL,
+                spool_dir=f"{tmp}/spool",
+            ) as gateway:
+                config = {"name": RUN, "config": {"token_mode": "token_in"}}
+                httpx.post(gateway.url + "/v1/runs", json=config, timeout=30).raise_for_status()
+                for stream in (False, True):
+                    for extra in calls:
+                        url = f"{gateway.url}/eval/t/{name}-{uuid.uuid4().hex[:8]}/v1"
+                        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+                        answer = client.chat.completions.create(
+                            model=RUN, messages=TOKEN_IN_PROMPT, stream=stream, **extra
+                        )
+                        if stream:
+                            list(answer)
+        finally:
+            proxy.stop()
+        fixture: dict[str, Any] = {"name": name, "path": None, "exchanges": proxy.recorded}
+        if name == "token_in_logprobs":
+            fixture["chat_reference"] = reference
+        fixture["vllm_version"] = rec.vllm_version
+        (rec.out_dir / f"{name}.json").write_text(json.dumps(fixture, indent=1) + "\n")
+        rec.recorded[name] = fixture
+        print(f"{name}: {[(e['path'], e['status']) for e in proxy.recorded]}", flush=True)
+
+
 def record_all(rec: Recorder) -> None:
     path = "/v1/chat/completions"
     question = [
@@ -368,6 +424,7 @@ def record_all(rec: Recorder) -> None:
     record_conversation(rec)
     record_scale_out(rec)
     record_token_in(rec)
+    record_token_in_calls(rec)
     rec.record("completions", "POST", "/v1/completions", completion("The capital of France is"))
     rec.record(
         "completions_stream",
@@ -453,12 +510,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--only",
-        choices=("all", "scale_out", "token_in"),
+        choices=("all", "scale_out", "token_in", "token_in_calls"),
         default="all",
         help="record every scenario, or only scale_out_* or token_in_*",
     )
     args = parser.parse_args()
-    record = {"scale_out": record_scale_out, "token_in": record_token_in}.get(args.only, record_all)
+    record = {
+        "scale_out": record_scale_out,
+        "token_in": record_token_in,
+        "token_in_calls": record_token_in_calls,
+    }.get(args.only, record_all)
     if args.base_url:
         recorder = Recorder(args.base_url, args.out)
         record(recorder)

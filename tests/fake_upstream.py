@@ -122,7 +122,7 @@ class FakeUpstream:
             await asyncio.sleep(3600)
         if self.mode == "forbidden":  # vLLM's scale-out endpoints without --enable-scale-out
             return web.json_response({"detail": "Forbidden"}, status=403)
-        if request.path.endswith("/derender"):
+        if request.path.endswith("/derender") and body.get("stream"):  # a logprobs derender runs beside it
             self._derenders += 1
         fixture = self._match(request.path, body)
         if fixture is None and self.forward_to is not None:

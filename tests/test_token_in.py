@@ -278,3 +278,74 @@ def test_chat_mode_is_unchanged(gateway: RunningGateway, upstream: FakeUpstream)
 
 
 TOOLS = [WEATHER_TOOL]
+
+
+# -- logprobs and n, against recorded token_in calls and chat mode's answers -------------------------------------
+
+LOGPROBS = json.loads((FIXTURES / "token_in_logprobs.json").read_text())
+N_CALLS = json.loads((FIXTURES / "token_in_n.json").read_text())["exchanges"]
+
+
+def generated_ids(exchanges: list[dict[str, Any]], stream: bool, n: int = 1) -> dict[int, list[int]]:
+    """Per choice, the ids real vLLM generated in the first recorded call streamed (or not)."""
+    generate = next(e for e in exchanges if e["path"].endswith("/generate") and bool(e["request"].get("stream")) == stream)
+    chunks = [json.loads(c) for c in generate["chunks"] if c != "[DONE]"] if stream else [generate["response"]]
+    ids: dict[int, list[int]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            ids.setdefault(choice["index"], []).extend(choice["token_ids"] or ())
+    assert len(ids) == n
+    return ids
+
+
+def ask(gateway: RunningGateway, trajectory: str, stream: bool, **extra: Any) -> tuple[dict[int, list[Any]], int]:
+    """The SDK's view of one call: per choice index, its logprob entries (as dicts); and how many choices answered."""
+    client = client_for(gateway, trajectory)
+    messages = [{"role": "user", "content": "Say hi in French."}]
+    answer = client.chat.completions.create(model=RUN, messages=messages, stream=stream, **extra)  # type: ignore[call-overload]
+    entries: dict[int, list[Any]] = {}
+    if not stream:
+        for choice in answer.choices:
+            entries[choice.index] = [e.model_dump() for e in (choice.logprobs.content if choice.logprobs else None) or ()]
+        return entries, len(answer.choices)
+    indexes = set()
+    for chunk in answer:
+        for choice in chunk.choices:
+            indexes.add(choice.index)
+            content = choice.logprobs.content if choice.logprobs else None
+            entries.setdefault(choice.index, []).extend(e.model_dump() for e in content or ())
+    return entries, len(indexes)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+@pytest.mark.parametrize("top", [2, None], ids=["top_logprobs-2", "logprobs-only"])
+def test_logprobs_asked_are_chat_modes_and_the_recorded_ids(
+    token_gateway: RunningGateway, db_url: str, stream: bool, top: int | None
+) -> None:
+    trajectory = f"lp-{uuid.uuid4().hex[:8]}"
+    extra: dict[str, Any] = {"logprobs": True, "max_tokens": 24, "temperature": 0}
+    if top is not None:
+        extra["top_logprobs"] = top
+    entries, choices = ask(token_gateway, trajectory, stream, **extra)
+    reference = LOGPROBS["chat_reference"][0 if top else 1]["choices"][0]["logprobs"]["content"]
+    assert choices == 1 and entries[0] == reference  # tokens, bytes, values and top_logprobs as chat mode sends them
+    assert [len(e["top_logprobs"]) for e in entries[0]] == [top or 0] * len(reference)
+    token_gateway.flush()
+    [row] = stored_calls(db_url, trajectory)
+    assert [e["logprob"] for e in entries[0]] == row["completion_logprobs"]
+    assert len(row["completion_token_ids"]) == len(entries[0])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_n_choices_answer_and_record_one_row_each(token_gateway: RunningGateway, db_url: str, stream: bool) -> None:
+    trajectory = f"n-{uuid.uuid4().hex[:8]}"
+    _, choices = ask(token_gateway, trajectory, stream, n=2, temperature=0.8, seed=1, max_tokens=8)
+    assert choices == 2
+    token_gateway.flush()
+    rows = stored_calls(db_url, trajectory)
+    ids = generated_ids(N_CALLS, stream, n=2)
+    assert [r["choice_index"] for r in rows] == [0, 1]
+    assert [r["completion_token_ids"] for r in rows] == [ids[0], ids[1]]
+    assert rows[0]["seq"] == rows[1]["seq"] and rows[0]["prompt_token_ids"] == rows[1]["prompt_token_ids"]
+    assert all(len(r["completion_logprobs"]) == len(r["completion_token_ids"]) for r in rows)
+    assert len({r["history_key"] for r in rows}) == 2  # each choice continues on its own
