@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
 import httpx
 import pytest
 
+from gateway import writer as gateway_writer
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import stored_calls
@@ -226,21 +228,36 @@ async def test_concurrent_rewards_flip_readiness_exactly_once(
         assert {group_id: group(other, group_id)["ready_at"] for group_id in groups} == ready_at
 
 
-def test_reward_overtaking_the_last_call(gateway: RunningGateway, upstream: FakeUpstream, db_url: str) -> None:
-    """The writer is asynchronous: a reward posted right after the agent's last call must still find that call."""
-    gateway.app.state.writer._flush_interval_s = 0.5  # hold records in the writer long enough to overtake them
+def test_reward_overtaking_the_last_call(
+    gateway: RunningGateway, upstream: FakeUpstream, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer is asynchronous: a reward posted right after the agent's last call must still find that call.
+
+    The writer is held at a gate (not by a timing window, which a busy machine outlasts), so the calls are
+    certainly still unwritten when the reward arrives; the gate opens while the reward waits for them."""
+    gate = threading.Event()
+    real_write = gateway_writer.write_calls
+
+    def held_write(engine: Any, records: Any) -> None:
+        gate.wait(60)
+        real_write(engine, records)
+
+    monkeypatch.setattr(gateway_writer, "write_calls", held_write)
     make_calls(gateway, upstream, ["o-new"], group="g-overtake-1", size=1)
     assert stored_calls(db_url, "o-new") == []  # the call is not in the database yet...
+    threading.Timer(0.5, gate.set).start()
     started = time.monotonic()
     response = reward(gateway, "o-new", 1.0)  # ...but the reward finds it
     assert response.status_code == 200, response.text
     assert response.json()["group_ready"] is True
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 30
 
     make_calls(gateway, upstream, ["o-two"], group="g-overtake-2", size=1)
     gateway.flush()
+    gate.clear()
     make_calls(gateway, upstream, ["o-two"], group="g-overtake-2", size=1)  # its second (last) call
     assert len(stored_calls(db_url, "o-two")) == 1
+    threading.Timer(0.5, gate.set).start()
     assert reward(gateway, "o-two", 0.5).json()["group_ready"] is True
     # The group became ready with both calls in it: the trainer would claim a complete trajectory.
     assert [t["calls"] for t in group(gateway, "g-overtake-2")["trajectories"]] == [2]
