@@ -8,11 +8,12 @@ import copy
 import importlib.util
 import json
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
@@ -115,25 +116,58 @@ def text_reply(text: str) -> dict[str, Any]:
 
 
 class Scripted:
-    """An OpenAI-compatible /chat/completions that answers with the next scripted reply and keeps each request."""
+    """An OpenAI-compatible server on 127.0.0.1 whose /chat/completions answers with the next scripted reply and
+    keeps each request: a real socket, so any client (the OpenAI SDK, LangChain) talks to it as to the gateway."""
 
     def __init__(self, replies: list[dict[str, Any]], version: int = 3) -> None:
         self.replies = list(replies)
         self.requests: list[dict[str, Any]] = []
-        self.version = version
+        scripted = self
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        assert request.url.path.endswith("/chat/completions")
-        self.requests.append(json.loads(request.content))
-        return httpx.Response(200, json=self.replies.pop(0), headers={"x-policy-version": str(self.version)})
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the name http.server looks for
+                assert self.path.endswith("/chat/completions"), self.path
+                scripted.requests.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+                body = json.dumps(scripted.replies.pop(0)).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.send_header("x-policy-version", str(version))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url="http://gateway.test/g/x/n/1/t/x-t0/v1", api_key="none", max_retries=0,
-                             http_client=httpx.Client(transport=httpx.MockTransport(self)))  # fmt: skip
+        port = self.server.server_address[1]
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/g/x/n/1/t/x-t0/v1", api_key="none", max_retries=0)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
-def play(replies: list[dict[str, Any]], question_index: int = 0) -> tuple[Any, Scripted]:
-    server = Scripted(replies)
+@pytest.fixture
+def scripted() -> Iterator[Callable[[list[dict[str, Any]]], Scripted]]:
+    servers: list[Scripted] = []
+
+    def start(replies: list[dict[str, Any]]) -> Scripted:
+        servers.append(Scripted(replies))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def play(start: Callable[[list[dict[str, Any]]], Scripted], replies: list[dict[str, Any]],
+         question_index: int = 0) -> tuple[Any, Scripted]:  # fmt: skip
+    server = start(replies)
     question = agent.DIRECTORY.train[question_index]
     return agent.run_episode(server.client(), "demo", agent.DIRECTORY, question), server
 
@@ -142,10 +176,10 @@ def person_of(question: Any) -> Any:
     return next(p for p in agent.DIRECTORY.people if p.id == question.person_id)
 
 
-def test_search_then_answer_is_right_and_the_loop_sends_back_what_agents_send() -> None:
+def test_search_then_answer_is_right_and_the_loop_sends_back_what_agents_send(scripted: Any) -> None:
     question = agent.DIRECTORY.train[0]
     person = person_of(question)
-    episode, server = play([tool_reply("search", json.dumps({"query": person.name})), text_reply(question.answer)])
+    episode, server = play(scripted, [tool_reply("search", json.dumps({"query": person.name})), text_reply(question.answer)])
     assert (episode.outcome, episode.reward, episode.calls, episode.tool_calls) == ("right", 1.0, 2, 1)
     assert episode.policy_version == 3
     first, second = server.requests
@@ -162,10 +196,10 @@ def test_search_then_answer_is_right_and_the_loop_sends_back_what_agents_send() 
     assert scored.stats == {"tool_call": 1.0, "calls": 2.0, "malformed": 0.0}
 
 
-def test_search_lookup_answer_takes_three_calls() -> None:
+def test_search_lookup_answer_takes_three_calls(scripted: Any) -> None:
     question = agent.DIRECTORY.train[1]
     person = person_of(question)
-    episode, server = play([tool_reply("search", json.dumps({"query": person.name})),
+    episode, server = play(scripted, [tool_reply("search", json.dumps({"query": person.name})),
                             tool_reply("lookup", json.dumps({"id": person.id})),
                             text_reply(f"{question.answer}.")], question_index=1)  # fmt: skip
     assert (episode.outcome, episode.reward, episode.calls, episode.tool_calls) == ("right", 1.0, 3, 2)
@@ -184,9 +218,11 @@ def test_search_lookup_answer_takes_three_calls() -> None:
     ],
     ids=["no_tool", "wrong_after_search", "unknown_tool", "bad_arguments", "unparsed_markup", "never_answers"],
 )
-def test_episodes_that_earn_nothing(replies: Callable[[Any], list[dict[str, Any]]], outcome: str, calls: int) -> None:
+def test_episodes_that_earn_nothing(
+    scripted: Any, replies: Callable[[Any], list[dict[str, Any]]], outcome: str, calls: int
+) -> None:
     question = agent.DIRECTORY.train[0]
-    episode, server = play(replies(question))
+    episode, server = play(scripted, replies(question))
     assert (episode.outcome, episode.reward, episode.calls) == (outcome, 0.0, calls)
     assert len(server.requests) == calls and not server.replies  # the loop stopped where the episode ended
     scored = episode.scored()
