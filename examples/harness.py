@@ -71,7 +71,9 @@ class Agent(Generic[Q]):
             headers["authorization"] = f"Bearer {key}"
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.gateway + path, data=data, headers=headers, method=method)
-        with urllib.request.urlopen(request, timeout=60) as response:
+        # As patient as the model calls (the OpenAI client's 300 s): on a loaded 2-core machine the gateway once took
+        # over 60 s to answer a progress poll while the trainer stepped, and the demo's agent gave up.
+        with urllib.request.urlopen(request, timeout=300) as response:
             return json.loads(response.read())
 
     def play_one(self, question: Q, group: str, size: int, index: int, mode: str) -> Played:
