@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,6 +33,7 @@ from trainer.demo import (
     run_demo,
     start_gateway,
 )
+from tests.test_tool_agent import scripted  # noqa: F401 - a fixture
 from tests.waiting import OutputLines
 from trainer.vllm_cpu import free_port
 
@@ -248,3 +250,15 @@ def test_an_interrupt_while_a_process_starts_waits_until_its_stop_is_registered(
             registered.append("stop")  # ... still lets the demo register how to stop it
     assert registered == ["stop"]
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # handlers restored
+
+
+def test_trivia_episode_is_one_call_scored_by_the_reward(scripted: Any) -> None:
+    """The trivia agent's episode through harness.py: the question with the instruction, the reply scored."""
+    from tests.test_tool_agent import text_reply
+
+    server = scripted([text_reply("Paris.")])
+    outcome = agent.answer(server.client(), "demo", ("What is the capital of France?", ("paris",)))
+    assert (outcome.reward, outcome.correct, outcome.text, outcome.policy_version) == (1.0, True, "Paris.", 3)
+    (request,) = server.requests
+    assert request["model"] == "demo"
+    assert request["messages"] == [{"role": "user", "content": f"What is the capital of France? {agent.INSTRUCTION}"}]
