@@ -1,12 +1,15 @@
-"""Does the loop learn? Run the demo task (examples/short_answers.py on SmolLM2-135M, vLLM CPU, gateway on SQLite,
-trainer) for N steps and compare the held-out reward of the base policy with the policy after N steps.
+"""Does the loop learn? Run a demo task (trivia: examples/short_answers.py; tools: examples/tool_agent.py, the
+multi-turn tool agent) on SmolLM2-135M, vLLM CPU, the gateway on SQLite and the trainer for N steps, and compare the
+held-out reward of the base policy with the policy after N steps.
 
-    .venv/bin/python bench/learning.py                   # 10 steps, 8 answers per held-out question (~8 min)
+    .venv/bin/python bench/learning.py                   # trivia, 10 steps, 8 answers per held-out question (~8 min)
     .venv/bin/python bench/learning.py --steps 20 --lr 5e-4 --json /tmp/learning.json
+    .venv/bin/python bench/learning.py --task tools --token-mode chat       # the tool agent; then --token-mode token_in
 
 Every figure is measured in this one run: held-out reward before and after with 95% bootstrap intervals over the
 questions, the paired change per question with its interval, the share of right answers, wall time per phase,
-trainer step time and tokens/s, and the swap latency (step committed -> vLLM answering with the new adapter).
+trainer step time and tokens/s, and the swap latency (step committed -> vLLM answering with the new adapter); for the tool agent also the share of
+episodes with a valid tool call, model calls per episode and the merge ratio, so `chat` and `token_in` compare.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere, like the other benchmarks
@@ -57,6 +61,8 @@ def main() -> int:
         ("after / base", f"{c['after'] / c['before']:.2f}x" if c["before"] else "n/a"),
         ("right answers, base -> after", f"{c['right_before']:.0%} -> {c['right_after']:.0%}"),
         ("held-out questions x answers", f"{c['questions']} x {demo_args.eval_samples}"),
+        ("task, token mode", f"{demo_args.task}, {demo_args.token_mode}"),
+        *_tool_rows(result.agent_stats, result.merge),
         ("groups trained / dropped", f"{used} / {dropped}"),
         ("trainer step s, median (min..max)", f"{statistics.median(step_s):.1f} ({min(step_s):.1f}..{max(step_s):.1f})"),
         ("trainer tokens/s, median", f"{statistics.median(tokens_s):.0f}"),
@@ -72,6 +78,19 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(asdict(result), indent=1))
     return 0
+
+
+def _tool_rows(stats: dict[str, dict[str, float]], merge: dict[str, Any]) -> list[tuple[str, str]]:
+    before, after = stats["before"], stats["after"]
+    if "tool_call" not in before or "tool_call" not in after:
+        return []
+    ratio = merge.get("merge_ratio")
+    return [
+        ("valid tool call, base -> after", f"{before['tool_call']:.0%} -> {after['tool_call']:.0%}"),
+        ("malformed tool call, base -> after", f"{before['malformed']:.0%} -> {after['malformed']:.0%}"),
+        ("model calls per episode, base -> after", f"{before['calls']:.2f} -> {after['calls']:.2f}"),
+        ("merge ratio (all calls of the run)", "n/a" if ratio is None else f"{ratio:.2f}"),
+    ]
 
 
 if __name__ == "__main__":

@@ -11,25 +11,22 @@ of words) for a right one: "Paris" earns 1, "The capital of France is Paris." 0.
 `train` plays rounds of groups (each question answered `--group-size` times) until the run has trained `--steps`
 steps, staying at most `--ahead` rounds ahead of the trainer, so the policy that samples is at most that many
 versions older than the one being trained. `eval` answers the held-out questions in evaluation mode (recorded and
-rewarded, never trained) and writes the rewards per question as JSON.
+rewarded, never trained) and writes the rewards per question as JSON. Both come from harness.py, which every example
+agent shares; this file is the task.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import random
 import string
 import sys
-import time
-import urllib.request
-import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py beside this script, however it is run
+from harness import Outcome, Task, main_for  # noqa: E402
 
 INSTRUCTION = "Answer with one word."
 
@@ -184,187 +181,27 @@ def reward(answer: str, accepted: Sequence[str]) -> float:
     return 0.5 + 0.5 / len(said)
 
 
-@dataclass
-class Answer:
-    trajectory_id: str
-    text: str
-    reward: float
-    correct: bool
-    policy_version: int
+Question = tuple[str, Sequence[str]]
 
 
-class ShortAnswerAgent:
-    """Answers questions through the gateway and posts a reward for each answer."""
-
-    def __init__(self, gateway: str, run: str, api_key: str = "none", admin_key: str | None = None,
-                 workers: int = 16) -> None:
-        self.gateway = gateway.rstrip("/")
-        self.run = run
-        self.api_key = api_key
-        self.admin_key = admin_key
-        self.pool = ThreadPoolExecutor(max_workers=workers)
-        self.session = uuid.uuid4().hex[:8]  # group ids stay unique across runs of this script
-
-    def _http(self, method: str, path: str, body: Any = None, key: str | None = None) -> Any:
-        headers = {"content-type": "application/json"}
-        if key:
-            headers["authorization"] = f"Bearer {key}"
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.gateway + path, data=data, headers=headers, method=method)
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return json.loads(response.read())
-
-    def answer(self, question: str, accepted: Sequence[str], group: str, size: int, index: int,
-               mode: str) -> Answer:
-        trajectory = f"{group}-t{index}"
-        prefix = "/eval" if mode == "eval" else ""
-        # The only change an agent needs: a base_url that names its group and trajectory.
-        client = openai.OpenAI(
-            base_url=f"{self.gateway}{prefix}/g/{group}/n/{size}/t/{trajectory}/v1",
-            api_key=self.api_key,
-            max_retries=3,
-            timeout=300,
-        )
-        raw = client.chat.completions.with_raw_response.create(
-            model=self.run,
-            messages=[{"role": "user", "content": f"{question} {INSTRUCTION}"}],
-        )
-        text = raw.parse().choices[0].message.content or ""
-        score = reward(text, accepted)
-        self._http("POST", f"/v1/trajectories/{trajectory}/reward", {"reward": score}, self.api_key)
-        return Answer(trajectory, text, score, is_correct(text, accepted),
-                      int(raw.headers.get("x-policy-version", -1)))
-
-    def play(self, questions: Sequence[tuple[str, Sequence[str]]], size: int, label: str,
-             mode: str = "train") -> list[list[Answer]]:
-        """Answer each question `size` times, all in parallel; one group per question."""
-        futures = []
-        for q, (question, accepted) in enumerate(questions):
-            group = f"{self.run}-{self.session}-{label}-q{q}"
-            futures.append([self.pool.submit(self.answer, question, accepted, group, size, i, mode)
-                            for i in range(size)])
-        return [[f.result() for f in group] for group in futures]
-
-    def progress(self) -> dict[str, Any]:
-        """The run as the gateway sees it: policy version, groups by state, last step."""
-        return self._http("GET", f"/v1/runs/{self.run}", key=self.admin_key)
-
-
-def _summary(groups: list[list[Answer]]) -> tuple[float, float, list[int]]:
-    flat = [a for group in groups for a in group]
-    return (
-        sum(a.reward for a in flat) / len(flat),
-        sum(a.correct for a in flat) / len(flat),
-        sorted({a.policy_version for a in flat}),
+def answer(client: openai.OpenAI, model: str, question: Question) -> Outcome:
+    """One episode: a single call, its answer scored."""
+    text_in, accepted = question
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "user", "content": f"{text_in} {INSTRUCTION}"}],
     )
+    text = raw.parse().choices[0].message.content or ""
+    return Outcome(reward(text, accepted), is_correct(text, accepted), text,
+                   int(raw.headers.get("x-policy-version", -1)))  # fmt: skip
 
 
-def train(agent: ShortAnswerAgent, steps: int, groups_per_round: int, size: int, ahead: int, seed: int,
-          max_rounds: int) -> bool:
-    """Play rounds until the run has `steps` trained steps, never more than `ahead` rounds beyond the trainer.
-    False if `max_rounds` were not enough: the trainer drops groups whose answers all earn the same reward, so a
-    model that never gets one right (or always does) gives it nothing to learn from."""
-    rng = random.Random(seed)
-    order: list[tuple[str, tuple[str, ...]]] = []
-    round_no = 0
-    while True:
-        state = agent.progress()
-        step = (state.get("last_step") or {}).get("step", 0)
-        if step >= steps:
-            print(f"agent: run {agent.run!r} reached step {step}; done after {round_no} rounds", flush=True)
-            return True
-        groups = state.get("groups", {})
-        waiting = sum(groups.get(s, 0) for s in ("open", "ready", "claimed"))
-        # Sample only once the newest step is served (less `ahead`), and keep at most `ahead` rounds queued.
-        if waiting >= groups_per_round * (1 + ahead) or state.get("policy_version", 0) + ahead < step:
-            time.sleep(0.5)
-            continue
-        if round_no >= max_rounds:
-            print(f"agent: {round_no} rounds played, the run is at step {step} of {steps} ({groups.get('dropped', 0)} "
-                  "groups dropped, most likely because all their answers earned the same reward); giving up",
-                  flush=True)
-            return False
-        if len(order) < groups_per_round:
-            batch = list(TRAIN)
-            rng.shuffle(batch)
-            order.extend(batch)
-        questions, order = order[:groups_per_round], order[groups_per_round:]
-        started = time.perf_counter()
-        played = agent.play(questions, size, f"r{round_no}")
-        mean, right, versions = _summary(played)
-        print(
-            f"agent: round {round_no:>3} | {len(played)} groups x {size} | reward {mean:.3f} | right {right:.0%}"
-            f" | policy v{','.join(map(str, versions))} | {time.perf_counter() - started:.1f}s",
-            flush=True,
-        )
-        round_no += 1
+def describe(question: Question) -> dict[str, Any]:
+    return {"question": question[0], "accepted": list(question[1])}
 
 
-def evaluate(agent: ShortAnswerAgent, samples: int, limit: int | None) -> dict[str, Any]:
-    """Answer every held-out question `samples` times in evaluation mode."""
-    questions = HELD_OUT[:limit] if limit else HELD_OUT
-    started = time.perf_counter()
-    played = agent.play(questions, samples, f"eval{int(time.time())}", mode="eval")
-    mean, right, versions = _summary(played)
-    print(
-        f"agent: eval | {len(questions)} held-out questions x {samples} | reward {mean:.3f} | right {right:.0%}"
-        f" | policy v{','.join(map(str, versions))} | {time.perf_counter() - started:.1f}s",
-        flush=True,
-    )
-    return {
-        "run": agent.run,
-        "policy_versions": versions,
-        "mean_reward": mean,
-        "right": right,
-        "questions": [
-            {
-                "question": question,
-                "accepted": list(accepted),
-                "rewards": [a.reward for a in answers],
-                "correct": [a.correct for a in answers],
-                "answers": [a.text for a in answers],
-                "trajectories": [a.trajectory_id for a in answers],  # GET /v1/trajectories/{id} shows the calls
-            }
-            for (question, accepted), answers in zip(questions, played, strict=True)
-        ],
-    }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["train", "eval"])
-    parser.add_argument("--gateway", default="http://127.0.0.1:8000", help="the gateway's address (no /v1)")
-    parser.add_argument("--run", default="demo", help="the run: the `model` the agent asks for")
-    parser.add_argument("--api-key", default="none", help="an agent key, if the gateway requires one")
-    parser.add_argument("--admin-key", help="the admin key, if the gateway requires one (to read progress)")
-    parser.add_argument("--steps", type=int, default=10, help="train: stop once the run has this many steps")
-    parser.add_argument("--groups-per-round", type=int, default=4, help="train: questions per round")
-    parser.add_argument("--group-size", type=int, default=8, help="train: answers per question")
-    parser.add_argument("--ahead", type=int, default=1, help="train: rounds the agent may run ahead of the trainer")
-    parser.add_argument("--max-rounds", type=int, help="train: give up after this many rounds (default: 5 x steps)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--samples", type=int, default=4, help="eval: answers per held-out question")
-    parser.add_argument("--limit", type=int, help="eval: only the first N held-out questions")
-    parser.add_argument("--out", help="eval: write the results here as JSON")
-    args = parser.parse_args(argv)
-
-    agent = ShortAnswerAgent(args.gateway, args.run, args.api_key, args.admin_key)
-    try:
-        if args.mode == "train":
-            max_rounds = args.max_rounds or 5 * args.steps
-            if not train(agent, args.steps, args.groups_per_round, args.group_size, args.ahead, args.seed, max_rounds):
-                return 1
-        else:
-            result = evaluate(agent, args.samples, args.limit)
-            if args.out:
-                with open(args.out, "w") as out:
-                    json.dump(result, out, indent=1)
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        agent.pool.shutdown(wait=False, cancel_futures=True)
-    return 0
+TASK = Task(train=TRAIN, held_out=HELD_OUT, episode=answer, describe=describe)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_for(TASK, __doc__ or ""))

