@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere, like the other b
     sys.path.insert(0, str(REPO))
 
 from gateway.cli import build_parser, demo_options  # noqa: E402
-from trainer.demo import DemoError, run_demo  # noqa: E402
+from trainer.demo import TASKS, DemoError, run_demo  # noqa: E402
 
 
 def main() -> int:
@@ -61,7 +61,7 @@ def main() -> int:
         ("after / base", f"{c['after'] / c['before']:.2f}x" if c["before"] else "n/a"),
         ("right answers, base -> after", f"{c['right_before']:.0%} -> {c['right_after']:.0%}"),
         ("held-out questions x answers", f"{c['questions']} x {demo_args.eval_samples}"),
-        ("task, token mode", f"{demo_args.task}, {demo_args.token_mode}"),
+        ("task, token mode", f"{demo_args.task}, {demo_args.token_mode or TASKS[demo_args.task].token_mode}"),
         *_tool_rows(result.agent_stats, result.merge),
         ("groups trained / dropped", f"{used} / {dropped}"),
         ("trainer step s, median (min..max)", f"{statistics.median(step_s):.1f} ({min(step_s):.1f}..{max(step_s):.1f})"),

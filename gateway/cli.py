@@ -378,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--task", choices=["trivia", "tools"], default="trivia",
                       help="trivia (default): one-word answers; tools: a search/lookup tool agent, several calls an episode")
-    demo.add_argument("--token-mode", choices=["chat", "token_in"], default="chat",
-                      help="the run's token mode (default: chat; token_in needs the gateway's token-in mode)")
+    demo.add_argument("--token-mode", choices=["chat", "token_in"],
+                      help="the run's token mode (default: the task's; trivia chat, tools token_in)")
     demo.add_argument("--steps", type=int, default=10, help="training steps (default: 10)")
     demo.add_argument("--model", default="smollm2", help="smollm2 (default) or a directory of HF weights vLLM serves")
     demo.add_argument("--workdir", type=Path, default=Path("demo-run"), help="database, checkpoints, PNG (default: demo-run)")

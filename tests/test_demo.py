@@ -115,9 +115,10 @@ def test_each_task_gets_its_reply_length_and_the_token_mode_is_one_key() -> None
     tools = run_config(DemoOptions(task="tools"))
     assert tools["sampling"]["max_tokens"] == 48  # a hermes tool call is ~32 tokens
     assert run_config(DemoOptions(task="tools", max_tokens=20))["sampling"]["max_tokens"] == 20
-    assert "token_mode" not in tools  # chat is the gateway's default: nothing to send
+    assert tools["token_mode"] == "token_in"  # the tool agent is what token_in is for
     RunConfig.model_validate(tools)
-    assert run_config(DemoOptions(task="tools", token_mode="token_in"))["token_mode"] == "token_in"
+    assert "token_mode" not in run_config(DemoOptions())  # chat is the gateway's default: nothing to send
+    assert "token_mode" not in run_config(DemoOptions(task="tools", token_mode="chat"))
     assert TASKS["tools"].vllm_args == ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 
 

@@ -42,19 +42,21 @@ class DemoError(RuntimeError):
 
 @dataclass(frozen=True)
 class DemoTask:
-    """What differs between the demo's tasks: the example agent it runs, the longest reply it needs, and what vLLM
-    must be started with for it."""
+    """What differs between the demo's tasks: the example agent it runs, the longest reply it needs, what vLLM
+    must be started with for it, and its token mode (a multi-turn tool agent is what `token_in` exists for: in
+    `chat` SmolLM2's template drops the model's own tool calls from the next turn's context)."""
 
     agent: Path
     max_tokens: int
     vllm_args: tuple[str, ...] = ()
+    token_mode: str = "chat"
 
 
 TASKS = {
     # One word answers.
     "trivia": DemoTask(REPO / "examples" / "short_answers.py", 32),
     # A hermes tool call is ~32 tokens; vLLM turns its markup into `tool_calls` only with the parser on.
-    "tools": DemoTask(REPO / "examples" / "tool_agent.py", 48, HERMES_TOOL_ARGS),
+    "tools": DemoTask(REPO / "examples" / "tool_agent.py", 48, HERMES_TOOL_ARGS, "token_in"),
 }
 
 
@@ -75,8 +77,8 @@ class DemoOptions:
     seed: int = 0
     keep_adapters: int = 2
     task: str = "trivia"
-    # The run's token mode (gateway run config `token_mode`); "chat" is the gateway's default and is not sent.
-    token_mode: str = "chat"
+    # The run's token mode (gateway run config `token_mode`), else the task's; "chat", the gateway's default, is not sent.
+    token_mode: str | None = None
 
 
 @dataclass
@@ -186,8 +188,9 @@ def run_config(options: DemoOptions) -> dict[str, Any]:
         "max_staleness": options.ahead + 1,
         "sampling": {"temperature": 1.0, "max_tokens": options.max_tokens or TASKS[options.task].max_tokens},
     }
-    if options.token_mode != "chat":
-        config["token_mode"] = options.token_mode
+    token_mode = options.token_mode or TASKS[options.task].token_mode
+    if token_mode != "chat":
+        config["token_mode"] = token_mode
     return config
 
 
