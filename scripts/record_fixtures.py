@@ -31,12 +31,13 @@ or `python scripts/record_fixtures.py --base-url http://127.0.0.1:PORT/v1` for a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -307,36 +308,47 @@ def record_scale_out(rec: Recorder) -> None:
     )
 
 
+@contextlib.contextmanager
+def _token_in_gateway(rec: Recorder) -> Iterator[tuple[Any, Any]]:
+    """A gateway on a scratch SQLite with a token_in run, whose upstream is a FakeUpstream forwarding to the real
+    vLLM and recording every exchange (in `proxy.recorded` once the block ends)."""
+    import tempfile
+
+    import httpx
+
+    from tests.fake_upstream import FakeUpstream
+    from tests.gateway_harness import running_gateway
+    from tests.token_in_agent import RUN
+
+    proxy = FakeUpstream(fixtures={}, forward_to=rec.root_url).start()
+    try:
+        with tempfile.TemporaryDirectory() as tmp, running_gateway(
+            database_url=f"sqlite:///{tmp}/trajgate.db",
+            upstream_url=proxy.base_url,
+            base_model=MODEL,
+            spool_dir=f"{tmp}/spool",
+        ) as gateway:
+            config = {"name": RUN, "config": {"token_mode": "token_in"}}
+            httpx.post(gateway.url + "/v1/runs", json=config, timeout=30).raise_for_status()
+            yield gateway, proxy
+    finally:
+        proxy.stop()
+
+
 def record_token_in(rec: Recorder) -> None:
     """The gateway's own token_in exchanges (render twice, generate, derender; streamed and not) for the tool loop in
     tests/token_in_agent.py, recorded by running the real gateway in front of a recording proxy to this vLLM. The
     loop runs in eval mode so the client's greedy sampling reaches vLLM and a re-record gives the same tokens; the
     proxy holds each generate chunk until the gateway derendered the previous one (tests/fake_upstream.py lockstep),
     the same one-chunk-per-derender sequence the fast tests replay."""
-    import tempfile
-
-    import httpx
     import openai
 
-    from tests.fake_upstream import FakeUpstream
-    from tests.gateway_harness import running_gateway
-    from tests.token_in_agent import RUN, tool_loop
+    from tests.token_in_agent import tool_loop
 
     for stream in (False, True):
-        proxy = FakeUpstream(fixtures={}, forward_to=rec.root_url).start()
-        try:
-            with tempfile.TemporaryDirectory() as tmp, running_gateway(
-                database_url=f"sqlite:///{tmp}/trajgate.db",
-                upstream_url=proxy.base_url,
-                base_model=MODEL,
-                spool_dir=f"{tmp}/spool",
-            ) as gateway:
-                config = {"name": RUN, "config": {"token_mode": "token_in"}}
-                httpx.post(gateway.url + "/v1/runs", json=config, timeout=30).raise_for_status()
-                client = openai.OpenAI(base_url=f"{gateway.url}/eval/t/recorded/v1", api_key="x", max_retries=0)
-                tool_loop(client, stream)
-        finally:
-            proxy.stop()
+        with _token_in_gateway(rec) as (gateway, proxy):
+            client = openai.OpenAI(base_url=f"{gateway.url}/eval/t/recorded/v1", api_key="x", max_retries=0)
+            tool_loop(client, stream)
         name = "token_in_tool_loop_stream" if stream else "token_in_tool_loop"
         fixture = {"name": name, "path": None, "exchanges": proxy.recorded, "vllm_version": rec.vllm_version}
         (rec.out_dir / f"{name}.json").write_text(json.dumps(fixture, indent=1) + "\n")
@@ -354,14 +366,10 @@ def record_token_in_calls(rec: Recorder) -> None:
     """token_in calls with `logprobs`/`top_logprobs` and with `n: 2`, each streamed and not, recorded through the
     gateway like the tool loop; beside them, chat mode's answer to the same greedy logprobs requests, straight from
     vLLM, which the gateway's logprobs must equal."""
-    import tempfile
     import uuid
 
-    import httpx
     import openai
 
-    from tests.fake_upstream import FakeUpstream
-    from tests.gateway_harness import running_gateway
     from tests.token_in_agent import RUN
 
     reference = [json.loads(rec._raw("POST", "/v1/chat/completions", chat(TOKEN_IN_PROMPT, **extra))[2])
@@ -370,27 +378,16 @@ def record_token_in_calls(rec: Recorder) -> None:
         ("token_in_logprobs", [{"max_tokens": 24, "temperature": 0, **extra} for extra in TOKEN_IN_LOGPROBS]),
         ("token_in_n", [TOKEN_IN_N]),
     ):
-        proxy = FakeUpstream(fixtures={}, forward_to=rec.root_url).start()
-        try:
-            with tempfile.TemporaryDirectory() as tmp, running_gateway(
-                database_url=f"sqlite:///{tmp}/trajgate.db",
-                upstream_url=proxy.base_url,
-                base_model=MODEL,
-                spool_dir=f"{tmp}/spool",
-            ) as gateway:
-                config = {"name": RUN, "config": {"token_mode": "token_in"}}
-                httpx.post(gateway.url + "/v1/runs", json=config, timeout=30).raise_for_status()
-                for stream in (False, True):
-                    for extra in calls:
-                        url = f"{gateway.url}/eval/t/{name}-{uuid.uuid4().hex[:8]}/v1"
-                        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
-                        answer = client.chat.completions.create(
-                            model=RUN, messages=TOKEN_IN_PROMPT, stream=stream, **extra
-                        )
-                        if stream:
-                            list(answer)
-        finally:
-            proxy.stop()
+        with _token_in_gateway(rec) as (gateway, proxy):
+            for stream in (False, True):
+                for extra in calls:
+                    url = f"{gateway.url}/eval/t/{name}-{uuid.uuid4().hex[:8]}/v1"
+                    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+                    answer = client.chat.completions.create(
+                        model=RUN, messages=TOKEN_IN_PROMPT, stream=stream, **extra
+                    )
+                    if stream:
+                        list(answer)
         fixture: dict[str, Any] = {"name": name, "path": None, "exchanges": proxy.recorded}
         if name == "token_in_logprobs":
             fixture["chat_reference"] = reference
