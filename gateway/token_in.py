@@ -62,6 +62,8 @@ STATE_UNAVAILABLE = "state_unavailable"
 _TEXT_PART = "text"
 # A finish that ends on the end-of-turn token; vLLM's detokenizer leaves that token's text out of the answer.
 _ENDED = ("stop", "tool_calls")
+# Most tokens a template puts after a message's end token before the next message (ChatML: one, "\n").
+MAX_SEPARATOR = 4
 # One database read of recorded turns may take this long before the call goes on without it.
 STATE_READ_TIMEOUT_S = 5.0
 # Longest pause between two reads while waiting for another gateway's record.
@@ -151,6 +153,10 @@ def bridge_ids(
     try:
         end_at = len(prefix) - 1 - prefix[::-1].index(end_token)
     except ValueError:
+        return None
+    if len(prefix) - 1 - end_at > MAX_SEPARATOR:
+        # Not the token that closes the matched assistant message (that one sits just before the template's short
+        # separator): a wrong guess of the end token, which would otherwise splice a stretch of history in.
         return None
     closing = [] if completion and completion[-1] == end_token else [end_token]
     return closing + prefix[end_at + 1 :] + full[len(prefix) :]
@@ -304,9 +310,15 @@ class TokenIn:
         return Plan(prompt, full["sampling_params"], None, (state.seq, state.choice_index))
 
     def _end_token(self, run: str, state: TurnState) -> int | None:
+        """The model's end-of-turn token: learned from a generation that stopped on it, else guessed as the last
+        token of a completion that finished "stop"/"tool_calls". Only a guess: vLLM reports "tool_calls" for a
+        tool call cut by max_tokens too, so `bridge_ids` checks the guess against the template's closing."""
+        known = self.end_tokens.get(run)
+        if known is not None:
+            return known
         if state.finish_reason in _ENDED and state.completion_ids:
             return state.completion_ids[-1]
-        return self.end_tokens.get(run)
+        return None
 
     # -- upstream ------------------------------------------------------------------------------------------------
 
@@ -434,9 +446,10 @@ class TokenIn:
             if message is not None and ids:
                 key = extend_key(messages_key, message)
                 call.history_keys[index] = key
-                self.states.put(
-                    call.attribution.trajectory_id, key, TurnState(call.seq, index, prompt, ids, finish_reason)
-                )
+                # The state keeps how generation ended (a tool call cut by max_tokens is "length" there, not
+                # the "tool_calls" the client is told), which decides whether the end token is still to come.
+                ended = generated.get("finish_reason") or finish_reason
+                self.states.put(call.attribution.trajectory_id, key, TurnState(call.seq, index, prompt, ids, ended))
         call.captured = captured
         self.proxy.submit(call, response)
 

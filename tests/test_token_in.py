@@ -94,6 +94,11 @@ def test_bridge_is_the_template_tokens_after_the_matched_assistant_message() -> 
         # a template that does not keep a stable prefix: no bridge
         unstable = [full["token_ids"][0] + 1, *full["token_ids"][1:]]
         assert token_in.bridge_ids(prefix["token_ids"], unstable, [completion_end], completion_end) is None
+        # a wrong end token (a tool call cut by max_tokens is reported "tool_calls": its last token is no end
+        # token) found only deep in the history must not splice that history in: no bridge
+        deep = prefix["token_ids"][1]
+        assert deep not in prefix["token_ids"][-token_in.MAX_SEPARATOR - 1 :]
+        assert token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5, deep], deep) is None
 
 
 def test_coalesced_generate_chunks_and_the_end_token_left_out_of_derender() -> None:

@@ -33,6 +33,7 @@ from gateway.token_in import NO_MATCH
 from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESULT
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import stored_calls
+from tests.token_in_agent import teach_end_token
 from trainer.loop import Trainer, TrainerOptions
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 from trainer.vllm_cpu import ensure_smollm2
@@ -127,9 +128,20 @@ def assert_client_saw_the_recorded_answers(history: list[BaseMessage], calls: li
     for message, call in zip(ai, calls):
         recorded = call["response"]["choices"][0]["message"]
         assert message.content == (recorded.get("content") or "")
-        tool_calls = recorded.get("tool_calls") or ()
-        expected = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in tool_calls]
-        assert [(c["name"], c["args"]) for c in message.tool_calls] == expected
+        valid: list[tuple[str, Any]] = []
+        invalid: list[tuple[str, Any]] = []  # arguments that are not a JSON object: LangChain keeps their text
+        for c in recorded.get("tool_calls") or ():
+            name, arguments = c["function"]["name"], c["function"]["arguments"]
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                valid.append((name, parsed))
+            else:
+                invalid.append((name, arguments))
+        assert [(c["name"], c["args"]) for c in message.tool_calls] == valid
+        assert [(c["name"], c["args"]) for c in message.invalid_tool_calls] == invalid
 
 
 def as_trajectory(trajectory: str, reward: float, calls: list[dict[str, Any]]) -> TrajectoryData:
@@ -144,6 +156,7 @@ def gateway(vllm_base_url: str, tmp_path: Path) -> Any:
     ) as gw:
         create_run(gw, TOKEN_RUN, "token_in")
         create_run(gw, CHAT_RUN, "chat")
+        teach_end_token(gw.url, TOKEN_RUN)
         yield gw, url
 
 
