@@ -182,7 +182,10 @@ class StreamAssembler:
         if chunk.get("usage") is not None:
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or ():
-            parts = self._choices.setdefault(choice.get("index", 0), _ChoiceParts())
+            index = choice.get("index", 0)
+            parts = self._choices.get(index)
+            if parts is None:  # not setdefault, which built a throwaway _ChoiceParts for every chunk
+                parts = self._choices[index] = _ChoiceParts()
             if choice.get("prompt_token_ids") is not None:
                 parts.prompt_token_ids = choice["prompt_token_ids"]
             if choice.get("token_ids"):

@@ -17,12 +17,14 @@ import orjson
 from sqlalchemy import Engine
 
 from gateway import capture, sampling
+from gateway.admission import Admission, Refused
 from gateway.attribution import Attribution, PathPrefix, attribute, check_run, split_api_key
 from gateway.auth import Auth, presented_key
 from gateway.asgi_io import relay_until_done
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.records import CallRecord
+from gateway.replicas import Lease, Replica, Replicas, fetch_models
 from gateway.routing import PolicyRouter, Route
 from gateway.token_in import TokenIn
 from gateway.turns import SeqClock
@@ -38,7 +40,8 @@ class Call:
     """Everything known about one call while it is in flight; becomes one record per choice."""
 
     request_id: str
-    endpoint: str
+    endpoint: str  # the label records and metrics carry: the API the client called
+    capture: str  # capture.CHAT or COMPLETIONS: the shape of vLLM's answer, which decides how it is read
     received: float
     created_at: float
     request: dict[str, Any]
@@ -60,12 +63,17 @@ class Call:
     history_keys: dict[int, str] = field(default_factory=dict)
     segment_reason: str | None = None
     predecessor: tuple[int, int] | None = None
+    lease: Lease | None = None  # the vLLM replica answering the call (gateway/replicas.py)
+
+    @property
+    def replica_label(self) -> str:
+        return self.lease.replica.url if self.lease is not None else ""
 
 
 class Proxy:
     def __init__(
         self,
-        upstream_url: str,
+        upstream_urls: list[str],
         upstream_api_key: str | None,
         upstream_timeout_s: float,
         max_body_bytes: int,
@@ -75,8 +83,9 @@ class Proxy:
         metrics: GatewayMetrics,
         engine: Engine | None = None,
         token_state_wait_s: float = 0.0,
+        admission_poll_s: float = 0.5,
     ) -> None:
-        self.upstream_url = upstream_url
+        self.replicas = Replicas(upstream_urls)
         self.max_body_bytes = max_body_bytes
         self.auth = auth
         self.router = router
@@ -89,6 +98,7 @@ class Proxy:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=upstream_timeout_s)
         self.session: aiohttp.ClientSession | None = None
         self.token_in = TokenIn(self, engine, token_state_wait_s)
+        self.admission = Admission(engine, router, metrics, admission_poll_s)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
@@ -107,17 +117,17 @@ class Proxy:
             self.router.base_model = models[0]["id"]
         return self.router.base_model
 
-    async def upstream_models(self) -> list[dict[str, Any]]:
+    async def upstream_models(self, replica: Replica | None = None) -> list[dict[str, Any]]:
+        """`/models` of one replica (by default the least-loaded healthy one)."""
         assert self.session is not None
+        replica = replica or self.replicas.pick(None, None)
         try:
-            async with self.session.get(
-                self.upstream_url + "/models", headers=self.upstream_headers, timeout=aiohttp.ClientTimeout(total=10)
-            ) as response:
-                if response.status != 200:
-                    raise GatewayError(502, f"vLLM /models answered {response.status}", "upstream_error")
-                return orjson.loads(await response.read()).get("data") or []
+            models = await fetch_models(self.session, self.upstream_headers, replica)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise GatewayError(502, f"vLLM unreachable: {type(exc).__name__}", "upstream_error") from None
+        if models is None:
+            raise GatewayError(502, "vLLM /models did not answer 200", "upstream_error")
+        return models
 
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
         received = time.perf_counter()
@@ -125,29 +135,37 @@ class Proxy:
         request_id = "req-" + uuid.uuid4().hex
         path = prefix.rest if prefix else scope["path"]
         endpoint = ENDPOINTS[path]
+        # An API translated at the edge (gateway/api_messages.py) reaches here as a chat call under its own label.
+        label = scope.get("trajgate.endpoint", endpoint)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            body = await self._read_body(receive, headers)
-            request = _parse_json(body)
+            body = await self.read_body(receive, headers)
+            request = parse_json(body)
             key, key_group, key_trajectory = split_api_key(presented_key(headers))
             self.auth.check_agent(key)
             attribution = attribute(headers, prefix, key_group, key_trajectory)
             retry_count, idempotency_key = _retry_headers(headers)
             run = check_run(headers.get("x-run") or request.get("model"))
             route = self.router.resolve(run, await self.base_model())
+            if self.admission.needed(route, attribution):  # only the first call of a group this process hasn't seen
+                route = await self.admission.admit(route, attribution, receive)
             plan = sampling.plan(request, attribution.mode, route.sampling, route.on_policy_sampling)
             upstream_body, asks = capture.prepare_upstream(
                 request, endpoint, route.served_name, overrides=plan.upstream
             )
             upstream_payload = _serialise(upstream_body)
         except GatewayError as exc:
-            self.metrics.requests.labels(endpoint, str(exc.status)).inc()
-            await send_json(send, exc.status, exc.body(), [(b"x-request-id", request_id.encode())])
+            self.metrics.requests.labels(label, str(exc.status)).inc()
+            headers = [(b"x-request-id", request_id.encode())]
+            if isinstance(exc, Refused):
+                headers.append((b"retry-after", str(exc.retry_after_s).encode()))
+            await send_json(send, exc.status, exc.body(), headers)
             return
 
         call = Call(
             request_id=request_id,
-            endpoint=endpoint,
+            endpoint=label,
+            capture=endpoint,
             received=received,
             created_at=created_at,
             request=request,
@@ -166,16 +184,30 @@ class Proxy:
             (b"x-policy-version", str(route.version).encode()),
         ]
 
-        if endpoint == capture.CHAT and route.token_mode == "token_in":
-            await self.token_in.handle(call, upstream_body, asks, receive, send, out_headers)
-            return
+        call.lease = self.replicas.lease(attribution.trajectory_id, route.served_name)
+        try:
+            if endpoint == capture.CHAT and route.token_mode == "token_in":
+                await self.token_in.handle(call, upstream_body, asks, receive, send, out_headers)
+            else:
+                await self._forward(call, path, upstream_payload, asks, receive, send, out_headers)
+        finally:
+            call.lease.release()
 
-        assert self.session is not None
+    async def _forward(
+        self,
+        call: Call,
+        path: str,
+        payload: bytes,
+        asks: capture.ClientAsks,
+        receive: Any,
+        send: Any,
+        out_headers: list[tuple[bytes, bytes]],
+    ) -> None:
+        """Chat and completions calls: vLLM's own endpoint, answered as it arrives."""
+        assert self.session is not None and call.lease is not None
         call.upstream_started = time.perf_counter()
         try:
-            upstream = await self.session.post(
-                self.upstream_url + path.removeprefix("/v1"), data=upstream_payload, headers=self.upstream_headers
-            )
+            upstream = await call.lease.post(self.session, path.removeprefix("/v1"), payload, self.upstream_headers)
         except asyncio.TimeoutError:
             await self.fail(send, call, out_headers, GatewayError(504, "vLLM timed out", "upstream_error", "timeout"))
             return
@@ -184,6 +216,7 @@ class Proxy:
             await self.fail(send, call, out_headers, GatewayError(502, message, "upstream_error", "upstream_error"))
             return
 
+        call.lease.answered(upstream.status)
         try:
             is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
             if call.stream and upstream.status == 200 and is_sse:
@@ -241,7 +274,9 @@ class Proxy:
         await _send_bytes(send, status, body, [(b"content-type", content_type), *out_headers])
         done = time.perf_counter()
         self.metrics.requests.labels(call.endpoint, str(status)).inc()
-        self.metrics.upstream_latency.labels(call.endpoint).observe(call.finished - call.upstream_started)
+        self.metrics.upstream_latency.labels(call.endpoint, call.replica_label).observe(
+            call.finished - call.upstream_started
+        )
         self.metrics.added_latency.labels(call.endpoint).observe(
             (call.upstream_started - call.received) + (done - call.finished)
         )
@@ -257,11 +292,13 @@ class Proxy:
     ) -> None:
         """Forward each SSE event as it arrives (no buffering); assemble the record on the side.
 
-        The record is written whatever happens to the writes to the client: the OpenAI SDK hangs up as soon as it
+        The events one upstream read delivers go to the client in one write: an ASGI `send` costs more than the
+        event's own work (uvicorn's flow control, a transport write), and they arrived together anyway, so
+        nothing is held back. The record is written whatever happens to the writes to the client: the OpenAI SDK hangs up as soon as it
         reads `data: [DONE]`, and a client that leaves early still leaves a partial call worth recording.
         """
         call.status = 200
-        assembler = capture.StreamAssembler(call.endpoint)
+        assembler = capture.StreamAssembler(call.capture)
         state = {"done": False, "recorded": False}
 
         def record() -> None:
@@ -285,14 +322,15 @@ class Proxy:
             }
         )
 
-        async def relay_line(line: bytes) -> None:
+        def relay_line(line: bytes, out: list[bytes]) -> None:
+            """Feed one SSE line to the record and append what the client gets for it to `out`."""
             if not line.startswith(_SSE_DATA):
                 return
             payload = line[5:].strip()
             if payload == b"[DONE]":
                 state["done"] = True
                 record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
-                await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+                out.append(b"data: [DONE]\n\n")
                 return
             if call.first_chunk is None:
                 call.first_chunk = time.perf_counter()
@@ -307,12 +345,18 @@ class Proxy:
                 assembler.feed(chunk)
                 capture.strip_for_client(chunk, asks)
                 payload = orjson.dumps(chunk)
-            await send({"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True})
+            out += (b"data: ", payload, b"\n\n")
+
+        async def flush(out: list[bytes]) -> None:
+            if out:
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                out.clear()
 
         async def pump() -> None:
             # Lines are framed here, not by aiohttp's line reader: vLLM sends all of a prompt's token ids in the
             # first event, and the reader refuses a line over its limit (128 KiB on aiohttp 3.10) with a ValueError.
             partial: list[bytes] = []  # an unfinished line, kept in pieces so a long one costs one join
+            out: list[bytes] = []  # what this read gives the client
             async for data in upstream.content.iter_any():
                 if b"\n" not in data:
                     partial.append(data)
@@ -325,9 +369,11 @@ class Proxy:
                 if rest:
                     partial.append(rest)
                 for line in lines:
-                    await relay_line(line)
+                    relay_line(line, out)
+                await flush(out)
             if partial:
-                await relay_line(b"".join(partial))
+                relay_line(b"".join(partial), out)
+                await flush(out)
             state["done"] = True
 
         try:
@@ -340,7 +386,9 @@ class Proxy:
             record()
             self.metrics.requests.labels(call.endpoint, "200").inc()
             if call.first_chunk is not None:
-                self.metrics.upstream_latency.labels(call.endpoint).observe(call.first_chunk - call.upstream_started)
+                self.metrics.upstream_latency.labels(call.endpoint, call.replica_label).observe(
+                    call.first_chunk - call.upstream_started
+                )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def fail(
@@ -360,7 +408,7 @@ class Proxy:
         if call.captured is not None:
             choices = call.captured
         else:
-            choices = capture.choices_from_response(response, call.endpoint) if response else []
+            choices = capture.choices_from_response(response, call.capture) if response else []
         stored_response = capture.slim_response(response) if response else None
         if not choices:
             choices = [capture.ChoiceCapture(0, None, None, None, None)]
@@ -410,7 +458,8 @@ class Proxy:
                 )
             )
 
-    async def _read_body(self, receive: Any, headers: dict[str, str]) -> bytes:
+    async def read_body(self, receive: Any, headers: dict[str, str]) -> bytes:
+        """The whole request body within TRAJGATE_MAX_BODY_BYTES (413 above it): every API surface reads it here."""
         declared = _int_header(headers.get("content-length"))
         if declared > self.max_body_bytes:
             raise _too_large(self.max_body_bytes)
@@ -433,7 +482,7 @@ def _too_large(limit: int) -> GatewayError:
     return GatewayError(413, f"request body larger than {limit} bytes", code="request_too_large")
 
 
-def _parse_json(body: bytes) -> dict[str, Any]:
+def parse_json(body: bytes) -> dict[str, Any]:
     try:
         request = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

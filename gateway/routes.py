@@ -18,6 +18,7 @@ from gateway.store.records import ping
 
 if TYPE_CHECKING:
     from gateway.app import GatewayState
+    from gateway.replicas import Replica
 
 log = logging.getLogger("trajgate.api")
 router = APIRouter()
@@ -35,16 +36,28 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(request: Request) -> JSONResponse:
-    """The database and vLLM are reachable (readiness): 503 names what isn't."""
+    """The database and vLLM are reachable (readiness): 503 names what isn't. With several replicas, each is listed
+    and one reachable replica is enough to be ready."""
     gw = state(request)
     db_ok = await asyncio.to_thread(ping, gw.engine)
-    try:
-        await gw.proxy.upstream_models()
-        upstream_ok = True
-    except GatewayError:
-        upstream_ok = False
-    body = {"database": "ok" if db_ok else "unreachable", "upstream": "ok" if upstream_ok else "unreachable"}
+    replicas = gw.proxy.replicas.all
+    reachable = await asyncio.gather(*(_answers(gw, replica) for replica in replicas))
+    upstream_ok = any(reachable)
+    body: dict[str, object] = {
+        "database": "ok" if db_ok else "unreachable",
+        "upstream": "ok" if upstream_ok else "unreachable",
+    }
+    if gw.proxy.replicas.several:
+        body["replicas"] = {r.url: "ok" if ok else "unreachable" for r, ok in zip(replicas, reachable, strict=True)}
     return JSONResponse(body, status_code=200 if db_ok and upstream_ok else 503)
+
+
+async def _answers(gw: GatewayState, replica: Replica) -> bool:
+    try:
+        await gw.proxy.upstream_models(replica)
+    except GatewayError:
+        return False
+    return True
 
 
 @router.get("/metrics")
@@ -59,10 +72,16 @@ async def models(request: Request) -> dict[str, object]:
     base = await gw.proxy.base_model()
     now = int(time.time())
     names = [base] + [run for run in gw.router.runs() if run != base]
-    return {
-        "object": "list",
-        "data": [{"id": name, "object": "model", "created": now, "owned_by": "trajgate"} for name in names],
-    }
+    data: list[dict[str, object]] = [
+        {"id": name, "object": "model", "created": now, "owned_by": "trajgate"} for name in names
+    ]
+    replicas = gw.proxy.replicas
+    if replicas.several:
+        # Which replicas serve each name now (the run's current adapter), as their last /models probe said.
+        for entry in data:
+            served = gw.router.resolve(str(entry["id"]), base).served_name
+            entry["replicas"] = [r.url for r in replicas.all if r.healthy and r.served and served in r.served]
+    return {"object": "list", "data": data}
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -39,6 +39,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway import capture
 from gateway.asgi_io import relay_until_done
 from gateway.errors import GatewayError, UpstreamFailure
+from gateway.replicas import Lease
 from gateway.store.token_state import RecordedTurn, recorded_turns
 
 if TYPE_CHECKING:
@@ -230,7 +231,6 @@ class TokenIn:
         self.engine = engine
         self.wait_s = wait_s
         self.states = TokenStates()
-        self.root_url = proxy.upstream_url.removesuffix("/v1")
         # Per run, the end-of-turn token seen ending a completion: the bridge needs it after a `length` finish.
         self.end_tokens: dict[str, int] = {}
 
@@ -292,14 +292,16 @@ class TokenIn:
     async def plan(self, call: Call, render_body: dict[str, Any], keys: list[str]) -> Plan:
         messages = render_body.get("messages")
         if not isinstance(messages, list):
-            full = await self._post(RENDER, render_body)  # vLLM explains what is wrong with the body
+            full = await self._post(RENDER, render_body, call.lease)  # vLLM explains what is wrong with the body
             return Plan(full["token_ids"], full["sampling_params"], FIRST_CALL)
         state, length, reason = await self.predecessor(call.attribution.trajectory_id, messages, keys)
         if state is None:
-            full = await self._post(RENDER, render_body)
+            full = await self._post(RENDER, render_body, call.lease)
             return Plan(full["token_ids"], full["sampling_params"], reason)
         prefix_body = {**render_body, "messages": messages[:length], "add_generation_prompt": False}
-        full, prefix = await asyncio.gather(self._post(RENDER, render_body), self._post(RENDER, prefix_body))
+        full, prefix = await asyncio.gather(
+            self._post(RENDER, render_body, call.lease), self._post(RENDER, prefix_body, call.lease)
+        )
         end_token = self._end_token(call.route.run, state)
         if end_token is None:
             return Plan(full["token_ids"], full["sampling_params"], END_TOKEN_UNKNOWN)
@@ -322,15 +324,27 @@ class TokenIn:
 
     # -- upstream ------------------------------------------------------------------------------------------------
 
-    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        session = self.proxy.session
-        assert session is not None
+    async def render(self, body: dict[str, Any]) -> list[int]:
+        """The exact prompt ids vLLM renders for a chat request (Anthropic's count_tokens asks this too); raises
+        UpstreamFailure with what the client should be told when vLLM cannot."""
+        lease = self.proxy.replicas.lease(None, body.get("model"))
         try:
-            async with session.post(
-                self.root_url + path, data=orjson.dumps(body), headers=self.proxy.upstream_headers
-            ) as response:
+            return list((await self._post(RENDER, body, lease))["token_ids"])
+        finally:
+            lease.release()
+
+    async def _post(self, path: str, body: dict[str, Any], lease: Lease | None) -> dict[str, Any]:
+        """One scale-out step on the call's replica (all of a call's steps go to the replica it was leased)."""
+        session = self.proxy.session
+        assert session is not None and lease is not None
+        try:
+            response = await lease.post(session, path, orjson.dumps(body), self.proxy.upstream_headers, root=True)
+            try:
                 raw = await response.read()
                 status = response.status
+            finally:
+                response.release()
+            lease.answered(status)
         except asyncio.TimeoutError:
             raise UpstreamFailure(GatewayError(504, f"vLLM timed out on {path}", "upstream_error", "timeout")) from None
         except aiohttp.ClientError as exc:
@@ -378,10 +392,11 @@ class TokenIn:
             if call.stream:
                 await self._stream(call, generate_body, chat_request, asks, keys, receive, send, out_headers)
                 return
-            generated = await self._post(GENERATE, generate_body)
+            generated = await self._post(GENERATE, generate_body, call.lease)
             derendered = await self._post(
                 DERENDER,
                 {"model": model, "chat_request": chat_request, "generate_response": for_derender(generated)},
+                call.lease,
             )
         except UpstreamFailure as failure:
             await self.proxy.fail(send, call, out_headers, failure.error)
@@ -472,14 +487,11 @@ class TokenIn:
         round-trips stay bounded by what the client can be sent, not by the number of tokens. The record is written
         whatever happens to the client (the OpenAI SDK hangs up on `[DONE]`)."""
         session = self.proxy.session
-        assert session is not None
+        assert session is not None and call.lease is not None
         prompt = generate_body["token_ids"]
         try:
-            upstream = await session.post(
-                self.root_url + GENERATE,
-                data=orjson.dumps({**generate_body, "stream": True}),
-                headers=self.proxy.upstream_headers,
-            )
+            payload = orjson.dumps({**generate_body, "stream": True})
+            upstream = await call.lease.post(session, GENERATE, payload, self.proxy.upstream_headers, root=True)
         except asyncio.TimeoutError:
             error = GatewayError(504, f"vLLM timed out on {GENERATE}", "upstream_error", "timeout")
             await self.proxy.fail(send, call, out_headers, error)
@@ -488,6 +500,7 @@ class TokenIn:
             error = GatewayError(502, f"vLLM unreachable on {GENERATE}: {exc}", "upstream_error", "upstream_error")
             await self.proxy.fail(send, call, out_headers, error)
             return
+        call.lease.answered(upstream.status)
         try:
             if upstream.status != 200:
                 error = upstream_error(GENERATE, upstream.status, await upstream.read())
@@ -626,10 +639,12 @@ class StreamRelay:
                 "prompt_token_ids": self.prompt,
             }
             if self.asks.logprobs:
-                answer, entries = await asyncio.gather(self.owner._post(DERENDER, body), self._logprobs(merged))
+                answer, entries = await asyncio.gather(
+                    self.owner._post(DERENDER, body, self.call.lease), self._logprobs(merged)
+                )
                 self.logprobs.setdefault(index, []).extend(entries)
             else:
-                answer = await self.owner._post(DERENDER, body)
+                answer = await self.owner._post(DERENDER, body, self.call.lease)
             self.derenders += 1
             self.states[index] = answer.get("stream_state")
             chunk = answer.get("chunk")
@@ -658,7 +673,7 @@ class StreamRelay:
         chunk holding just that token would otherwise be refused for having no ids."""
         chat_request = {k: v for k, v in self.chat_request.items() if k not in ("stream", "stream_options")}
         body = {"model": chat_request["model"], "chat_request": chat_request, "generate_response": merged}
-        answer = await self.owner._post(DERENDER, body)
+        answer = await self.owner._post(DERENDER, body, self.call.lease)
         self.derenders += 1
         choices = answer.get("choices") or [{}]
         return chat_logprobs(choices[0].get("logprobs"), self.chat_request)

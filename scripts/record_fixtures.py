@@ -235,6 +235,35 @@ def record_conversation(rec: Recorder) -> None:
     rec.record("conversation_turn3", "POST", path, chat(messages, tools=[WEATHER_TOOL]))
 
 
+SUPERVISOR_SYSTEM = "You are a supervisor. You delegate research to a researcher, then give the final answer."
+RESEARCHER_SYSTEM = "You are a researcher. Answer the question you are given with facts."
+TREE_QUESTION = "What is the capital of Italy?"
+
+
+def record_tree(rec: Recorder) -> None:
+    """The shapes of a non-linear trajectory (gateway.store.tree), each call greedy and in the order an agent sends
+    them: a supervisor that plans, a researcher sub-agent with its own system prompt (two turns), the supervisor
+    resuming its own history with the report; then two parallel branches off the supervisor's first call; then the
+    supervisor's history compacted into a summary."""
+    path = "/v1/chat/completions"
+    boss = [{"role": "system", "content": SUPERVISOR_SYSTEM},
+            {"role": "user", "content": f"Question: {TREE_QUESTION} Say what to ask the researcher."}]  # fmt: skip
+    plan = rec.record("tree_plan", "POST", path, chat(boss))
+    helper = [{"role": "system", "content": RESEARCHER_SYSTEM}, {"role": "user", "content": TREE_QUESTION}]
+    research = rec.record("tree_research", "POST", path, chat(helper))
+    helper += [assistant_message(research), {"role": "user", "content": "Now say only the answer, in one word."}]
+    report = rec.record("tree_report", "POST", path, chat(helper))
+    said = report["response"]["choices"][0]["message"]["content"]
+    resumed = [*boss, assistant_message(plan),
+               {"role": "user", "content": f"The researcher reports: {said} Give the final answer in one word."}]  # fmt: skip
+    rec.record("tree_conclude", "POST", path, chat(resumed))
+    for name, check in (("tree_branch_a", "Which country is it about?"), ("tree_branch_b", "Is it a city?")):
+        rec.record(name, "POST", path, chat([*boss, assistant_message(plan), {"role": "user", "content": check}]))
+    compacted = [boss[0], {"role": "user", "content": f"Summary of our conversation so far: asked about {said}"},
+                 {"role": "user", "content": "Give the final answer in one word."}]  # fmt: skip
+    rec.record("tree_compacted", "POST", path, chat(compacted))
+
+
 def record_scale_out(rec: Recorder) -> None:
     """vLLM's token-level endpoints (need `--enable-scale-out`): render a chat request to its exact prompt ids and
     sampling params, generate from ids, derender the generated ids into a ChatCompletion (tool parser applied), for
@@ -309,9 +338,12 @@ def record_scale_out(rec: Recorder) -> None:
 
 
 @contextlib.contextmanager
-def _token_in_gateway(rec: Recorder) -> Iterator[tuple[Any, Any]]:
-    """A gateway on a scratch SQLite with a token_in run, whose upstream is a FakeUpstream forwarding to the real
-    vLLM and recording every exchange (in `proxy.recorded` once the block ends)."""
+def _recording_gateway(
+    rec: Recorder, run: str | None = None, token_mode: str = "token_in"
+) -> Iterator[tuple[Any, Any]]:
+    """A gateway on a scratch SQLite with a run in `token_mode` (token_in's agent run unless named), whose upstream
+    is a FakeUpstream forwarding to the real vLLM and recording every exchange (in `proxy.recorded` once the block
+    ends)."""
     import tempfile
 
     import httpx
@@ -328,7 +360,7 @@ def _token_in_gateway(rec: Recorder) -> Iterator[tuple[Any, Any]]:
             base_model=MODEL,
             spool_dir=f"{tmp}/spool",
         ) as gateway:
-            config = {"name": RUN, "config": {"token_mode": "token_in"}}
+            config = {"name": run or RUN, "config": {"token_mode": token_mode}}
             httpx.post(gateway.url + "/v1/runs", json=config, timeout=30).raise_for_status()
             yield gateway, proxy
     finally:
@@ -346,7 +378,7 @@ def record_token_in(rec: Recorder) -> None:
     from tests.token_in_agent import tool_loop
 
     for stream in (False, True):
-        with _token_in_gateway(rec) as (gateway, proxy):
+        with _recording_gateway(rec) as (gateway, proxy):
             client = openai.OpenAI(base_url=f"{gateway.url}/eval/t/recorded/v1", api_key="x", max_retries=0)
             tool_loop(client, stream)
         name = "token_in_tool_loop_stream" if stream else "token_in_tool_loop"
@@ -378,7 +410,7 @@ def record_token_in_calls(rec: Recorder) -> None:
         ("token_in_logprobs", [{"max_tokens": 24, "temperature": 0, **extra} for extra in TOKEN_IN_LOGPROBS]),
         ("token_in_n", [TOKEN_IN_N]),
     ):
-        with _token_in_gateway(rec) as (gateway, proxy):
+        with _recording_gateway(rec) as (gateway, proxy):
             for stream in (False, True):
                 for extra in calls:
                     url = f"{gateway.url}/eval/t/{name}-{uuid.uuid4().hex[:8]}/v1"
@@ -395,6 +427,60 @@ def record_token_in_calls(rec: Recorder) -> None:
         (rec.out_dir / f"{name}.json").write_text(json.dumps(fixture, indent=1) + "\n")
         rec.recorded[name] = fixture
         print(f"{name}: {[(e['path'], e['status']) for e in proxy.recorded]}", flush=True)
+
+
+def record_responses(rec: Recorder) -> None:
+    """The OpenAI Responses API calls of tests/responses_agent.py (a question, and the function-call loop continued by
+    `previous_response_id`), streamed and not, driven through the gateway (which translates them to chat) in front of
+    a recording proxy: once for a chat-mode run, once for a token_in run. Eval mode, so greedy sampling reaches vLLM."""
+    import uuid
+
+    import openai
+
+    from tests.responses_agent import RUN as RESPONSES_RUN
+    from tests.responses_agent import TOKEN_IN_RUN, ask, tool_loop
+
+    for name, run in (("responses_chat", RESPONSES_RUN), ("responses_token_in", TOKEN_IN_RUN)):
+        with _recording_gateway(rec, run=TOKEN_IN_RUN) as (gateway, proxy):
+            for stream in (False, True):
+                def client() -> openai.OpenAI:
+                    url = f"{gateway.url}/eval/t/{name}-{uuid.uuid4().hex[:8]}/v1"
+                    return openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+
+                ask(client(), stream, run)
+                tool_loop(client(), stream, by_previous_id=True, run=run)
+            ask(client(), False, run, store=False)
+            for stream in (False, True):  # output-text logprobs, as an SDK asks for them
+                ask(client(), stream, run, include=["message.output_text.logprobs"], top_logprobs=2)
+        fixture = {"name": name, "path": None, "exchanges": proxy.recorded, "vllm_version": rec.vllm_version}
+        (rec.out_dir / f"{name}.json").write_text(json.dumps(fixture, indent=1) + "\n")
+        rec.recorded[name] = fixture
+        print(f"{name}: {[(e['path'], e['status']) for e in proxy.recorded]}", flush=True)
+
+
+def record_messages(rec: Recorder) -> None:
+    """The gateway's own chat exchanges for Anthropic Messages API calls (tests/messages_agent.py's tool loop,
+    streamed and not, in both token modes; a stop-sequence call; count_tokens' render), recorded like token_in's:
+    the real gateway drives them through a recording proxy to this vLLM, in eval mode so the client's greedy
+    sampling reaches vLLM and a re-record gives the same tokens."""
+    import anthropic
+
+    from tests.messages_agent import COUNT_TOKENS, RUN, STOP_CALL, tool_loop
+
+    for token_mode in ("chat", "token_in"):
+        for stream in (False, True):
+            with _recording_gateway(rec, RUN, token_mode) as (gateway, proxy):
+                url = f"{gateway.url}/eval/t/recorded-{token_mode}-{int(stream)}"
+                client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+                tool_loop(client, stream)
+                if token_mode == "chat" and not stream:
+                    client.messages.create(**STOP_CALL)
+                    client.messages.count_tokens(**COUNT_TOKENS)
+            name = f"messages_{token_mode}_tool_loop" + ("_stream" if stream else "")
+            fixture = {"name": name, "path": None, "exchanges": proxy.recorded, "vllm_version": rec.vllm_version}
+            (rec.out_dir / f"{name}.json").write_text(json.dumps(fixture, indent=1) + "\n")
+            rec.recorded[name] = fixture
+            print(f"{name}: {[(e['path'], e['status']) for e in proxy.recorded]}", flush=True)
 
 
 def record_all(rec: Recorder) -> None:
@@ -422,6 +508,9 @@ def record_all(rec: Recorder) -> None:
     record_scale_out(rec)
     record_token_in(rec)
     record_token_in_calls(rec)
+    record_responses(rec)
+    record_messages(rec)
+    record_tree(rec)
     rec.record("completions", "POST", "/v1/completions", completion("The capital of France is"))
     rec.record(
         "completions_stream",
@@ -507,15 +596,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--only",
-        choices=("all", "scale_out", "token_in", "token_in_calls"),
+        choices=("all", "scale_out", "token_in", "token_in_calls", "responses", "messages", "tree"),
         default="all",
-        help="record every scenario, or only scale_out_* or token_in_*",
+        help="record every scenario, or only scale_out_*, token_in_* or messages_*",
     )
     args = parser.parse_args()
     record = {
         "scale_out": record_scale_out,
         "token_in": record_token_in,
         "token_in_calls": record_token_in_calls,
+        "responses": record_responses,
+        "messages": record_messages,
+        "tree": record_tree,
     }.get(args.only, record_all)
     if args.base_url:
         recorder = Recorder(args.base_url, args.out)

@@ -78,3 +78,19 @@ def teach_end_token(gateway_url: str, run: str) -> None:
         model=run, messages=[{"role": "user", "content": "Say hi in French."}], max_tokens=64, temperature=0
     )
     assert answer.choices[0].finish_reason == "stop", answer
+
+
+def continues_exactly(call: dict[str, Any], end_token_id: int) -> bool:
+    """Whether token_in can continue this recorded answer exactly: it ended on the model's end token (not cut by
+    max_tokens) and every tool call it made has arguments a client can hand back unchanged (a JSON object). At
+    temperature 1 a 135M model sometimes does neither; then the next call rightly starts a new segment."""
+    ids = call["completion_token_ids"] or []
+    if call["finish_reason"] == "length" or not ids or ids[-1] != end_token_id:
+        return False
+    for tool_call in (call["response"]["choices"][0]["message"].get("tool_calls") or ()):
+        try:
+            if not isinstance(json.loads(tool_call["function"]["arguments"] or ""), dict):
+                return False
+        except ValueError:
+            return False
+    return True

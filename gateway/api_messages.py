@@ -1,0 +1,763 @@
+"""The Anthropic Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`), translated at the edge.
+
+vLLM's own /v1/messages returns no token ids or logprobs, and it converts the request into a chat request inside
+anyway, so the gateway does that conversion here (mirroring vLLM's, so the model sees the same prompt) and runs the
+call through the ordinary chat path: attribution, retries, sampling, token_in, the record and the trainer all treat
+it as the chat call it is. The record holds the chat request the model saw and vLLM's chat answer, labelled
+`messages`. Only the edges are Anthropic: the body is validated here into Anthropic-shaped 400s, and the
+chat path's answer (a JSON body, an OpenAI-style error, or an SSE chunk stream) is rewritten on its way out into a
+Message, an Anthropic error, or Anthropic's stream events.
+
+Extended thinking: `thinking` is passed on the way vLLM's endpoint does (`enabled` sets a thinking token budget,
+`disabled` asks the template for reasoning effort "none", `adaptive` pins nothing); whatever reasoning vLLM's
+reasoning parser returns comes back as `thinking` blocks. A model without a reasoning parser simply returns none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Annotated, Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from gateway.api_common import validation_message
+from gateway.attribution import PathPrefix, check_run, split_api_key
+from gateway.auth import presented_key
+from gateway.errors import GatewayError, UpstreamFailure
+from gateway.proxy import Proxy
+
+ENDPOINT = "messages"  # the label records and metrics carry
+MESSAGES = "/v1/messages"
+COUNT_TOKENS = "/v1/messages/count_tokens"
+PATHS = (MESSAGES, COUNT_TOKENS)
+PATH_PREFIX = MESSAGES + "/"  # the rest of Anthropic's messages family (batches) is a 404 in its shape here
+CHAT_PATH = "/v1/chat/completions"
+
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+# Claude Code puts a per-request hash in a system block; vLLM drops it so the prompt prefix stays cacheable.
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+# -- the request -------------------------------------------------------------------------------------------------
+
+
+class _Block(BaseModel):
+    # cache_control, citations and the like are accepted and have no effect on a local model.
+    model_config = ConfigDict(extra="allow")
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+
+
+class Base64Source(BaseModel):
+    type: Literal["base64"]
+    media_type: str
+    data: str
+
+
+class UrlSource(BaseModel):
+    type: Literal["url"]
+    url: str
+
+
+class ImageBlock(_Block):
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = ""
+    is_error: bool | None = None
+
+
+class ThinkingBlock(_Block):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Block):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    # Server tools (web search, code execution, ...) run on Anthropic's side; only client tools exist here.
+    type: Literal["custom"] | None = None
+    name: str = Field(min_length=1, max_length=128)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class _Choice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    disable_parallel_tool_use: bool | None = None
+
+
+class AutoChoice(_Choice):
+    type: Literal["auto"]
+
+
+class AnyChoice(_Choice):
+    type: Literal["any"]
+
+
+class NamedChoice(_Choice):
+    type: Literal["tool"]
+    name: str
+
+
+class NoneChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["none"]
+
+
+ToolChoice = Annotated[AutoChoice | AnyChoice | NamedChoice | NoneChoice, Field(discriminator="type")]
+
+
+class ThinkingEnabled(BaseModel):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(strict=True, ge=1024)
+
+
+class ThinkingDisabled(BaseModel):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(BaseModel):
+    type: Literal["adaptive"]
+
+
+Thinking = Annotated[ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive, Field(discriminator="type")]
+
+
+class OutputFormat(BaseModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
+class Metadata(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str | None = Field(None, max_length=256)
+
+
+class CountTokensRequest(BaseModel):
+    # Unknown fields are refused, as Anthropic does ("Extra inputs are not permitted"): a feature the gateway
+    # cannot honour (MCP servers, containers) must not be dropped silently.
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    messages: list[Message]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    # Accepted and without effect on one local model: prompt caching is vLLM's own, and there are no speed modes,
+    # workspaces or user profiles to route by.
+    cache_control: dict[str, Any] | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(strict=True, ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool | None = None
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    metadata: Metadata | None = None
+    # Likewise without effect: one tier, one place, and no prompt-cache diagnostics.
+    service_tier: str | None = None
+    inference_geo: str | None = None
+    diagnostics: dict[str, Any] | None = None
+
+
+def parse_request(data: dict[str, Any], model: type[CountTokensRequest]) -> CountTokensRequest:
+    try:
+        request = model.model_validate(data)
+    except ValidationError as exc:
+        raise GatewayError(400, validation_message(exc)) from None
+    if isinstance(request, MessagesRequest) and isinstance(request.thinking, ThinkingEnabled):
+        if request.thinking.budget_tokens >= request.max_tokens:
+            raise GatewayError(400, "thinking.budget_tokens: must be less than max_tokens")
+    return request
+
+
+# -- Anthropic -> chat -------------------------------------------------------------------------------------------
+
+
+def to_chat(request: CountTokensRequest) -> dict[str, Any]:
+    """The chat request vLLM's own /v1/messages would build from this one (same messages, tools and sampling), so
+    the model sees the prompt it would have seen there."""
+    messages: list[dict[str, Any]] = []
+    system = _system_text(request.system)
+    if system:
+        messages.append({"role": "system", "content": system})
+    for message in request.messages:
+        messages.extend(_chat_messages(message))
+    chat: dict[str, Any] = {"model": request.model, "messages": messages}
+    if request.messages and request.messages[-1].role == "assistant":
+        # A prefilled answer: the model continues it instead of starting a new turn, as Anthropic does.
+        chat["add_generation_prompt"] = False
+        chat["continue_final_message"] = True
+    if request.tools is not None:
+        chat["tools"] = [_chat_tool(tool) for tool in request.tools]
+    if request.tool_choice is not None:
+        choice = request.tool_choice
+        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
+            "type": "function",
+            "function": {"name": getattr(choice, "name", "")},
+        }
+        if getattr(choice, "disable_parallel_tool_use", None) is not None:
+            chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use  # type: ignore[union-attr]
+    elif request.tools is not None:
+        chat["tool_choice"] = "auto"
+    if isinstance(request.thinking, ThinkingEnabled):
+        chat["thinking_token_budget"] = request.thinking.budget_tokens
+    elif isinstance(request.thinking, ThinkingDisabled):
+        chat["reasoning_effort"] = "none"
+    if request.output_config is not None:
+        if request.output_config.effort is not None:
+            chat["reasoning_effort"] = request.output_config.effort
+        if request.output_config.format is not None:
+            schema = {"name": "output", "schema": request.output_config.format.schema_}
+            chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    if isinstance(request, MessagesRequest):
+        _sampling(request, chat)
+    return chat
+
+
+def _sampling(request: MessagesRequest, chat: dict[str, Any]) -> None:
+    chat["max_tokens"] = request.max_tokens
+    for name, value in (("temperature", request.temperature), ("top_p", request.top_p), ("top_k", request.top_k)):
+        if value is not None:
+            chat[name] = value
+    if request.stop_sequences:
+        chat["stop"] = request.stop_sequences
+    if request.metadata is not None and request.metadata.user_id is not None:
+        chat["user"] = request.metadata.user_id
+    if request.stream:
+        # The prompt ids in the first chunk give message_start its input_tokens; usage at the end its output_tokens.
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+        chat["return_token_ids"] = True
+
+
+def _system_text(system: str | list[TextBlock] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "".join(block.text for block in system if block.text and not block.text.startswith(_BILLING_HEADER))
+
+
+def _chat_tool(tool: Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description is not None:
+        function["description"] = tool.description
+    function["parameters"] = tool.input_schema
+    return {"type": "function", "function": function}
+
+
+def _image_url(block: ImageBlock) -> dict[str, Any]:
+    source = block.source
+    url = source.url if isinstance(source, UrlSource) else f"data:{source.media_type};base64,{source.data}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _chat_messages(message: Message) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages: tool results become `tool` messages (before the rest of the user
+    turn, as the chat format wants them right after the assistant's calls), tool uses become `tool_calls`."""
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    out: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for block in message.content:
+        if isinstance(block, TextBlock):
+            if block.text:
+                parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            parts.append(_image_url(block))
+        elif isinstance(block, ToolUseBlock):
+            arguments = json.dumps(block.input)  # as vLLM's endpoint writes them, spaces and all
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+        elif isinstance(block, ToolResultBlock):
+            out.extend(_tool_result(block, message.role, parts))
+        elif isinstance(block, ThinkingBlock):
+            reasoning.append(block.thinking)
+        # redacted_thinking is opaque; accepted so a client can echo an assistant turn back whole.
+    chat: dict[str, Any] = {"role": message.role}
+    if reasoning:
+        chat["reasoning"] = "".join(reasoning)
+    if calls:
+        chat["tool_calls"] = calls
+    if parts:
+        chat["content"] = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
+    if message.role == "assistant" or "content" in chat or calls or reasoning:
+        out.append(chat)  # a user turn of nothing but tool results adds no user message
+    return out
+
+
+def _tool_result(block: ToolResultBlock, role: str, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(block.content, str):
+        text, images = block.content, []
+    else:
+        text = "\n".join(item.text for item in block.content if isinstance(item, TextBlock))
+        images = [_image_url(item) for item in block.content if isinstance(item, ImageBlock)]
+    if role != "user":
+        parts.append({"type": "text", "text": f"Tool result: {text}"})
+        return []
+    # `is_error` has no chat equivalent; vLLM's endpoint drops it too (the text usually says what went wrong).
+    out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": text}]
+    if images:
+        out.append({"role": "user", "content": images})
+    return out
+
+
+# -- chat -> Anthropic -------------------------------------------------------------------------------------------
+
+
+def error_body(status: int, message: str, request_id: str | None = None) -> bytes:
+    kind = ERROR_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
+    body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
+    if request_id:
+        body["request_id"] = request_id
+    return orjson.dumps(body)
+
+
+def error_message(raw: bytes) -> str:
+    """The message of an error body from the chat path: the gateway's own (OpenAI-shaped) or vLLM's, passed on."""
+    text = raw[:4000].decode("utf-8", "replace")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return text or "upstream error"
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        for key in ("message", "detail"):
+            if data.get(key):
+                return str(data[key]) if isinstance(data[key], str) else orjson.dumps(data[key]).decode()
+    return text
+
+
+def stop_reason(
+    finish_reason: str | None, matched: Any, tool_used: bool, tool_complete: bool
+) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) for a chat finish: vLLM's rules (max_tokens wins; a complete tool call is
+    tool_use; a matched stop string, reported as a str in `stop_reason`, is stop_sequence)."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if tool_complete:
+        return "tool_use", None
+    if isinstance(matched, str):
+        return "stop_sequence", matched
+    if finish_reason == "tool_calls" or tool_used:
+        return "tool_use", None
+    return "end_turn", None
+
+
+def _tool_input(arguments: str) -> tuple[dict[str, Any], bool]:
+    """The arguments as the object Anthropic's `input` must be, and whether they parsed as one (a call cut short by
+    max_tokens does not; its input is then empty, the record keeps the tokens)."""
+    try:
+        value = orjson.loads(arguments or "{}")
+    except orjson.JSONDecodeError:
+        return {}, False
+    return (value, True) if isinstance(value, dict) else ({}, False)
+
+
+def message_id(chat_id: Any) -> str:
+    return "msg_" + str(chat_id or "").removeprefix("chatcmpl-")
+
+
+def to_message(response: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion as an Anthropic Message."""
+    choices = response.get("choices") or [{}]
+    choice = choices[0]
+    message = choice.get("message") or {}
+    content: list[dict[str, Any]] = []
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    if reasoning:
+        content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if message.get("content"):
+        content.append({"type": "text", "text": message["content"]})
+    calls = message.get("tool_calls") or []
+    complete = bool(calls)
+    for call in calls:
+        function = call.get("function") or {}
+        arguments, parsed = _tool_input(function.get("arguments") or "")
+        complete = complete and parsed
+        content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"), "input": arguments})
+    if not content:
+        content.append({"type": "text", "text": ""})  # Anthropic's shape for an empty answer
+    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(calls), complete)
+    usage = response.get("usage") or {}
+    return {
+        "id": message_id(response.get("id")),
+        "type": "message",
+        "role": "assistant",
+        "model": response.get("model"),
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": {
+            "input_tokens": usage.get("prompt_tokens") or 0,
+            "output_tokens": usage.get("completion_tokens") or 0,
+        },
+    }
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class StreamTranslator:
+    """Chat completion chunks in, Anthropic stream events out: message_start, ping, a content block per text run,
+    thinking run or tool call (start, deltas, stop), then message_delta (stop reason, usage) and message_stop."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.finished = False
+        self.failed = False
+        self.block: int | None = None  # index of the open content block
+        self.block_kind: str | None = None
+        self.blocks = 0
+        self.tool_blocks: dict[int, int] = {}  # chat tool-call index -> content block index
+        self.tool_arguments: dict[int, list[str]] = {}
+        self.input_tokens = 0
+        self.usage: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+        self.matched: Any = None
+
+    def feed(self, payload: bytes) -> list[bytes]:
+        """One SSE `data:` payload from the chat path; returns the events to send (none once the stream failed)."""
+        if self.failed:
+            return []
+        if payload == b"[DONE]":
+            return self.finish()
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return self.fail("the gateway relayed an event that is not JSON")
+        if "error" in chunk and "choices" not in chunk:
+            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+            return self.fail(str(error.get("message") or "upstream error"))
+        out = [] if self.started else self._start(chunk)
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+            if reasoning:
+                out += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                out.append(self._delta(self.block, {"type": "thinking_delta", "thinking": reasoning}))
+            if delta.get("content"):
+                out += self._open("text", {"type": "text", "text": ""})
+                out.append(self._delta(self.block, {"type": "text_delta", "text": delta["content"]}))
+            for call in delta.get("tool_calls") or ():
+                out += self._tool_call(call)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+                self.matched = choice.get("stop_reason")
+        return out
+
+    def _start(self, chunk: dict[str, Any]) -> list[bytes]:
+        self.started = True
+        prompt = chunk.get("prompt_token_ids")
+        self.input_tokens = len(prompt) if isinstance(prompt, list) else 0
+        message = {
+            "id": message_id(chunk.get("id")),
+            "type": "message",
+            "role": "assistant",
+            "model": chunk.get("model"),
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        }
+        start = _event("message_start", {"type": "message_start", "message": message})
+        return [start, _event("ping", {"type": "ping"})]
+
+    def _open(self, kind: str, block: dict[str, Any]) -> list[bytes]:
+        if self.block_kind == kind and kind != "tool_use":
+            return []
+        out = self._close()
+        self.block, self.block_kind = self.blocks, kind
+        self.blocks += 1
+        start = {"type": "content_block_start", "index": self.block, "content_block": block}
+        out.append(_event("content_block_start", start))
+        return out
+
+    def _close(self) -> list[bytes]:
+        if self.block is None:
+            return []
+        event = _event("content_block_stop", {"type": "content_block_stop", "index": self.block})
+        self.block = self.block_kind = None
+        return [event]
+
+    @staticmethod
+    def _delta(index: int | None, delta: dict[str, Any]) -> bytes:
+        return _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
+
+    def _tool_call(self, call: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        position = call.get("index", 0)
+        function = call.get("function") or {}
+        if position not in self.tool_blocks:
+            block = {"type": "tool_use", "id": call.get("id"), "name": function.get("name") or "", "input": {}}
+            out += self._open("tool_use", block)
+            assert self.block is not None
+            self.tool_blocks[position] = self.block
+            self.tool_arguments[position] = []
+        if function.get("arguments"):
+            self.tool_arguments[position].append(function["arguments"])
+            # Sent against the call's own block: the SDK accumulates deltas by index.
+            delta = {"type": "input_json_delta", "partial_json": function["arguments"]}
+            out.append(self._delta(self.tool_blocks[position], delta))
+        return out
+
+    def finish(self) -> list[bytes]:
+        if self.finished or self.failed:
+            return []
+        out = [] if self.started else self._start({})
+        self.finished = True
+        out += self._close()
+        tool_used = bool(self.tool_blocks)
+        complete = tool_used and all(_tool_input("".join(parts))[1] for parts in self.tool_arguments.values())
+        reason, sequence = stop_reason(self.finish_reason, self.matched, tool_used, complete)
+        usage = self.usage or {}
+        delta = {"stop_reason": reason, "stop_sequence": sequence}
+        counts = {
+            "input_tokens": usage.get("prompt_tokens") or self.input_tokens,
+            "output_tokens": usage.get("completion_tokens") or 0,
+        }
+        out.append(_event("message_delta", {"type": "message_delta", "delta": delta, "usage": counts}))
+        out.append(_event("message_stop", {"type": "message_stop"}))
+        return out
+
+    def fail(self, message: str) -> list[bytes]:
+        """An error mid-stream, told in-band as Anthropic does (the status line is already sent)."""
+        if self.failed or self.finished:
+            return []
+        self.failed = True
+        return [_event("error", {"type": "error", "error": {"type": "api_error", "message": message}})]
+
+
+class AnswerTranslator:
+    """The `send` the chat path answers through: rewrites its answer into the Anthropic shape on the way out."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self.stream: StreamTranslator | None = None
+        self.status = 200
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.request_id: str | None = None
+        self.body: list[bytes] = []
+        self.partial = b""
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            await self._start(message)
+        elif message["type"] == "http.response.body":
+            if self.stream is not None:
+                await self._stream_body(message)
+            else:
+                self.body.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    await self._whole()
+        else:
+            await self._send(message)
+
+    async def _start(self, message: dict[str, Any]) -> None:
+        self.status = message["status"]
+        content_type = b""
+        for name, value in message.get("headers") or ():
+            if name == b"content-type":
+                content_type = value
+            elif name != b"content-length":
+                self.headers.append((name, value))
+                if name == b"x-request-id":
+                    self.request_id = value.decode()
+                    self.headers.append((b"request-id", value))  # where the Anthropic SDK looks for it
+        if content_type.startswith(b"text/event-stream"):
+            self.stream = StreamTranslator()
+            headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+            headers += self.headers
+            await self._send({"type": "http.response.start", "status": self.status, "headers": headers})
+
+    async def _stream_body(self, message: dict[str, Any]) -> None:
+        assert self.stream is not None
+        data = self.partial + message.get("body", b"")
+        *lines, self.partial = data.split(b"\n")
+        out: list[bytes] = []
+        for line in lines:
+            if line.startswith(b"data:"):
+                out += self.stream.feed(line[5:].strip())
+        more = message.get("more_body", False)
+        if not more and self.stream.started and not (self.stream.finished or self.stream.failed):
+            out += self.stream.fail("the stream ended before the answer was complete")
+        if out or not more:
+            await self._send({"type": "http.response.body", "body": b"".join(out), "more_body": more})
+
+    async def _whole(self) -> None:
+        raw = b"".join(self.body)
+        status = self.status
+        if status == 200:
+            try:
+                response = orjson.loads(raw)
+                body = orjson.dumps(to_message(response))
+            except (orjson.JSONDecodeError, AttributeError, TypeError):
+                status, body = 502, error_body(502, "vLLM sent a body that is not a chat completion", self.request_id)
+        else:
+            body = error_body(status, error_message(raw), self.request_id)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *self.headers]
+        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._send({"type": "http.response.body", "body": body})
+
+
+# -- the endpoints -----------------------------------------------------------------------------------------------
+
+
+class MessagesApi:
+    """`/v1/messages` and `/v1/messages/count_tokens`, in front of the proxy's chat path."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
+        path = prefix.rest if prefix else scope["path"]
+        if path not in PATHS:
+            await _send_error(send, 404, f"{path} is not served here: only /v1/messages and its count_tokens")
+            return
+        if scope["method"] != "POST":
+            message = f"{scope['method']} is not allowed here; use POST"
+            await _send_error(send, 405, message, ((b"allow", b"POST"),))
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            # The key first, as Anthropic checks it: an unauthenticated caller learns nothing about its body.
+            self.proxy.auth.check_agent(split_api_key(presented_key(headers))[0])
+            data = _parse(await self.proxy.read_body(receive, headers))
+            if path == COUNT_TOKENS:
+                count = await self._count_tokens(parse_request(data, CountTokensRequest))
+                body = orjson.dumps({"input_tokens": count})
+                await _send_bytes(send, 200, body, [(b"content-type", b"application/json")])
+                return
+            chat = _serialise(to_chat(parse_request(data, MessagesRequest)))
+        except (GatewayError, UpstreamFailure) as exc:
+            error = exc.error if isinstance(exc, UpstreamFailure) else exc
+            self.proxy.metrics.requests.labels(ENDPOINT, str(error.status)).inc()
+            await _send_error(send, error.status, error.message)
+            return
+        await self.proxy.handle(
+            _chat_scope(scope, len(chat)), _chat_receive(chat, receive), AnswerTranslator(send), _chat_prefix(prefix)
+        )
+
+    async def _count_tokens(self, request: CountTokensRequest) -> int:
+        """The prompt's exact length as vLLM renders it (its scale-out render endpoint, which token_in uses too)."""
+        route = self.proxy.router.resolve(check_run(request.model), await self.proxy.base_model())
+        chat = to_chat(request)
+        chat["model"] = route.served_name
+        _serialise(chat)  # the depth check
+        return len(await self.proxy.token_in.render(chat))
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise GatewayError(400, "request body must be a JSON object")
+    return data
+
+
+def _serialise(chat: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(chat)
+    except orjson.JSONEncodeError:  # orjson writes at most 254 levels of nesting
+        raise GatewayError(400, "request body is nested too deeply") from None
+
+
+def _chat_scope(scope: dict[str, Any], length: int) -> dict[str, Any]:
+    """The scope the chat path sees: its own path, the translated body's length, the API's label for the record."""
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(length).encode()))
+    path = {"path": CHAT_PATH, "raw_path": CHAT_PATH.encode()}
+    return {**scope, **path, "headers": headers, "trajgate.endpoint": ENDPOINT}
+
+
+def _chat_prefix(prefix: PathPrefix | None) -> PathPrefix | None:
+    return dataclasses.replace(prefix, rest=CHAT_PATH) if prefix is not None else None
+
+
+def _chat_receive(body: bytes, receive: Any) -> Any:
+    """Yields the chat body once, then the client's own messages (a stream watches them for a hang-up)."""
+    sent = False
+
+    async def chat_receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return chat_receive
+
+
+async def _send_bytes(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send: Any, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    await _send_bytes(send, status, error_body(status, message), [(b"content-type", b"application/json"), *headers])

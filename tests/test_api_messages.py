@@ -1,0 +1,492 @@
+"""The Anthropic Messages API through the gateway, with the official `anthropic` SDK as the client and the chat
+exchanges the gateway sent real vLLM CPU + SmolLM2 replayed behind it.
+
+The recordings (tests/fixtures/vllm/messages_*_tool_loop*.json) were made by this gateway driving
+tests/messages_agent.py's tool loop through a recording proxy (scripts/record_fixtures.py --only messages), so
+replay answers only the exact chat requests the gateway sent then: a different translation gets no answer and the
+test fails. What is checked: the client gets Anthropic's shapes (blocks, stop reasons, stream events, errors), and
+the record holds vLLM's exact ids and logprobs under the `messages` endpoint, in both token modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from gateway import api_messages
+from gateway.api_messages import MessagesRequest, StreamTranslator, to_chat
+from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
+from tests.fake_upstream import FIXTURES, FakeUpstream
+from tests.gateway_harness import RunningGateway, running_gateway
+from tests.messages_agent import COUNT_TOKENS, HISTORY, RUN, STOP_CALL, TOOL, tool_loop, tool_uses
+from tests.pgcluster import free_port
+from tests.stored import stored_calls
+
+CHAT = "/v1/chat/completions"
+# The loop's first turn (train mode sends neutral sampling, which replay does not match on).
+FIRST: dict[str, Any] = {
+    "model": RUN,
+    "system": TOOL_SYSTEM,
+    "tools": [TOOL],
+    "max_tokens": 48,
+    "messages": HISTORY,
+    "metadata": {"user_id": "agent-7"},
+}
+
+
+def exchanges(name: str) -> list[dict[str, Any]]:
+    return json.loads((FIXTURES / f"{name}.json").read_text())["exchanges"]
+
+
+def chat_answers(name: str) -> list[dict[str, Any]]:
+    """The recorded chat answers of the tool loop's three turns, streams assembled: (prompt ids, completion ids,
+    logprobs, finish_reason, message)."""
+    out = []
+    for exchange in exchanges(name):
+        if exchange["path"] != CHAT or exchange["request"]["messages"][-1].get("content") == STOP_CALL_TEXT:
+            continue
+        out.append(_assembled(exchange))
+    return out
+
+
+STOP_CALL_TEXT = STOP_CALL["messages"][0]["content"]
+
+
+def _assembled(exchange: dict[str, Any]) -> dict[str, Any]:
+    if not exchange.get("stream"):
+        response = exchange["response"]
+        choice = response["choices"][0]
+        return {
+            "prompt": response["prompt_token_ids"],
+            "ids": choice["token_ids"],
+            "logprobs": [e["logprob"] for e in choice["logprobs"]["content"]],
+            "finish_reason": choice["finish_reason"],
+            "stop_reason": choice.get("stop_reason"),
+            "usage": response["usage"],
+        }
+    prompt: list[int] = []
+    ids: list[int] = []
+    logprobs: list[float] = []
+    finish = stop = usage = None
+    for raw in exchange["chunks"]:
+        if raw == "[DONE]":
+            continue
+        chunk = json.loads(raw)
+        prompt = chunk.get("prompt_token_ids") or prompt
+        usage = chunk.get("usage") or usage
+        for choice in chunk["choices"]:
+            ids += choice.get("token_ids") or []
+            logprobs += [e["logprob"] for e in (choice.get("logprobs") or {}).get("content") or []]
+            finish = choice.get("finish_reason") or finish
+            stop = choice.get("stop_reason") or stop
+    return {
+        "prompt": prompt,
+        "ids": ids,
+        "logprobs": logprobs,
+        "finish_reason": finish,
+        "stop_reason": stop,
+        "usage": usage,
+    }
+
+
+def client(gateway: RunningGateway, base: str = "", **kwargs: Any) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        base_url=gateway.url + base, api_key=kwargs.pop("api_key", "sk-test"), max_retries=0, **kwargs
+    )
+
+
+# -- the translation, on its own -----------------------------------------------------------------------------------
+
+
+def test_request_translates_as_vllms_own_endpoint_does() -> None:
+    request = MessagesRequest.model_validate(
+        {
+            "model": "agent",
+            "max_tokens": 100,
+            "system": [
+                {"type": "text", "text": "x-anthropic-billing-header: abc"},
+                {"type": "text", "text": "Be brief."},
+            ],
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hmm", "signature": "s"},
+                        {"type": "text", "text": "Let me look."},
+                        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18C"}]},
+                        {"type": "text", "text": "And now?"},
+                    ],
+                },
+                {"role": "assistant", "content": "It is"},
+            ],
+            "tools": [TOOL],
+            "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+            "stop_sequences": ["\n\n"],
+            "temperature": 0.5,
+            "top_k": 5,
+            "metadata": {"user_id": "u-1"},
+            "thinking": {"type": "enabled", "budget_tokens": 2048},
+        }
+    )
+    chat = to_chat(request)
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {
+            "role": "assistant",
+            "reasoning": "hmm",
+            "content": "Let me look.",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "18C"},
+        {"role": "user", "content": "And now?"},
+        {"role": "assistant", "content": "It is"},
+    ]
+    assert chat["add_generation_prompt"] is False and chat["continue_final_message"] is True  # a prefill
+    assert chat["tools"] == [
+        {
+            "type": "function",
+            "function": {"name": TOOL["name"], "description": TOOL["description"], "parameters": TOOL["input_schema"]},
+        }
+    ]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["parallel_tool_calls"] is False
+    assert (chat["max_tokens"], chat["stop"], chat["temperature"], chat["top_k"]) == (100, ["\n\n"], 0.5, 5)
+    assert chat["user"] == "u-1" and chat["thinking_token_budget"] == 2048
+    assert "stream" not in chat
+
+
+def test_stream_translator_closes_each_block_and_reports_the_stop() -> None:
+    translator = StreamTranslator()
+    chunks = [
+        {
+            "id": "chatcmpl-1",
+            "model": "m",
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+        },
+        {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "Hi"}}]},
+        {
+            "id": "chatcmpl-1",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": ""}}]},
+                }
+            ],
+        },
+        {
+            "id": "chatcmpl-1",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]},
+                    "finish_reason": "tool_calls",
+                }
+            ],
+        },
+        {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7}},
+    ]
+    events = [e for chunk in chunks for e in translator.feed(json.dumps(chunk).encode())] + translator.feed(b"[DONE]")
+    parsed = [(e.split(b"\n")[0].decode(), json.loads(e.split(b"\n")[1][6:])) for e in events]
+    assert [name.removeprefix("event: ") for name, _ in parsed] == [
+        "message_start", "ping",
+        "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop",
+    ]  # fmt: skip
+    assert parsed[0][1]["message"]["usage"] == {"input_tokens": 3, "output_tokens": 0}
+    assert parsed[5][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "f", "input": {}}
+    assert parsed[6][1]["delta"] == {"type": "input_json_delta", "partial_json": '{"a": 1}'}
+    assert parsed[8][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert parsed[8][1]["usage"] == {"input_tokens": 3, "output_tokens": 7}
+
+
+def test_answer_blocks_thinking_and_a_cut_tool_call() -> None:
+    response = {
+        "id": "chatcmpl-9",
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "message": {
+                    "role": "assistant",
+                    "reasoning": "Paris, so...",
+                    "content": "Checking.",
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Pa'}}
+                    ],
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 9},
+    }
+    message = api_messages.to_message(response)
+    assert message["id"] == "msg_9" and message["usage"] == {"input_tokens": 5, "output_tokens": 9}
+    assert message["content"] == [
+        {"type": "thinking", "thinking": "Paris, so...", "signature": ""},
+        {"type": "text", "text": "Checking."},
+        {"type": "tool_use", "id": "c1", "name": "f", "input": {}},  # cut short: not an object yet
+    ]
+    assert (message["stop_reason"], message["stop_sequence"]) == ("max_tokens", None)
+    assert api_messages.stop_reason("stop", "END", False, False) == ("stop_sequence", "END")
+    assert api_messages.stop_reason("stop", 2, False, False) == ("end_turn", None)  # a stop token id is no sequence
+    assert api_messages.error_message(b'{"detail": "Forbidden"}') == "Forbidden"
+    assert api_messages.error_message(b"upstream said no") == "upstream said no"
+
+
+# -- through the gateway ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_tool_loop_is_answered_in_anthropic_shape_and_recorded_exactly(
+    gateway: RunningGateway, upstream: FakeUpstream, db_url: str, stream: bool
+) -> None:
+    name = "messages_chat_tool_loop" + ("_stream" if stream else "")
+    recorded = chat_answers(name)
+    trajectory = f"loop-{uuid.uuid4().hex[:8]}"
+    turns = tool_loop(client(gateway, f"/g/grp-{trajectory}/t/{trajectory}"), stream)
+    # what the model answered, as Anthropic blocks: a tool_use in turn 1 (its input as an object), text after
+    first = turns[0]["answer"]
+    assert first.stop_reason == "tool_use" and recorded[0]["finish_reason"] == "tool_calls"
+    assert [(c.name, c.input) for c in tool_uses(first)] == [("get_weather", {"city": "Paris"})]
+    assert first.content[-1].id.startswith("chatcmpl-tool-")
+    for turn, answer in zip(turns, recorded):
+        message = turn["answer"]
+        assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+        assert message.usage.input_tokens == len(answer["prompt"])
+        assert message.usage.output_tokens == len(answer["ids"])
+    assert turns[1]["answer"].content[0].type == "text" and turns[1]["answer"].content[0].text
+    expected_stop = {"stop": "end_turn", "length": "max_tokens"}
+    assert [t["answer"].stop_reason for t in turns[1:]] == [expected_stop[a["finish_reason"]] for a in recorded[1:]]
+    # the tool result went to vLLM as a `tool` message answering the call's id
+    sent = upstream.received[-2]["messages"]
+    call_id = first.content[-1].id
+    function = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert sent[-2:] == [
+        {"role": "assistant", "tool_calls": [{"id": call_id, "type": "function", "function": function}]},
+        {"role": "tool", "tool_call_id": call_id, "content": WEATHER_RESULT},
+    ]
+    gateway.flush()
+    calls = stored_calls(db_url, trajectory)
+    assert len(calls) == 3
+    for call, answer in zip(calls, recorded):
+        assert call["endpoint"] == "messages" and call["stream"] is stream
+        assert call["prompt_token_ids"] == answer["prompt"]
+        assert call["completion_token_ids"] == answer["ids"]
+        assert call["completion_logprobs"] == answer["logprobs"]  # exact, as vLLM sent them
+        assert call["trainable"] is True and call["run"] == RUN and call["group"]["group_id"] == f"grp-{trajectory}"
+        assert call["request"]["messages"][0] == {"role": "system", "content": TOOL_SYSTEM}  # the chat request vLLM saw
+
+
+def test_async_client_stream_and_not(gateway: RunningGateway, db_url: str) -> None:
+    recorded = chat_answers("messages_chat_tool_loop")[0]
+    trajectory = f"async-{uuid.uuid4().hex[:8]}"
+
+    async def run() -> list[Any]:
+        async with anthropic.AsyncAnthropic(
+            base_url=f"{gateway.url}/t/{trajectory}", api_key="x", max_retries=0
+        ) as sdk:
+            whole = await sdk.messages.create(**FIRST)
+            async with sdk.messages.stream(**FIRST) as events:
+                kinds = [event.type async for event in events]
+                streamed = await events.get_final_message()
+            return [whole, streamed, kinds]
+
+    whole, streamed, kinds = asyncio.run(run())
+    # each replays its own recording, whose tool call ids vLLM drew afresh
+    assert [(b.name, b.input) for b in tool_uses(whole)] == [(b.name, b.input) for b in tool_uses(streamed)]
+    assert whole.stop_reason == streamed.stop_reason == "tool_use"
+    assert whole.usage.output_tokens == streamed.usage.output_tokens == len(recorded["ids"])
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_stop" in kinds
+    gateway.flush()
+    calls = stored_calls(db_url, trajectory)
+    assert [c["stream"] for c in calls] == [False, True]
+    assert all(c["completion_token_ids"] == recorded["ids"] for c in calls)
+
+
+def test_stop_sequence_and_count_tokens(gateway: RunningGateway) -> None:
+    recorded = exchanges("messages_chat_tool_loop")
+    stop = next(e for e in recorded if e["path"] == CHAT and e["request"].get("stop"))["response"]["choices"][0]
+    render = next(e for e in recorded if e["path"].endswith("/render"))
+    sdk = client(gateway)
+    answer = sdk.messages.create(**STOP_CALL)
+    if isinstance(stop["stop_reason"], str):
+        assert (answer.stop_reason, answer.stop_sequence) == ("stop_sequence", stop["stop_reason"])
+    else:
+        assert answer.stop_sequence is None
+    assert answer.content[0].text == stop["message"]["content"]
+    assert sdk.messages.count_tokens(**COUNT_TOKENS).input_tokens == len(render["response"]["token_ids"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+def test_token_in_mode_continues_the_exact_tokens(
+    gateway_settings: dict[str, object], db_url: str, stream: bool
+) -> None:
+    with running_gateway(**{**gateway_settings, "token_state_wait_s": 0.3}) as gw:
+        response = httpx.post(gw.url + "/v1/runs", json={"name": RUN, "config": {"token_mode": "token_in"}}, timeout=30)
+        assert response.status_code in (200, 201), response.text
+        trajectory = f"tokin-{uuid.uuid4().hex[:8]}"
+        # eval mode: the client's greedy sampling reaches vLLM, as when the exchanges were recorded
+        turns = tool_loop(client(gw, f"/eval/t/{trajectory}"), stream)
+        gw.flush()
+    assert [(c.name, c.input) for c in tool_uses(turns[0]["answer"])] == [("get_weather", {"city": "Paris"})]
+    assert turns[0]["answer"].stop_reason == "tool_use"
+    calls = stored_calls(db_url, trajectory)
+    assert len(calls) == 3 and all(c["trainable"] and c["endpoint"] == "messages" for c in calls)
+    assert [c["segment_reason"] for c in calls] == ["first_call", None, None]
+    for before, after in zip(calls, calls[1:]):
+        assert after["prompt_token_ids"][: len(before["prompt_token_ids"]) + len(before["completion_token_ids"])] == (
+            before["prompt_token_ids"] + before["completion_token_ids"]
+        )
+    for turn, call in zip(turns, calls):
+        assert turn["answer"].usage.output_tokens == len(call["completion_token_ids"])
+
+
+@pytest.mark.parametrize("form", ["headers", "api_key", "path"])
+def test_every_attribution_form_and_the_key_check(gateway_settings: dict[str, object], db_url: str, form: str) -> None:
+    trajectory = f"attr-{form}-{uuid.uuid4().hex[:6]}"
+    with running_gateway(**{**gateway_settings, "agent_keys": "agent-1"}) as gw:
+        if form == "headers":
+            sdk = client(gw, api_key="agent-1", default_headers={"X-Trajectory-Id": trajectory, "X-Group-Id": "g-attr"})
+        elif form == "api_key":
+            sdk = client(gw, api_key=f"agent-1#g-attr/{trajectory}")
+        else:
+            sdk = client(gw, f"/g/g-attr/n/4/t/{trajectory}", api_key="agent-1")
+        answer = sdk.messages.with_raw_response.create(**FIRST)
+        assert answer.headers["x-trajectory-id"] == trajectory and answer.headers["request-id"].startswith("req-")
+        assert answer.parse().stop_reason == "tool_use"
+        with pytest.raises(anthropic.AuthenticationError) as refused:
+            client(gw, api_key=f"wrong#g-attr/{trajectory}").messages.create(model=RUN, max_tokens=8, messages=HISTORY)
+        assert refused.value.body == {
+            "type": "error",
+            "error": {"type": "authentication_error", "message": "missing or invalid API key"},
+        }
+        gw.flush()
+    calls = stored_calls(db_url, trajectory)
+    assert len(calls) == 1 and calls[0]["group"]["group_id"] == "g-attr"
+
+
+def test_a_retry_reaches_the_record(gateway: RunningGateway, upstream: FakeUpstream, db_url: str) -> None:
+    trajectory = f"retry-{uuid.uuid4().hex[:8]}"
+    upstream.mode = "fail_once"
+    sdk = anthropic.Anthropic(base_url=f"{gateway.url}/t/{trajectory}", api_key="x", max_retries=1)
+    answer = sdk.messages.create(**FIRST)
+    assert answer.stop_reason == "tool_use"
+    gateway.flush()
+    calls = stored_calls(db_url, trajectory)
+    # the SDK's x-stainless-retry-count marks the second attempt, which replaces the failed one
+    assert [(c["retry_count"], c["status_code"]) for c in calls] == [(1, 200)]
+
+
+def _error(response: httpx.Response) -> tuple[int, str, str]:
+    body = response.json()
+    assert set(body) <= {"type", "error", "request_id"} and body["type"] == "error"
+    return response.status_code, body["error"]["type"], body["error"]["message"]
+
+
+def test_bad_requests_get_anthropic_errors(gateway: RunningGateway) -> None:
+    url = gateway.url + "/v1/messages"
+    good = {"model": RUN, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    cases = [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (json.dumps({k: v for k, v in good.items() if k != "max_tokens"}).encode(), "max_tokens: Field required"),
+        (json.dumps({**good, "messages": [{"role": "system", "content": "x"}]}).encode(), "messages.0.role"),
+        (json.dumps({**good, "temperature": 1.5}).encode(), "temperature"),
+        (json.dumps({**good, "mcp_servers": []}).encode(), "mcp_servers: Extra inputs are not permitted"),
+        (json.dumps({**good, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}).encode(), "tools.0"),
+        (
+            json.dumps({**good, "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 4000}}).encode(),
+            "less than max_tokens",
+        ),
+        (json.dumps({**good, "model": "bad name!"}).encode(), "`model` must name a run"),
+    ]
+    for body, message in cases:
+        status, kind, text = _error(httpx.post(url, content=body, headers={"content-type": "application/json"}))
+        assert (status, kind) == (400, "invalid_request_error") and message in text, (body, text)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        robot: Any = [{"role": "robot", "content": "x"}]
+        client(gateway).messages.create(model=RUN, max_tokens=8, messages=robot)
+    assert bad.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert _error(httpx.get(url))[:2] == (405, "invalid_request_error")
+    huge = b'{"model": "a", "pad": "' + b"x" * (gateway.app.state.settings.max_body_bytes + 1) + b'"}'
+    assert _error(httpx.post(url, content=huge))[:2] == (413, "request_too_large")
+
+
+def test_upstream_failures_get_anthropic_errors(
+    gateway: RunningGateway, upstream: FakeUpstream, gateway_settings: dict[str, object], tmp_path: Path
+) -> None:
+    sdk = client(gateway)
+    kwargs = FIRST
+    upstream.mode = "error500"
+    with pytest.raises(anthropic.InternalServerError) as failed:
+        sdk.messages.create(**kwargs)
+    assert failed.value.status_code == 500 and failed.value.body["error"] == {
+        "type": "api_error",
+        "message": "EngineCore died",
+    }  # type: ignore[index]
+    assert failed.value.body["request_id"].startswith("req-")  # type: ignore[index]
+    upstream.mode = "cut_stream"
+    with pytest.raises(anthropic.APIStatusError) as cut:
+        with sdk.messages.stream(**kwargs) as events:
+            for _ in events:
+                pass
+    assert "vLLM stream ended unexpectedly" in str(cut.value)
+    upstream.mode = "forbidden"  # vLLM without --enable-scale-out: no render endpoint for count_tokens
+    with pytest.raises(anthropic.InternalServerError) as no_render:
+        sdk.messages.count_tokens(**COUNT_TOKENS)
+    assert no_render.value.status_code == 502 and "--enable-scale-out" in no_render.value.message
+    upstream.mode = "replay"
+    down = {**gateway_settings, "upstream_url": f"http://127.0.0.1:{free_port()}/v1", "spool_dir": tmp_path / "down"}
+    with running_gateway(**down) as gw:
+        with pytest.raises(anthropic.InternalServerError) as unreachable:
+            client(gw).messages.create(**kwargs)
+    body: Any = unreachable.value.body
+    assert unreachable.value.status_code == 502 and body["error"]["type"] == "api_error"
+
+
+def test_metrics_read_api_and_export_show_the_endpoint(gateway: RunningGateway) -> None:
+    trajectory = f"read-{uuid.uuid4().hex[:8]}"
+    client(gateway, f"/t/{trajectory}").messages.create(**FIRST)
+    gateway.flush()
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert 'trajgate_requests_total{endpoint="messages",status="200"}' in metrics
+    view = httpx.get(f"{gateway.url}/v1/trajectories/{trajectory}").json()
+    call = view["calls"][0]
+    assert call["endpoint"] == "messages" and call["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert call["messages"][-1] == HISTORY[-1]
+    export = httpx.get(f"{gateway.url}/v1/runs/{RUN}/export").text
+    exported = [json.loads(line) for line in export.splitlines() if line.strip()]
+    mine = next(t for t in exported if t["trajectory_id"] == trajectory)
+    assert mine["calls"][0]["endpoint"] == "messages" and mine["calls"][0]["tool_calls"]
+    assert len(mine["calls"][0]["completion_token_ids"]) == len(mine["calls"][0]["completion_logprobs"]) > 0
+
+
+def test_paths_are_routed_under_prefixes(gateway: RunningGateway) -> None:
+    assert api_messages.PATHS == ("/v1/messages", "/v1/messages/count_tokens")
+    response = httpx.post(gateway.url + "/eval/t/x/v1/messages/count_tokens", json={"model": RUN})
+    assert _error(response)[:2] == (400, "invalid_request_error")  # reached count_tokens: `messages` is missing
+    assert _error(httpx.post(gateway.url + "/t/x/v1/messages/batches", json={}))[:2] == (404, "not_found_error")
