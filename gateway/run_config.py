@@ -125,6 +125,19 @@ class RunConfig(BaseModel):
     # past actions exactly as it produced them and a trajectory trains as one sequence. Needs vLLM's
     # --enable-scale-out.
     token_mode: Literal["chat", "token_in"] = "chat"
+    # Admission at the gateway (gateway/admission.py): a train-mode call that starts a group is admitted only while
+    # the run's admitted, not yet trained groups fit what the trainer can consume before their policy is more than
+    # max_staleness versions old: in flight < (max_staleness + 1 - steps committed but not yet served) x
+    # groups_per_step. "wait": the call waits up to admission_timeout_s for room; "reject": 429 with Retry-After at
+    # once; "off": no bound (groups past max_staleness are dropped by the trainer instead).
+    admission: Literal["wait", "reject", "off"] = "wait"
+    admission_timeout_s: Finite = Field(300.0, gt=0, le=3600)
+    # A step committed but not served yet admits no new group at all (instead of max_staleness x groups_per_step),
+    # so every group admitted after a step starts on the adapter that step produced.
+    drain_on_swap: bool = False
+    # An admitted group neither trained nor dropped this long after its admission stops counting against the bound
+    # (an agent that died mid-group must not hold the run's capacity forever).
+    admission_expire_s: Finite = Field(900.0, gt=0)
     judge: JudgeConfig | None = None
 
     @field_validator("lora_rank")

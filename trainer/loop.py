@@ -26,6 +26,7 @@ from gateway.config import Settings
 from gateway.run_config import RunConfig
 from gateway.run_names import check_run_name
 from gateway.store import db
+from gateway.store.admission import due_groups
 from gateway.store.training import (
     LeaseLost,
     ReadyListener,
@@ -55,8 +56,9 @@ from trainer.checkpoint import (
     save_checkpoint,
 )
 from trainer.loss import LossConfig
-from trainer.publish import Publisher, VllmAdmin
+from trainer.publish import Publisher, vllm_admin
 from trainer.samples import CallData, GroupData, SampleBatch, TrajectoryData, build_samples
+from trainer.trackers import StepReporter, TrackerTarget, open_trackers
 
 log = logging.getLogger("trajgate.trainer")
 
@@ -85,6 +87,10 @@ class TrainerOptions:
     run_lease_s: float = 60.0
     # If another trainer holds the run: wait for it (True) or raise TrainerError saying who holds it (False).
     wait_for_lease: bool = True
+    # Experiment trackers to log every step to (trainer.trackers): "wandb", "trackio", "mlflow".
+    log_to: list[str] = field(default_factory=list)
+    tracker_project: str = "trajgate"
+    tracker_name: str | None = None  # default: the run's name
 
 
 def loss_config(config: RunConfig) -> LossConfig:
@@ -225,6 +231,12 @@ class Trainer:
         except ValueError as exc:
             raise TrainerError(f"run {options.run!r} has an invalid config: {exc}") from None
         self.loss = loss_config(self.config)
+        # Before the lease and the weights: a tracker whose package is missing fails in a second, not minutes.
+        target = TrackerTarget(options.tracker_project, options.tracker_name or options.run, self.config.model_dump(mode="json"))
+        self.reporter = StepReporter(self.engine, options.run, open_trackers(options.log_to, target))
+        # Seconds spent waiting for ready groups since the last committed step: the step's `wait_seconds`, from which
+        # the run's read API gives the trainer's idle share (gateway admission trades it against agents' waiting).
+        self.idle_s = 0.0
         self.lease = self._take_run()
         try:
             self.backend: TrainerBackend = self._load_backend()
@@ -233,6 +245,7 @@ class Trainer:
             self.publisher = self._publisher() if options.publish else None
         except BaseException:
             self.lease.stop()
+            self.reporter.close()
             raise
 
     def _take_run(self) -> RunLeaseKeeper:
@@ -262,9 +275,10 @@ class Trainer:
             time.sleep(self.options.poll_s)
 
     def close(self) -> None:
-        """Give the run up (the next trainer starts at once) and close the database listener."""
+        """Give the run up (the next trainer starts at once), close the database listener and the trackers."""
         self.lease.stop()
         self.listener.close()
+        self.reporter.close()
 
     def __enter__(self) -> Trainer:
         return self
@@ -322,7 +336,7 @@ class Trainer:
         key = self.settings.upstream_api_key
         return Publisher(
             self.engine,
-            VllmAdmin(self.settings.upstream_url, key.get_secret_value() if key else None),
+            vllm_admin(self.settings.upstream_urls, key.get_secret_value() if key else None),
             self.spec.name,
             lambda step: checkpoint_dir(self.checkpoints, self.spec.name, step).resolve(),
             keep=self.options.keep_adapters,
@@ -346,7 +360,12 @@ class Trainer:
         return committed
 
     def wait_for_groups(self, stop: threading.Event) -> bool:
-        """Block until enough groups are ready (True) or `stop` is set (False); woken early by Postgres NOTIFY."""
+        """Block until enough groups are ready (True) or `stop` is set (False); woken early by Postgres NOTIFY.
+
+        With gateway admission on, the admitted groups this step is the last to train fresh (gateway/store/
+        admission.py `due_groups`) are claimed first; while some still play, wait for them unless enough are ready
+        to fill the step, so that a slow group is not overtaken by newer ones and dropped as stale.
+        """
         announced = False
         while not stop.is_set():
             self._check_lease()
@@ -354,10 +373,15 @@ class Trainer:
                 self.publisher.reconcile()
             release_expired_claims(self.engine, self.spec.name)
             ready = count_ready_groups(self.engine, self.spec.name)
-            if ready >= self.config.groups_per_step:
+            due = due_groups(self.engine, self.spec.name)
+            if ready >= self.config.groups_per_step and (due.playing == 0 or due.ready >= self.config.groups_per_step):
                 return True
             if not announced:
-                self.echo(f"waiting for {self.config.groups_per_step} ready groups of run {self.spec.name!r} ({ready} now)")
+                late = f"; {due.playing} admitted group(s) due this step still playing" if due.playing else ""
+                self.echo(
+                    f"waiting for {self.config.groups_per_step} ready groups of run {self.spec.name!r} ({ready} now"
+                    f"{late})"
+                )
                 announced = True
             self.listener.wait(self.options.poll_s, stop)
         return False
@@ -384,6 +408,7 @@ class Trainer:
             used = sorted(set(claimed) - {gid for gid, _ in batch.dropped_groups})
             trained = [t.trajectory_id for group in loaded if group.group_id in used for t in group.trajectories]
             metrics["step_seconds"] = time.perf_counter() - started
+            metrics["wait_seconds"] = self.idle_s
             self._check_lease()  # a trainer that lost the run must not write into its checkpoints
             # Holding the run, anything newer than the last committed step is an orphan (of a crash, or of a
             # trainer that stalled and lost the run): it must not block this step's save.
@@ -400,7 +425,10 @@ class Trainer:
                 return None
         committed_at = time.perf_counter()
         self.step = step
+        self.idle_s = 0.0
         self.echo(format_step(step, metrics))
+        samples = [group.trajectories[0].trajectory_id for group in loaded if group.group_id in used and group.trajectories]
+        self.reporter.report(step, metrics, samples)
         if self.publisher is not None:
             self.publisher.publish(step, committed_at)
         return metrics
@@ -494,8 +522,10 @@ class Trainer:
         stop = stop or threading.Event()
         done = 0
         while not stop.is_set() and (self.options.max_steps is None or done < self.options.max_steps):
+            waiting = time.perf_counter()
             if not self.wait_for_groups(stop):
                 break
+            self.idle_s += time.perf_counter() - waiting
             if self.train_one_step() is not None:
                 done += 1
         return done

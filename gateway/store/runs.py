@@ -9,9 +9,10 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, Engine, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from gateway.run_config import merged_config
+from gateway.run_config import RunConfig, merged_config
+from gateway.store.admission import admission_view
 from gateway.store.db import write_transaction
-from gateway.store.models import Call, Group, PolicyVersion, Run, TrainStep, Trajectory, utcnow
+from gateway.store.models import Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory, utcnow
 from gateway.store.reads import iso
 
 
@@ -27,6 +28,10 @@ class RouteRow(NamedTuple):
     sampling: dict[str, Any]
     on_policy_sampling: bool
     token_mode: str
+    admission: str  # "wait", "reject" or "off" (gateway/run_config.py)
+    admission_timeout_s: float
+    # A trainer holds the run or has committed a step: admission has something to pace against.
+    trained: bool
 
 
 def _insert(conn: Connection) -> Callable[..., Any]:
@@ -51,18 +56,32 @@ def _current_versions() -> Any:
 def route_table(engine: Engine) -> list[RouteRow]:
     """Everything the gateway's in-memory router needs, in one query (it runs every second)."""
     current = _current_versions()
-    query = select(Run.name, Run.base_model, Run.config, current.c.step, current.c.served_name).outerjoin(
-        current, current.c.run == Run.name
+    trained = select(TrainerLease.run).where(TrainerLease.run == Run.name).exists() | (
+        select(TrainStep.run).where(TrainStep.run == Run.name).exists()
     )
+    query = select(
+        Run.name, Run.base_model, Run.config, current.c.step, current.c.served_name, trained.label("trained")
+    ).outerjoin(current, current.c.run == Run.name)
     with engine.connect() as conn:
         rows = conn.execute(query).all()
+    defaults = RunConfig.model_fields
     routes = []
     for row in rows:
         config = row.config or {}  # a run the gateway created on a first call stores {}: the defaults apply
-        sampling = config.get("sampling") or {}
-        on_policy = config.get("on_policy_sampling", True)
-        token_mode = config.get("token_mode", "chat")
-        routes.append(RouteRow(row.name, row.base_model, row.step, row.served_name, sampling, on_policy, token_mode))
+        routes.append(
+            RouteRow(
+                row.name,
+                row.base_model,
+                row.step,
+                row.served_name,
+                config.get("sampling") or {},
+                config.get("on_policy_sampling", True),
+                config.get("token_mode", "chat"),
+                config.get("admission", defaults["admission"].default),
+                config.get("admission_timeout_s", defaults["admission_timeout_s"].default),
+                bool(row.trained),
+            )
+        )
     return routes
 
 
@@ -147,7 +166,8 @@ def run_exists(engine: Engine, name: str) -> bool:
 
 
 def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
-    """The run summary plus its progress: groups by state, trajectory counts, the last step, the eval curve."""
+    """The run summary plus its progress: groups by state, trajectory counts, the last step, admission, the eval
+    curve."""
     first_version = (
         select(func.min(Call.policy_version)).where(Call.trajectory_id == Trajectory.trajectory_id).scalar_subquery()
     )
@@ -206,6 +226,8 @@ def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
         "eval_groups": by_mode["eval"],
         "trajectories": {mode: counts.get(mode, {"total": 0, "rewarded": 0, "untrainable": 0}) for mode in by_mode},
         "last_step": None if last is None else _step(last),
+        # The bound on groups in flight and what it cost each side (gateway.store.admission).
+        "admission": admission_view(engine, name, row.config or {}),
         # Mean reward of evaluation trajectories per policy version that started them: the curve to watch.
         "eval_reward_by_version": [
             {"policy_version": version, "mean_reward": mean, "trajectories": count} for version, mean, count in curve

@@ -27,7 +27,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.lineage import Rebuilder
 from gateway.store.db import READY_CHANNEL, write_transaction
-from gateway.store.models import Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory
+from gateway.store.models import Admission, Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory
 from gateway.store.rewards import lock_groups, settle_group
 from gateway.store.runs import record_train_step
 
@@ -223,17 +223,19 @@ def count_ready_groups(engine: Engine, run: str) -> int:
 
 
 def claim_ready_groups(engine: Engine, run: str, worker: str, limit: int, lease_s: float) -> list[str]:
-    """Atomically take up to `limit` ready training groups, oldest first.
+    """Atomically take up to `limit` ready training groups: those admitted on the oldest policy version first
+    (gateway admission: they go stale soonest), then in the order they became ready.
 
     On Postgres, SKIP LOCKED lets two trainers claim at once without waiting on or sharing a group; on SQLite the
     write transaction holds the database's single write lock, which gives the same guarantee.
     """
+    admitted_on = select(Admission.policy_version).where(Admission.group_id == Group.group_id).scalar_subquery()
     with write_transaction(engine) as conn:
         ids = list(
             conn.execute(
                 select(Group.group_id)
                 .where(Group.run == run, Group.state == "ready", Group.mode == "train")
-                .order_by(Group.ready_at, Group.group_id)
+                .order_by(admitted_on.nulls_first(), Group.ready_at, Group.group_id)
                 .limit(limit)
                 .with_for_update(skip_locked=True)
             ).scalars()
