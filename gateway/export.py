@@ -49,6 +49,8 @@ def _parquet_schema() -> Any:
             ("trainable", pa.bool_()),
             ("merge_reason", pa.string()),
             ("divergence", pa.int32()),
+            ("parent", pa.struct([("seq", pa.int64()), ("choice_index", pa.int32())])),
+            ("branch", pa.int64()),
         ]
     )
     return pa.schema(

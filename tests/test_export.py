@@ -102,6 +102,10 @@ def test_export_round_trip(
             call["messages"] = json.loads(call["messages"])
             call["tool_calls"] = None if call["tool_calls"] is None else json.loads(call["tool_calls"])
     check(db_url, rows, infinity_as_null=False)
+    # The call tree comes through Parquet as in JSON Lines (the recorded conversation's turns extend each other).
+    tree = [[(c["parent"], c["branch"]) for c in json.loads(line)["calls"]] for line in lines]
+    assert [[(c["parent"], c["branch"]) for c in row["calls"]] for row in rows] == tree
+    assert any(parent is not None for calls in tree for parent, _ in calls)
 
     with_eval = tmp_path / "all.jsonl"
     assert main(["export", "--run", "my-agent", "--include-eval", "-o", str(with_eval)]) == 0

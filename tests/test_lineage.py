@@ -123,6 +123,8 @@ def _stored(engine: Engine, trajectory_id: str) -> list[Any]:
                 Call.divergence,
                 Call.parent_seq,
                 Call.prefix_len,
+                Call.tree_parent_seq,
+                Call.tree_parent_choice,
                 func.length(Call.prompt_token_ids).label("prompt_bytes"),
             )
             .where(Call.trajectory_id == trajectory_id)
@@ -169,8 +171,11 @@ def test_linear_storage_round_trips_exactly(engine: Engine, batching: str) -> No
     _write_batched(engine, calls, batching)
 
     rows = _stored(engine, "traj-1")
-    assert [r.merge_reason for r in rows] == ["first_call", "extends", "template_dropped_tool_call", "extends"]
-    assert [r.divergence for r in rows] == [None, None, 122, None]
+    # The tool result's prompt does not extend the tool call (SmolLM2's template drops the call from the history), but
+    # it does extend turn 1: a second child of turn 1 in the call tree. Storage still takes the longer shared prefix.
+    assert [r.merge_reason for r in rows] == ["first_call", "extends", "extends", "extends"]
+    assert [r.divergence for r in rows] == [None, None, None, None]
+    assert [(r.tree_parent_seq, r.tree_parent_choice) for r in rows] == [(None, None), (1, 0), (1, 0), (3, 0)]
     assert [r.parent_seq for r in rows] == [None, 1, 2, 3]
     # Each call stores only what it adds: turn 2 extends turn 1's 105 ids, the tool result shares turn 2's prompt.
     assert [r.prefix_len for r in rows] == [0, 105, 122, 175]
@@ -191,8 +196,8 @@ def test_the_run_view_counts_reasons_over_the_runs_calls(engine: Engine) -> None
     assert view is not None
     assert view["merge"] == {
         "calls": 6,
-        "by_reason": {"extends": 3, "first_call": 2, "template_dropped_tool_call": 1},
-        "merge_ratio": 3 / 4,
+        "by_reason": {"extends": 4, "first_call": 2},
+        "merge_ratio": 4 / 4,
     }
 
 
@@ -338,4 +343,6 @@ def test_a_named_predecessor_that_is_not_stored_falls_back_to_the_previous_seq(e
     assert [(r.merge_reason, r.parent_seq) for r in _stored(engine, "traj-1")] == [("first_call", None), ("extends", 1)]
     retry = _token_in_turn(3, [1, 2, 3, 4, 5, 9], [7], (0, 0))
     write_calls(engine, [retry])
-    assert _stored(engine, "traj-1")[2].merge_reason == "retry"
+    # Its named predecessor is no call of the trajectory, but its prompt still extends turn 1: a sibling of turn 2.
+    stored = _stored(engine, "traj-1")[2]
+    assert (stored.merge_reason, stored.tree_parent_seq, stored.tree_parent_choice) == ("extends", 1, 0)

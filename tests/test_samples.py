@@ -18,6 +18,7 @@ from trainer.samples import (
     collate,
     group_advantages,
     micro_batches,
+    tokens_trained_twice,
 )
 
 
@@ -97,15 +98,17 @@ def test_merge_breaks_count_the_recorded_reason_of_each_new_row() -> None:
         1.0,
         why(call([1], [2], seq=0), "first_call"),
         why(call([1, 2, 3], [4], seq=1), "extends"),  # merges
-        why(call([1, 2, 5], [6], seq=2), "template_dropped_tool_call"),
-        why(call([1, 9], [6], seq=3), "history_edited"),
-        call(None, None, seq=4),  # no ids: closes the row
-        why(call([1, 9, 6, 7], [8], seq=5), "extends"),  # the gateway compared it with seq 4
-        call([0], [8], seq=6),  # recorded before reasons were
+        why(call([1, 2, 5], [6], seq=2), "extends"),  # extends seq 0, whose row seq 1 continued: branched
+        why(call([1, 9], [6], seq=3), "history_edited"),  # extends nothing: a root, with the gateway's reason
+        call(None, None, seq=4),  # no ids: nobody's parent
+        why(call([1, 9, 6, 7], [8], seq=5), "extends"),  # continues seq 3's row by content
+        why(call([3, 3], [8], seq=6), "new_root"),
+        call([0], [8], seq=7),  # recorded before reasons were
     )
     s = build_samples([with_partner(t)]).stats
-    assert s["merge_breaks"] == {"template_dropped_tool_call": 1, "history_edited": 1, "no_ids": 1, "unknown": 1}
+    assert s["merge_breaks"] == {"branched": 1, "history_edited": 1, "new_root": 1, "unknown": 1}
     assert sum(s["merge_breaks"].values()) == s["merge_candidates"] - s["merged_calls"]
+    assert (s["roots"], s["forks"]) == (4 + 1, 1)  # the partner's one call is a root too
 
 
 def test_merge_ratio_on_a_hand_made_case() -> None:
@@ -216,19 +219,19 @@ def test_an_untrainable_first_call_is_context_for_the_next() -> None:
     assert row.input_ids == [1, 2, 3, 4, 5] and row.loss_mask == [0, 0, 0, 0, 1]
 
 
-def test_calls_without_ids_break_the_row() -> None:
+def test_a_call_without_ids_is_nobodys_parent_and_the_next_call_continues_by_content() -> None:
     t = traj(
         "t",
         1.0,
         call([1, 2], [3], seq=0),
         CallData(1, 0, 0, None, None, None, False),  # an upstream error: nothing recorded
-        call([1, 2, 3, 4], [5], seq=2),  # would extend row 0, but the chain was broken
+        call([1, 2, 3, 4], [5], seq=2),  # the agent's retry extends seq 0
     )
     batch = build_samples([with_partner(t)])
-    assert [r.input_ids for r in rows_of(batch, "t")] == [[1, 2, 3], [1, 2, 3, 4, 5]]
+    assert [r.input_ids for r in rows_of(batch, "t")] == [[1, 2, 3, 4, 5]]
     s = batch.stats
     assert s["calls_without_ids"] == 1 and s["untrainable_calls"] == 1
-    assert (s["merged_calls"], s["merge_candidates"]) == (0, 1)
+    assert (s["merged_calls"], s["merge_candidates"]) == (1, 1)
 
 
 def test_context_only_rows_are_dropped_and_a_group_without_tokens_is_reported() -> None:
@@ -401,3 +404,73 @@ def test_samples_to_micro_batched_loss_end_to_end_on_policy() -> None:
             policy_loss(lp, t["behaviour_logprobs"], t["advantages"], t["loss_mask"], n, LossConfig(kind=kind), sequence_ids=t["sequence_ids"]).loss.backward()
             expected = -t["advantages"][:, None] * t["loss_mask"] / n
             torch.testing.assert_close(lp.grad, expected)
+
+
+# ---------------------------------------------------------------------------------- call trees
+
+
+def _trained_once(t: TrajectoryData, rows: list[Row]) -> None:
+    """Every trainable completion token of the trajectory carries loss in exactly one row."""
+    assert sum(r.trainable_tokens for r in rows) == sum(len(c.completion_token_ids or []) for c in t.calls)
+
+
+def test_a_supervisor_resumes_its_own_row_after_a_sub_agent() -> None:
+    t = traj(
+        "t",
+        1.0,
+        call([1, 2], [3], seq=0),  # supervisor
+        call([7, 8], [9], seq=1),  # sub-agent: another system prompt, a root
+        call([7, 8, 9, 10], [11], seq=2),  # sub-agent's second turn
+        call([1, 2, 3, 11, 12], [13], seq=3),  # supervisor resumes with the result
+    )
+    batch = build_samples([with_partner(t)])
+    rows = rows_of(batch, "t")
+    assert [r.input_ids for r in rows] == [[1, 2, 3, 11, 12, 13], [7, 8, 9, 10, 11]]
+    _trained_once(t, rows)
+    s = batch.stats
+    assert (s["roots"], s["forks"], s["tokens_trained_twice"]) == (2 + 1, 0, 0)
+    assert s["merge_breaks"] == {"unknown": 1} and s["merged_calls"] == 2
+
+
+def test_parallel_branches_become_one_row_per_path_with_the_shared_prefix_trained_once() -> None:
+    t = traj(
+        "t",
+        1.0,
+        call([1, 2], [3, 4], seq=0),  # plan
+        call([1, 2, 3, 4, 5], [6], seq=1),  # branch a
+        call([1, 2, 3, 4, 7], [8], seq=2),  # branch b, at the same time
+        call([1, 2, 3, 4, 5, 6, 9], [10], seq=3),  # a goes on
+    )
+    batch = build_samples([with_partner(t)])
+    rows = rows_of(batch, "t")
+    assert [r.input_ids for r in rows] == [[1, 2, 3, 4, 5, 6, 9, 10], [1, 2, 3, 4, 7, 8]]
+    assert rows[0].loss_mask == [0, 0, 1, 1, 0, 1, 0, 1]
+    assert rows[1].loss_mask == [0, 0, 0, 0, 0, 1]  # the plan's answer is context here
+    _trained_once(t, rows)
+    s = batch.stats
+    assert (s["forks"], s["shared_prefix_tokens"], s["tokens_trained_twice"]) == (1, 4, 0)
+    assert s["rows_per_trajectory"] == pytest.approx(3 / 2)  # t's two rows, the partner's one
+
+
+def test_a_call_extends_the_longest_recorded_call_and_the_lowest_seq_on_a_tie() -> None:
+    t = traj(
+        "t",
+        1.0,
+        call([1], [2], seq=0),
+        call([1], [2], seq=1),  # the same ids again: a second sample, a row of its own
+        call([1, 2, 5], [6], seq=2),  # extends both: goes on from seq 0's row
+    )
+    rows = rows_of(build_samples([with_partner(t)]), "t")
+    assert [r.input_ids for r in rows] == [[1, 2, 5, 6], [1, 2]]
+
+
+def test_tokens_trained_twice_counts_a_shared_prefix_trained_in_every_path() -> None:
+    def row(ids: list[int], mask: list[int], tid: str = "t") -> Row:
+        return Row(ids, mask, [0.0] * len(ids), 1.0, tid, "g")
+
+    naive = [row([1, 2, 3, 4, 5], [0, 0, 1, 1, 1]), row([1, 2, 3, 4, 7], [0, 0, 1, 1, 1])]
+    assert tokens_trained_twice(naive) == 2
+    masked = [naive[0], row([1, 2, 3, 4, 7], [0, 0, 0, 0, 1])]
+    assert tokens_trained_twice(masked) == 0
+    other_trajectory = [naive[0], row([1, 2, 3, 4, 7], [0, 0, 1, 1, 1], tid="u")]
+    assert tokens_trained_twice(other_trajectory) == 0

@@ -17,7 +17,8 @@ logprobs refers to token ``input_ids[t]`` predicted from ``input_ids[:t]``. So t
 position ``t - 1`` score position ``t`` (``trainer.loss.input_token_logprobs`` does that shift), and
 position 0 is never trained: nothing precedes it to predict it from.
 
-This module is pure (plain Python + torch); the store layer fills the input dataclasses.
+This module is pure (plain Python + torch, and the call-tree lookup it shares with the gateway,
+``gateway.store.tree``, which reads no database); the store layer fills the input dataclasses.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+
+from gateway.store.tree import Candidate, place
 
 AdvantageMode = Literal["group", "drgrpo"]
 
@@ -200,10 +203,6 @@ class _RowBuilder:
     behaviour_logprobs: list[float] = field(default_factory=list)
     policy_versions: set[int] = field(default_factory=set)
 
-    def is_prefix_of(self, prompt: list[int]) -> bool:
-        n = len(self.input_ids)
-        return len(prompt) >= n and prompt[:n] == self.input_ids
-
     def append_context(self, ids: Sequence[int]) -> None:
         """Tokens the model reads but is not trained on (prompts, tool results, new user turns)."""
         self.input_ids.extend(ids)
@@ -240,44 +239,60 @@ class _Counters:
     merge_candidates: int = 0
     merged_calls: int = 0
     merge_breaks: dict[str, int] = field(default_factory=dict)
+    roots: int = 0
+    forks: int = 0
+    shared_prefix_tokens: int = 0
 
 
-def _break_reason(call: CallData, open_row: _RowBuilder | None) -> str:
-    """Why a merge candidate starts a new row: the gateway's recorded reason, unless the row was already closed
-    by a call without ids (the gateway compared against that call), the call extends a predecessor whose row another
-    call already continued (`branched`: a repeated turn or a parallel branch, each a sequence of its own), or the
-    reason predates its recording."""
-    if open_row is None:
-        return "no_ids"
-    if call.merge_reason == "extends":
+def _break_reason(call: CallData, parent: CallData | None) -> str:
+    """Why a merge candidate starts a new row: `branched` when it extends a call whose row another call already
+    continued (a parallel branch, a repeated or edited turn, another choice: each a path of its own), else the
+    gateway's recorded reason (`unknown` when it predates its recording)."""
+    if parent is not None:
         return "branched"
     if call.merge_reason is None:
         return "unknown"
     return call.merge_reason
 
 
+class _Tree:
+    """The trajectory's calls seen so far, as parents for the next: the parent of a call is the earlier call whose
+    prompt + completion ids its prompt starts with, the longest, the lowest (seq, choice_index) on a tie. That is the
+    parent the gateway records (gateway.store.tree.place, used here too, so both agree), found from the ids alone with
+    the same cost: one hash pass over the call's own ids, one digest per earlier call."""
+
+    def __init__(self) -> None:
+        self._candidates: list[Candidate] = []
+        self._calls: dict[tuple[int, int], CallData] = {}
+
+    def place(self, call: CallData) -> CallData | None:
+        earlier = (c for c in self._candidates if c.seq < call.seq)  # choices of one call are siblings
+        parent, own = place(call.prompt_token_ids, call.completion_token_ids, earlier)
+        if own is not None:
+            self._candidates.append(Candidate(call.seq, call.choice_index, *own))
+            self._calls[(call.seq, call.choice_index)] = call
+        return None if parent is None else self._calls[(parent.seq, parent.choice_index)]
+
+
 def _trajectory_rows(traj: TrajectoryData, counters: _Counters) -> list[_RowBuilder]:
-    """Walk one trajectory's calls in order and assemble its rows.
+    """One row per root-to-leaf path of the trajectory's call tree, each token trained in one row only.
 
-    Merge rule (DESIGN §6): a call joins a row only when its prompt ids start with *exactly* the row's tokens so far
-    (for a merged row, its whole sequence: every earlier prompt and completion). The row the previous call went into
-    is tried first, then the trajectory's other rows, newest first: a call that continues an earlier turn than the
-    previous one (token_in: a parallel branch, a turn built on another choice of an `n > 1` call) joins the row that
-    holds exactly its context. The prompt tokens past that prefix (tool results, a new user turn, the chat template's
-    glue) enter with mask 0, then the completion with mask 1. Any other call opens a new row: its full prompt
-    (mask 0) + completion. A chat template that re-renders history differently (e.g. drops an assistant tool call)
-    therefore yields separate rows — correct, only less shared.
+    A trajectory is a tree of calls (DESIGN §6, gateway.store.tree): a call's parent is the earlier call whose
+    prompt + completion its prompt starts with exactly, the longest one; a call extending none is a root. Walking the
+    calls in (seq, choice) order, a call whose parent ends a row (the parent's first child) joins that row: the prompt
+    tokens past the parent (tool results, a new user turn, the template's glue) enter with mask 0, then its
+    completion with mask 1. Any other call opens a row of its own with its full prompt at mask 0: a root, or a fork
+    (its parent already has a child: parallel branches, a retried turn, another choice of an ``n > 1`` call), whose
+    row repeats the path up to the parent as context only, so no token is trained twice. Arrival order does not
+    matter: a supervisor resuming after a sub-agent continues its own row.
 
-    ``n > 1``: choices of the same ``seq`` share a prompt but are different continuations. Each choice with
-    ``choice_index > 0`` starts a row of its own, which a later call that continues it may join.
-
-    A call without ids (an upstream error, a failed capture) closes every row: whatever follows starts fresh.
-    Untrainable calls that do have ids stay in as context (mask 0).
+    A call without ids (an upstream error, a failed capture) is nobody's parent; the calls after it still find
+    theirs by content. Untrainable calls that do have ids stay in as context (mask 0).
     """
     rows: list[_RowBuilder] = []
-    joinable: list[_RowBuilder] = []
-    open_row: _RowBuilder | None = None
-    seen_call_with_ids = False
+    tips: dict[int, _RowBuilder] = {}  # id(parent call) -> the row it ends, while no other call continued it
+    tree = _Tree()
+    seen_choice0 = False
     for call in traj.calls:
         counters.calls += 1
         trainable = call_is_trainable(call)
@@ -287,38 +302,57 @@ def _trajectory_rows(traj: TrajectoryData, counters: _Counters) -> list[_RowBuil
             counters.untrainable_reasons[why] = counters.untrainable_reasons.get(why, 0) + 1
         if call.prompt_token_ids is None or call.completion_token_ids is None:
             counters.calls_without_ids += 1
-            if call.choice_index == 0:
-                open_row = None
-                joinable = []
             continue
 
-        if call.choice_index != 0:
-            row = _RowBuilder()
-            row.append_call(call, trainable)
-            rows.append(row)
-            joinable.append(row)
-            continue
-
-        candidate = seen_call_with_ids
+        candidate = call.choice_index == 0 and seen_choice0
+        if call.choice_index == 0:
+            seen_choice0 = True
         if candidate:
             counters.merge_candidates += 1
-        seen_call_with_ids = True
-        prompt = call.prompt_token_ids
-        target = open_row if open_row is not None and open_row.is_prefix_of(prompt) else None
-        if target is None:
-            target = next((row for row in reversed(joinable) if row.is_prefix_of(prompt)), None)
+        parent = tree.place(call)
+        target = tips.pop(id(parent), None) if parent is not None else None
         if target is not None:
-            counters.merged_calls += 1
+            if candidate:
+                counters.merged_calls += 1
         else:
             if candidate:
-                why = _break_reason(call, open_row)
+                why = _break_reason(call, parent)
                 counters.merge_breaks[why] = counters.merge_breaks.get(why, 0) + 1
+            if parent is None:
+                counters.roots += 1
+            else:
+                counters.forks += 1
+                counters.shared_prefix_tokens += len(parent.prompt_token_ids or []) + len(
+                    parent.completion_token_ids or []
+                )
             target = _RowBuilder()
             rows.append(target)
-            joinable.append(target)
-        open_row = target
-        open_row.append_call(call, trainable)
+        target.append_call(call, trainable)
+        tips[id(call)] = target
     return rows
+
+
+def tokens_trained_twice(rows: Sequence[Row]) -> int:
+    """Trained positions (mask 1) whose token and whole context equal a trained position of another row of the same
+    trajectory: the cost of a layout that trains a shared prefix in every path. The tree layout's goal is 0; two
+    calls that sampled the very same ids from the very same context are two samples, and would count here."""
+    seen: set[tuple[str, int, int]] = set()
+    twice = 0
+    for row in rows:
+        prefix = 0
+        for position, (token, mask) in enumerate(zip(row.input_ids, row.loss_mask, strict=True)):
+            prefix = (prefix * _HASH_BASE + token + 1) % _HASH_MOD
+            if mask:
+                key = (row.trajectory_id, position, prefix)
+                if key in seen:
+                    twice += 1
+                seen.add(key)
+    return twice
+
+
+# A polynomial hash of each row prefix (tokens_trained_twice): one pass over the tokens, no list copies.
+_HASH_BASE = 1_000_003
+_HASH_MOD = (1 << 61) - 1
 
 
 def _truncate(row: Row, max_seq_len: int) -> int:
@@ -372,10 +406,16 @@ def build_samples(
       max(1, merge_candidates)``: 1.0 means every multi-turn trajectory became a single row; 0.0
       means every turn is its own row. A row broken by a call without ids counts against it.
       ``merge_breaks`` ({reason: count}, summing to ``merge_candidates - merged_calls``): why each
-      candidate that did not merge started a new row — the gateway's recorded ``merge_reason``
-      (gateway.store.lineage), ``no_ids`` when a call without ids had closed the row, ``branched`` when
-      the call extends a turn whose row another call already continued, ``unknown`` for calls recorded
-      before the reason was.
+      candidate that did not merge started a new row — ``branched`` when the call extends a call whose
+      row another call already continued, else the gateway's recorded ``merge_reason``
+      (gateway.store.lineage: ``new_root``, ``compacted``...), ``unknown`` for calls recorded before the
+      reason was.
+    - The call tree (see ``_trajectory_rows``), over all claimed groups: ``roots`` (calls with ids that
+      extend no earlier call: each trajectory's first, sub-agents, compacted histories), ``forks`` (calls
+      extending a call another call already continued: each opens a row whose path up to the parent is
+      context only), ``shared_prefix_tokens`` (those paths' tokens, re-encoded but not trained). Over the
+      rows kept: ``rows_per_trajectory`` (per trajectory with a row) and ``tokens_trained_twice`` (goal 0,
+      see ``tokens_trained_twice``).
     - ``rows``, ``tokens`` (all row tokens after truncation), ``trainable_tokens`` (mask 1 — the
       loss's ``total_tokens``), ``truncated_rows``, ``truncated_tokens`` (tokens cut off),
       ``truncated_rows_dropped``, ``empty_rows_dropped`` (rows that never had a trainable token:
@@ -385,6 +425,8 @@ def build_samples(
       bias it. ``used_reward_mean`` / ``used_reward_std``: over the trajectories of used groups only,
       what the update actually learned from. Both population std.
     - ``policy_version_min`` / ``policy_version_max``: over the rows' calls (None without rows).
+    - ``staleness_mean`` / ``staleness_max``: over the used groups, ``current_policy_version`` minus the oldest
+      version that served a call of the group (None without ``current_policy_version`` or used groups).
     """
     if max_seq_len is not None and max_seq_len < 2:
         raise ValueError("max_seq_len must be at least 2 (position 0 is never trained)")
@@ -397,6 +439,7 @@ def build_samples(
     rows: list[Row] = []
     trajectories = trajectories_used = groups_used = 0
     truncated_rows = truncated_tokens = truncated_rows_dropped = empty_rows_dropped = 0
+    staleness: list[int] = []
 
     for group in groups:
         rewards = [float(t.reward) for t in group.trajectories]
@@ -452,6 +495,8 @@ def build_samples(
             continue
         groups_used += 1
         trajectories_used += len(rewards)
+        if current_policy_version is not None:
+            staleness.append(current_policy_version - min(c.policy_version for t in group.trajectories for c in t.calls))
         used_rewards.extend(rewards)
         rows.extend(group_rows)
         truncated_rows += cut_rows
@@ -479,6 +524,11 @@ def build_samples(
         "merge_candidates": counters.merge_candidates,
         "merge_ratio": counters.merged_calls / max(1, counters.merge_candidates),
         "merge_breaks": counters.merge_breaks,
+        "roots": counters.roots,
+        "forks": counters.forks,
+        "shared_prefix_tokens": counters.shared_prefix_tokens,
+        "rows_per_trajectory": len(rows) / max(1, len({row.trajectory_id for row in rows})),
+        "tokens_trained_twice": tokens_trained_twice(rows),
         "rows": len(rows),
         "tokens": sum(len(row) for row in rows),
         "trainable_tokens": sum(row.trainable_tokens for row in rows),
@@ -495,6 +545,8 @@ def build_samples(
         "used_reward_std": used_std,
         "policy_version_min": min(versions) if versions else None,
         "policy_version_max": max(versions) if versions else None,
+        "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
+        "staleness_max": max(staleness) if staleness else None,
     }
     return SampleBatch(rows=rows, stats=stats, dropped_groups=dropped)
 

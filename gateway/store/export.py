@@ -17,6 +17,7 @@ from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.lineage import Rebuilder
 from gateway.store.models import Call, Trajectory
 from gateway.store.reads import completion_of, request_input, turn_numbers
+from gateway.store.tree import parent_of, with_branches
 
 PAGE_TRAJECTORIES = 64
 _CALL_ROWS_PER_FETCH = 32
@@ -79,6 +80,8 @@ def _with_calls(conn: Any, page: list[Any]) -> Iterator[dict[str, Any]]:
             Call.prefix_len,
             Call.messages_parent_seq,
             Call.messages_prefix_len,
+            Call.tree_parent_seq,
+            Call.tree_parent_choice,
         )
         .join(Trajectory, Trajectory.trajectory_id == Call.trajectory_id)
         .where(Call.trajectory_id.in_([row.trajectory_id for row in page]))
@@ -91,9 +94,11 @@ def _with_calls(conn: Any, page: list[Any]) -> Iterator[dict[str, Any]]:
     turns, rebuilder = turn_numbers(), Rebuilder()
     for row in rows:
         while row.trajectory_id != current["trajectory_id"]:
+            with_branches(current["calls"])
             yield current
             current, turns, rebuilder = _trajectory(next(pending)), turn_numbers(), Rebuilder()
         current["calls"].append(_call(row, turns(row.seq), rebuilder))
+    with_branches(current["calls"])
     yield current
     for rest in pending:  # trajectories whose calls were all deleted
         yield _trajectory(rest)
@@ -136,4 +141,5 @@ def _call(row: Any, turn: int, rebuilder: Rebuilder) -> dict[str, Any]:
         "trainable": row.trainable,
         "merge_reason": row.merge_reason,
         "divergence": row.divergence,
+        "parent": parent_of(row.tree_parent_seq, row.tree_parent_choice),
     }

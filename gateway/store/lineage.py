@@ -17,6 +17,9 @@ when its prompt ids start with the predecessor's prompt + completion ids; the tr
   template that trims reasoning).
 - `truncated`: the prompt is shorter than the predecessor's prompt and diverges inside it (history was cut).
 - `history_edited`: the prompt diverges inside the predecessor's prompt (messages changed or removed).
+- `new_root`, `compacted`: a call that extends no recorded call of its trajectory and shares no message with its
+  predecessor (a sub-agent), or whose shorter history goes on with a message its predecessor never held (a summary);
+  see gateway.store.tree, which also makes `extends` mean "extends its tree parent", any earlier call.
 
 `divergence` is the index of the first prompt token that differs from predecessor prompt + completion (null when
 the call extends it or has no predecessor). Storage: a call stores only its prompt ids past the prefix it shares with
@@ -42,6 +45,8 @@ TEMPLATE_DROPPED_TOOL_CALL = "template_dropped_tool_call"
 COMPLETION_RERENDERED = "completion_rerendered"
 TRUNCATED = "truncated"
 HISTORY_EDITED = "history_edited"
+NEW_ROOT = "new_root"
+COMPACTED = "compacted"
 REASONS = (
     EXTENDS,
     FIRST_CALL,
@@ -51,6 +56,8 @@ REASONS = (
     COMPLETION_RERENDERED,
     TRUNCATED,
     HISTORY_EDITED,
+    NEW_ROOT,
+    COMPACTED,
 )
 
 
@@ -82,6 +89,10 @@ class Lineage:
     prefix_len: int
     messages_parent_seq: int | None = None
     messages_prefix_len: int = 0
+    # The call tree (gateway.store.tree): the (seq, choice) this call extends, None for a root; and the call's own
+    # (tokens_len, tokens_key) as a parent for later calls, None without ids.
+    tree_parent: tuple[int, int] | None = None
+    tokens: tuple[int, bytes] | None = None
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -12,10 +12,11 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
-from gateway.capture import CHAT
+from gateway.capture import COMPLETIONS
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.lineage import Rebuilder
 from gateway.store.models import Call, Group, Trajectory
+from gateway.store.tree import parent_of, with_branches
 
 
 def iso(value: datetime | None) -> str | None:
@@ -28,10 +29,11 @@ def iso(value: datetime | None) -> str | None:
 
 
 def request_input(request: dict[str, Any] | None, endpoint: str) -> Any:
-    """What the model was given: the chat messages, or the completions prompt."""
+    """What the model was given: the chat messages, or the completions prompt. APIs translated to chat at the edge
+    (messages) store the chat request the model saw, so they read as chat."""
     if not request:
         return None
-    return request.get("messages") if endpoint == CHAT else request.get("prompt")
+    return request.get("prompt") if endpoint == COMPLETIONS else request.get("messages")
 
 
 def completion_of(
@@ -42,7 +44,7 @@ def completion_of(
     choice = next((c for c in choices if c.get("index") == choice_index), None)
     if choice is None:
         return None, None
-    if endpoint != CHAT:
+    if endpoint == COMPLETIONS:
         return choice.get("text"), None
     message = choice.get("message") or {}
     return message.get("content"), message.get("tool_calls") or None
@@ -87,6 +89,8 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
         Call.prefix_len,
         Call.messages_parent_seq,
         Call.messages_prefix_len,
+        Call.tree_parent_seq,
+        Call.tree_parent_choice,
     ]
     if include_tokens:
         columns += [Call.prompt_token_ids, Call.completion_token_ids, Call.completion_logprobs]
@@ -134,6 +138,7 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
             "created_at": iso(row.created_at),
             "merge_reason": row.merge_reason,
             "divergence": row.divergence,
+            "parent": parent_of(row.tree_parent_seq, row.tree_parent_choice),
         }
         if include_tokens:
             completion_ids = decode_ids(row.completion_token_ids)
@@ -154,7 +159,7 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
         "untrainable_calls": trajectory.untrainable_calls,
         "created_at": iso(trajectory.created_at),
         "rewarded_at": iso(trajectory.rewarded_at),
-        "calls": calls,
+        "calls": with_branches(calls),
     }
 
 

@@ -27,9 +27,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
 from gateway.store.attempts import Attempt, Settlement, request_hash, settle
-from gateway.store.lineage import Lineage, Predecessor, Rebuilder, classify
+from gateway.store.lineage import EXTENDS, Lineage, Predecessor, Rebuilder, classify
 from gateway.store.messages import compact_request, keeps_key_order, message_digests, shared_messages
 from gateway.store.models import Call, Group, Run, Trajectory
+from gateway.store.tree import Candidate, find_parent, place, root_reason
 
 _runs = cast(Table, Run.__table__)
 _groups = cast(Table, Group.__table__)
@@ -118,6 +119,7 @@ def _call_row(
 ) -> dict[str, Any]:
     prompt = record.prompt_token_ids
     first_seq, first_retry_count = first if first is not None else (record.seq, record.retry_count)
+    tokens = lineage.tokens
     return {
         "id": record.id,
         "trajectory_id": record.trajectory_id,
@@ -154,6 +156,10 @@ def _call_row(
         "request_hash": hash_,
         "first_seq": first_seq,
         "first_retry_count": first_retry_count,
+        "tree_parent_seq": lineage.tree_parent[0] if lineage.tree_parent is not None else None,
+        "tree_parent_choice": lineage.tree_parent[1] if lineage.tree_parent is not None else None,
+        "tokens_len": tokens[0] if tokens is not None else None,
+        "tokens_key": tokens[1] if tokens is not None else None,
     }
 
 
@@ -417,6 +423,10 @@ def _lineages(
             _calls.c.request_hash,
             _calls.c.first_seq,
             _calls.c.first_retry_count,
+            _calls.c.tree_parent_seq,
+            _calls.c.tree_parent_choice,
+            _calls.c.tokens_len,
+            _calls.c.tokens_key,
         ).where(_calls.c.trajectory_id.in_(trajectory_ids))
     ):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
@@ -491,13 +501,15 @@ def _lineages(
                 found[key] = cached or _predecessor_at(conn, trajectory_id, key, in_batch, rows, rebuilt, digests)
             return found[key]
 
+        candidates = _stored_candidates(rows, records)
         for record in records:
             earlier = [seq for seq in choice0 if seq < record.seq]
             previous = predecessor_at(earlier[-1], 0) if earlier else None
             own = record.predecessor_seq
             if own is None or own >= record.seq or predecessor_at(own, record.predecessor_choice or 0) is None:
                 lineage = classify(record.prompt_token_ids, previous)
-                lineages.append(_with_messages(lineage, digests[record.id], previous))
+                lineage = _with_messages(lineage, digests[record.id], previous)
+                lineages.append(_in_tree(lineage, record, candidates, None, digests[record.id], previous))
                 continue
             # A token_in call names the recorded choice its prompt was built on: classify against that one (a retry
             # or a parallel branch of a turn extends the turn before it, not its sibling at the previous seq). Its
@@ -506,9 +518,134 @@ def _lineages(
             storage = predecessor_at(own, 0)
             stored_as = classify(record.prompt_token_ids, storage)
             lineage = replace(lineage, parent_seq=stored_as.parent_seq, prefix_len=stored_as.prefix_len)
-            lineages.append(_with_messages(lineage, digests[record.id], storage))
+            lineage = _with_messages(lineage, digests[record.id], storage)
+            named_choice = record.predecessor_choice or 0
+            lineages.append(_in_tree(lineage, record, candidates, (own, named_choice), digests[record.id], storage))
+
+        def previous_of(seq: int) -> Predecessor | None:
+            earlier = [s for s in choice0 if s < seq]
+            return predecessor_at(earlier[-1], 0) if earlier else None
+
+        def full_calls() -> RebuiltCalls:
+            nonlocal rebuilt
+            if rebuilt is None:
+                rebuilt = rebuild_calls(conn, trajectory_id)
+            return rebuilt
+
+        _reparent_late(conn, trajectory_id, rows, records, candidates, replaced, full_calls, previous_of)
     ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
     return ordered, lineages, firsts
+
+
+def _stored_candidates(rows: dict[tuple[int, int], Any], records: list[CallRecord]) -> list[Candidate]:
+    """The stored calls of the trajectory that can be a tree parent (they have ids) and that no incoming record
+    replaces; each incoming record joins the list once placed (`_in_tree`)."""
+    incoming = {(record.seq, record.choice_index) for record in records}
+    return [
+        Candidate(seq, choice, row.tokens_len, row.tokens_key)
+        for (seq, choice), row in sorted(rows.items())
+        if row.tokens_len is not None and row.tokens_key is not None and (seq, choice) not in incoming
+    ]
+
+
+def _in_tree(
+    lineage: Lineage,
+    record: CallRecord,
+    candidates: list[Candidate],
+    named: tuple[int, int] | None,
+    own: bytes | None,
+    compared: Predecessor | None,
+) -> Lineage:
+    """The lineage with the call's tree parent (gateway.store.tree) and tree keys; the call then joins `candidates`
+    (records come in (seq, choice) order, so every earlier one of the batch is there). A call that extends the
+    predecessor it names (token_in) keeps it; any other is looked up among the trajectory's earlier calls by its
+    prompt's ids. A root keeps its reason against `compared`, refined by the messages."""
+    earlier = (c for c in candidates if c.seq < record.seq)
+    parent, tokens = place(record.prompt_token_ids, record.completion_token_ids, earlier)
+    if tokens is not None:
+        candidates.append(Candidate(record.seq, record.choice_index, *tokens))
+    lineage = replace(lineage, tokens=tokens)
+    if lineage.reason == EXTENDS and named is not None:
+        return replace(lineage, tree_parent=named)
+    if parent is not None:
+        return replace(lineage, reason=EXTENDS, divergence=None, tree_parent=(parent.seq, parent.choice_index))
+    if lineage.reason == EXTENDS and compared is not None:
+        # It extends a call written before calls kept tree keys (revision 0009), which no lookup can find.
+        return replace(lineage, tree_parent=(compared.seq, 0))
+    reason = root_reason(lineage.reason, own, compared.messages if compared is not None else None)
+    return replace(lineage, reason=reason)
+
+
+def _reparent_late(
+    conn: Connection,
+    trajectory_id: str,
+    rows: dict[tuple[int, int], Any],
+    records: list[CallRecord],
+    candidates: list[Candidate],
+    replaced: set[int],
+    full_calls: Callable[[], RebuiltCalls],
+    previous_of: Callable[[int], Predecessor | None],
+) -> None:
+    """Stored calls whose place in the tree a record arriving late changes (it reached the database after them:
+    another gateway's writer, the spool) are looked up again: those it extends further than their recorded parent,
+    those whose parent this batch replaced, and roots it now precedes (their reason is against the previous call).
+    In order of arrival there are none and nothing is read."""
+    newest = max((seq for seq, _ in rows), default=None)
+    if not replaced and (newest is None or all(r.seq > newest for r in records)):
+        return
+    lengths = {(c.seq, c.choice_index): c.tokens_len for c in candidates}
+    incoming = [(r.seq, r.choice_index, lengths.get((r.seq, r.choice_index))) for r in records]
+    in_batch = {(r.seq, r.choice_index) for r in records}
+    stored_choice0 = sorted(seq for seq, choice in rows if choice == 0)
+    suspects = []
+    for key, row in sorted(rows.items()):
+        if key in in_batch or row.tokens_len is None:
+            continue
+        if row.tree_parent_seq is None:
+            before = [seq for seq in stored_choice0 if seq < key[0]]
+            after = before[-1] if before else -1
+            if any(after < seq < key[0] and choice == 0 for seq, choice, _ in incoming):
+                suspects.append((key, row))
+                continue
+        parent = (row.tree_parent_seq, row.tree_parent_choice) if row.tree_parent_seq is not None else None
+        held = lengths.get(parent, 0) if parent is not None else 0
+
+        def better(seq: int, choice: int, n: int | None, held: int = held, parent: Any = parent) -> bool:
+            # Longer, or as long and lower (seq, choice): the tie rule gateway.store.tree.find_parent applies.
+            if n is None or n > row.tokens_len:
+                return False
+            return n > held or (n == held and parent is not None and (seq, choice) < parent)
+
+        if row.tree_parent_seq in replaced or any(
+            seq < key[0] and better(seq, choice, n) for seq, choice, n in incoming
+        ):
+            suspects.append((key, row))
+    if not suspects:
+        return
+    rebuilt = full_calls()
+    key_order = keeps_key_order(conn.dialect.name)
+    for key, row in suspects:
+        prompt = rebuilt.prompts.get(key)
+        found = find_parent(prompt, (c for c in candidates if c.seq < key[0]))
+        if found is not None:
+            values: dict[str, Any] = {
+                "tree_parent_seq": found.seq,
+                "tree_parent_choice": found.choice_index,
+                "merge_reason": EXTENDS,
+                "divergence": None,
+            }
+        else:
+            previous = previous_of(key[0])
+            lineage = classify(prompt, previous)
+            own = message_digests(rebuilt.requests.get(key), key_order)
+            reason = root_reason(lineage.reason, own, previous.messages if previous is not None else None)
+            values = {"tree_parent_seq": None, "tree_parent_choice": None, "merge_reason": reason}
+            values["divergence"] = lineage.divergence
+        conn.execute(
+            update(_calls)
+            .where(_calls.c.trajectory_id == trajectory_id, _calls.c.seq == key[0], _calls.c.choice_index == key[1])
+            .values(**values)
+        )
 
 
 def _settle(rows: dict[tuple[int, int], Any], calls: list[CallRecord], hashes: dict[_Seq, bytes | None]) -> Settlement:

@@ -1,0 +1,152 @@
+"""A trajectory is a tree of calls: each call's parent is the recorded call whose prompt + completion ids its prompt
+extends the furthest, not the call that arrived before it.
+
+Agents are rarely one linear chat: a supervisor hands a task to a sub-agent (another system prompt: a new root of the
+same trajectory) and then resumes its own history; parallel branches continue the same call; a retried turn with an
+edited message continues the turn before it. Taking "the previous call" as the parent makes each of those a break;
+taking the furthest-extended recorded call keeps every continuation on its own exact tokens.
+
+The lookup is one pass over the new prompt's own ids, never over earlier calls' ids: every call stores `tokens_len`
+(its prompt + completion length) and `tokens_key` (a hash of those ids). A new call hashes its prompt incrementally
+and reads the digest at each candidate's length; a candidate is extended when the digests match. Work per call: the
+prompt's length in hashed ids plus one digest per distinct candidate length (the trajectory's calls), and the keys
+live in the database, so every gateway process finds the same parent. Ties (two recorded calls with the same ids)
+go to the lowest (seq, choice), so the choice does not depend on arrival order.
+
+A root (a call extending nothing) keeps the reason gateway.store.lineage gives against the previous call, refined by
+the requests' messages: `new_root` when it shares no message with it (a sub-agent with its own system prompt, a fresh
+conversation), and `compacted` when its ids diverge inside the previous prompt, it holds fewer messages, and the first
+message that differs is one the previous request never held (a summary in place of the cut history), as opposed to
+`truncated` (old messages only dropped) and `history_edited` (as many messages, one changed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.store.arrays import encode_ids
+from gateway.store.lineage import COMPACTED, FIRST_CALL, HISTORY_EDITED, NEW_ROOT, NO_IDS, TRUNCATED
+from gateway.store.messages import DIGEST_BYTES, shared_messages
+
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A recorded call as a possible parent: where it is and what its prompt + completion hash to."""
+
+    seq: int
+    choice_index: int
+    tokens_len: int
+    tokens_key: bytes
+
+
+@dataclass(slots=True)
+class LookupWork:
+    """What parent lookups cost, counted (not timed) so a test can tell it does not grow with earlier calls' ids."""
+
+    ids_hashed: int = 0
+    digests: int = 0
+
+
+def own_key(prompt: Sequence[int] | None, completion: Sequence[int] | None) -> tuple[int, bytes] | None:
+    """(tokens_len, tokens_key) of a call: the count of its prompt + completion ids and a hash of their packed bytes
+    (as the ids columns hold them); None when it lacks ids (it can then be nobody's parent)."""
+    return place(prompt, completion, ())[1]
+
+
+def find_parent(
+    prompt: Sequence[int] | None, candidates: Iterable[Candidate], work: LookupWork | None = None
+) -> Candidate | None:
+    """The candidate whose ids the prompt starts with, the longest one; the lowest (seq, choice) on a tie."""
+    return place(prompt, None, candidates, work)[0]
+
+
+def place(
+    prompt: Sequence[int] | None,
+    completion: Sequence[int] | None,
+    candidates: Iterable[Candidate],
+    work: LookupWork | None = None,
+) -> tuple[Candidate | None, tuple[int, bytes] | None]:
+    """The call's parent among `candidates` (as find_parent) and its own (tokens_len, tokens_key) (as own_key, None
+    without a completion), from one pass of the hash over its ids: the digests at the candidates' lengths are the
+    prefixes of the same stream that ends in its own key."""
+    if prompt is None:
+        return None, None
+    by_length: dict[int, list[Candidate]] = {}
+    for candidate in candidates:
+        if 0 < candidate.tokens_len <= len(prompt):
+            by_length.setdefault(candidate.tokens_len, []).append(candidate)
+    packed = memoryview(encode_ids(prompt) or b"")
+    hasher = hashlib.blake2b(digest_size=KEY_BYTES)
+    at = 0
+    best: Candidate | None = None
+    for length in sorted(by_length):
+        hasher.update(packed[at * 4 : length * 4])
+        if work is not None:
+            work.ids_hashed += length - at
+            work.digests += 1
+        at = length
+        digest = hasher.copy().digest()
+        matches = [c for c in by_length[length] if c.tokens_key == digest]
+        if matches:
+            best = min(matches, key=lambda c: (c.seq, c.choice_index))
+    if completion is None:
+        return best, None
+    hasher.update(packed[at * 4 :])
+    hasher.update(encode_ids(completion) or b"")
+    return best, (len(prompt) + len(completion), hasher.digest())
+
+
+def root_reason(reason: str, own: bytes | None, previous: bytes | None) -> str:
+    """A root's reason against the previous call, told apart by the requests' message digests (own, previous)."""
+    if reason in (FIRST_CALL, NO_IDS) or own is None or previous is None:
+        return reason
+    shared = shared_messages(own, previous)
+    if shared == 0:
+        return NEW_ROOT
+    if reason in (TRUNCATED, HISTORY_EDITED) and len(own) > shared * DIGEST_BYTES:
+        first_new = own[shared * DIGEST_BYTES : (shared + 1) * DIGEST_BYTES]
+        known = {previous[i : i + DIGEST_BYTES] for i in range(0, len(previous), DIGEST_BYTES)}
+        if first_new not in known and len(own) < len(previous):
+            return COMPACTED
+    return reason
+
+
+def branches(parents: dict[tuple[int, int], tuple[int, int] | None]) -> dict[tuple[int, int], int]:
+    """Each call's branch id: the seq of the call its branch starts at. A root starts a branch; a child continues its
+    parent's branch when it is the parent's first child by (seq, choice), else it starts one (a fork). Derived from
+    the stored parents whenever it is read, so a call arriving late cannot leave stale ids behind."""
+    first_child: dict[tuple[int, int], tuple[int, int]] = {}
+    for key in sorted(parents):
+        parent = parents[key]
+        if parent is not None and parent in parents and parent not in first_child:
+            first_child[parent] = key
+    branch: dict[tuple[int, int], int] = {}
+    for key in sorted(parents):
+        parent = parents[key]
+        if parent is not None and parent in branch and first_child.get(parent) == key:
+            branch[key] = branch[parent]
+        else:
+            branch[key] = key[0]
+    return branch
+
+
+def parent_of(seq: int | None, choice: int | None) -> dict[str, int] | None:
+    """A call's tree parent as the read API and export show it."""
+    return None if seq is None else {"seq": seq, "choice_index": choice or 0}
+
+
+def with_branches(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Set each read call's `branch` (gateway.store.tree.branches) from the `parent` the calls carry."""
+    parents = {
+        (c["seq"], c["choice_index"]): (c["parent"]["seq"], c["parent"]["choice_index"]) if c["parent"] else None
+        for c in calls
+    }
+    ids = branches(parents)
+    for call in calls:
+        call["branch"] = ids[(call["seq"], call["choice_index"])]
+    return calls
