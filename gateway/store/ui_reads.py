@@ -1,0 +1,419 @@
+"""What the web UI (gateway.ui) and the trainer's trackers read: runs at a glance, one run's curves, a group side by
+side, a trajectory with its completion tokens, and a filtered, keyset-paginated list of trajectories.
+
+Every query here is driven by an index (runs by name, groups by (run, state), trajectories by (run, created_at) or
+group_id, calls by (trajectory_id, seq), train_steps by (run, step)), so a page costs the same on a run with 100k
+calls as on one with ten. Nothing here scans the calls of a whole run: merge figures come from the step metrics.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, and_, case, func, or_, select
+
+from gateway.store.arrays import decode_ids, decode_logprobs
+from gateway.run_config import merged_config
+from gateway.store.models import Call, Group, Run, TrainStep, Trajectory
+from gateway.store.reads import completion_of, iso, trajectory_view
+from gateway.store.runs import list_runs
+
+# z for a two-sided 95% normal interval: the eval curve's error bars.
+Z95 = 1.959964
+# Trainer's advantage epsilon (trainer.samples.STD_EPS); a test keeps the two in step.
+STD_EPS = 1e-6
+MAX_STEPS_SHOWN = 5000
+
+
+def eval_curve(engine: Engine, run: str) -> list[dict[str, Any]]:
+    """Mean reward of the run's evaluation trajectories per policy version (the version of their first call), with
+    a 95% normal-approximation interval: the curve that says whether training helps."""
+    # The first call's version, one index probe per trajectory (calls by (trajectory_id, seq)); a min() over the
+    # correlated calls let Postgres plan one aggregate over every call of the table instead (0.4 s at 100k calls).
+    first_version = (
+        select(Call.policy_version)
+        .where(Call.trajectory_id == Trajectory.trajectory_id)
+        .order_by(Call.seq, Call.choice_index)
+        .limit(1)
+        .scalar_subquery()
+    )
+    rewards = (
+        select(Trajectory.reward.label("reward"), first_version.label("version"))
+        .where(Trajectory.run == run, Trajectory.mode == "eval", Trajectory.reward.is_not(None))
+        .subquery()
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(
+                rewards.c.version,
+                func.count(),
+                func.avg(rewards.c.reward),
+                func.avg(rewards.c.reward * rewards.c.reward),
+            )
+            .where(rewards.c.version.is_not(None))
+            .group_by(rewards.c.version)
+            .order_by(rewards.c.version)
+        ).all()
+    curve = []
+    for version, count, mean, mean_sq in rows:
+        std = math.sqrt(max(0.0, float(mean_sq) - float(mean) ** 2)) if count else 0.0
+        half = Z95 * std / math.sqrt(count) if count > 1 else 0.0
+        curve.append(
+            {
+                "policy_version": version,
+                "trajectories": count,
+                "mean_reward": float(mean),
+                "std": std,
+                "ci_low": float(mean) - half,
+                "ci_high": float(mean) + half,
+            }
+        )
+    return curve
+
+
+def _groups_by_state(engine: Engine, runs: list[str] | None = None) -> dict[str, dict[str, dict[str, int]]]:
+    """{run: {mode: {state: count}}}."""
+    query = select(Group.run, Group.mode, Group.state, func.count()).group_by(Group.run, Group.mode, Group.state)
+    if runs is not None:
+        query = query.where(Group.run.in_(runs))
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    with engine.connect() as conn:
+        for run, mode, state, count in conn.execute(query):
+            out.setdefault(run, {}).setdefault(mode, {})[state] = count
+    return out
+
+
+def runs_overview(engine: Engine) -> list[dict[str, Any]]:
+    """Every run: its policy version, groups by state, last step and the eval reward per version."""
+    runs = list_runs(engine)
+    groups = _groups_by_state(engine)
+    last: dict[str, tuple[int, datetime]] = {}
+    with engine.connect() as conn:
+        for run in runs:  # one primary-key lookup per run
+            row = conn.execute(
+                select(TrainStep.step, TrainStep.created_at)
+                .where(TrainStep.run == run["name"])
+                .order_by(TrainStep.step.desc())
+                .limit(1)
+            ).first()
+            if row is not None:
+                last[run["name"]] = (row.step, row.created_at)
+    for run in runs:
+        step = last.get(run["name"])
+        run["groups"] = groups.get(run["name"], {}).get("train", {})
+        run["eval_groups"] = groups.get(run["name"], {}).get("eval", {})
+        run["last_step"] = step[0] if step else None
+        run["last_step_at"] = iso(step[1]) if step else None
+        run["eval"] = eval_curve(engine, run["name"])
+    return runs
+
+
+def run_page(engine: Engine, run: str) -> dict[str, Any] | None:
+    """One run: its summary, groups by state, trajectory counts, why groups were dropped, every step's metrics
+    (newest MAX_STEPS_SHOWN) and the eval curve. None if there is no such run."""
+    summary = next((r for r in list_runs(engine) if r["name"] == run), None)
+    if summary is None:
+        return None
+    groups = _groups_by_state(engine, [run]).get(run, {})
+    with engine.connect() as conn:
+        trajectories = conn.execute(
+            select(
+                Trajectory.mode,
+                func.count(),
+                func.count(Trajectory.reward),
+                func.sum(case((Trajectory.untrainable_calls > 0, 1), else_=0)),
+            )
+            .where(Trajectory.run == run)
+            .group_by(Trajectory.mode)
+        ).all()
+        dropped = conn.execute(
+            select(Group.drop_reason, func.count())
+            .where(Group.run == run, Group.state == "dropped")
+            .group_by(Group.drop_reason)
+            .order_by(func.count().desc())
+        ).all()
+        steps = conn.execute(
+            select(TrainStep.step, TrainStep.metrics, TrainStep.created_at)
+            .where(TrainStep.run == run)
+            .order_by(TrainStep.step.desc())
+            .limit(MAX_STEPS_SHOWN)
+        ).all()
+    counts = {
+        mode: {"total": total, "rewarded": rewarded, "untrainable": int(untrainable or 0)}
+        for mode, total, rewarded, untrainable in trajectories
+    }
+    return {
+        **summary,
+        "groups": groups.get("train", {}),
+        "eval_groups": groups.get("eval", {}),
+        "trajectories": {mode: counts.get(mode, {"total": 0, "rewarded": 0, "untrainable": 0}) for mode in ("train", "eval")},
+        "drop_reasons": [{"reason": reason or "(none given)", "groups": count} for reason, count in dropped],
+        "steps": [
+            {"step": row.step, "metrics": row.metrics or {}, "created_at": iso(row.created_at)} for row in reversed(steps)
+        ],
+        "eval": eval_curve(engine, run),
+    }
+
+
+def advantages(rewards: list[float], mode: str) -> list[float]:
+    """The advantages the trainer gives a group's trajectories (trainer.samples.group_advantages, which the gateway
+    cannot import: it pulls torch): population-std z-scores for `group`, mean-centred rewards for `drgrpo`."""
+    if not rewards:
+        return []
+    mean = sum(rewards) / len(rewards)
+    if mode == "drgrpo":
+        return [r - mean for r in rewards]
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [(r - mean) / (std + STD_EPS) for r in rewards]
+
+
+def group_page(engine: Engine, group_id: str) -> dict[str, Any] | None:
+    """A group's lifecycle and its trajectories side by side: reward, advantage under the run's `advantage` setting
+    (once every reward is in), judge explanation, and each call's answer. None if unknown."""
+    with engine.connect() as conn:
+        group = conn.execute(select(*Group.__table__.columns).where(Group.group_id == group_id)).first()
+        if group is None:
+            return None
+        config = conn.execute(select(Run.config).where(Run.name == group.run)).scalar()
+        advantage_mode = merged_config(config, {}).advantage
+        trajectories = conn.execute(
+            select(
+                Trajectory.trajectory_id,
+                Trajectory.mode,
+                Trajectory.reward,
+                Trajectory.metrics,
+                Trajectory.meta.label("meta"),
+                Trajectory.untrainable_calls,
+                Trajectory.trained_step,
+                Trajectory.created_at,
+            )
+            .where(Trajectory.group_id == group_id)
+            .order_by(Trajectory.created_at, Trajectory.trajectory_id)
+        ).all()
+        ids = [t.trajectory_id for t in trajectories]
+        calls = conn.execute(
+            select(
+                Call.trajectory_id,
+                Call.seq,
+                Call.choice_index,
+                Call.endpoint,
+                Call.response,
+                Call.policy_version,
+                Call.finish_reason,
+                Call.trainable,
+            )
+            .where(Call.trajectory_id.in_(ids))
+            .order_by(Call.trajectory_id, Call.seq, Call.choice_index)
+        ).all() if ids else []
+    answers: dict[str, list[dict[str, Any]]] = {}
+    for call in calls:
+        text, tool_calls = completion_of(call.response, call.choice_index, call.endpoint)
+        answers.setdefault(call.trajectory_id, []).append(
+            {
+                "completion": text,
+                "tool_calls": tool_calls,
+                "policy_version": call.policy_version,
+                "finish_reason": call.finish_reason,
+                "trainable": call.trainable,
+            }
+        )
+    rewards = [t.reward for t in trajectories]
+    complete = bool(rewards) and all(r is not None and math.isfinite(r) for r in rewards)
+    advs = advantages([float(r) for r in rewards], advantage_mode) if complete else [None] * len(rewards)
+    return {
+        "group_id": group.group_id,
+        "run": group.run,
+        "mode": group.mode,
+        "state": group.state,
+        "expected_size": group.expected_size,
+        "closed": group.closed,
+        "trained_step": group.trained_step,
+        "drop_reason": group.drop_reason,
+        "created_at": iso(group.created_at),
+        "ready_at": iso(group.ready_at),
+        "advantage_mode": advantage_mode,
+        "trajectories": [
+            {
+                "trajectory_id": t.trajectory_id,
+                "reward": t.reward,
+                "advantage": adv,
+                "metrics": t.metrics,
+                "judge": ((t.meta or {}).get("judge") or {}) if isinstance(t.meta, dict) else {},
+                "untrainable_calls": t.untrainable_calls,
+                "trained_step": t.trained_step,
+                "created_at": iso(t.created_at),
+                "calls": answers.get(t.trajectory_id, []),
+            }
+            for t, adv in zip(trajectories, advs, strict=True)
+        ],
+    }
+
+
+def trajectory_page(engine: Engine, trajectory_id: str) -> dict[str, Any] | None:
+    """The read API's trajectory view plus, per call, its completion ids and logprobs and the turn it continues
+    (its predecessor in the token lineage), and the step that trained the trajectory. None if unknown."""
+    view = trajectory_view(engine, trajectory_id)
+    if view is None:
+        return None
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(Call.id, Call.completion_token_ids, Call.completion_logprobs, Call.parent_seq, Call.segment_reason)
+            .where(Call.trajectory_id == trajectory_id)
+        ).all()
+        trained_step = conn.execute(
+            select(Trajectory.trained_step).where(Trajectory.trajectory_id == trajectory_id)
+        ).scalar()
+    by_id = {row.id: row for row in rows}
+    turn_of_seq = {call["seq"]: call["turn"] for call in view["calls"]}
+    for call in view["calls"]:
+        row = by_id[call["id"]]
+        call["completion_token_ids"] = decode_ids(row.completion_token_ids) or []
+        call["completion_logprobs"] = decode_logprobs(row.completion_logprobs) or []
+        call["parent_turn"] = turn_of_seq.get(row.parent_seq) if row.parent_seq is not None else None
+        call["segment_reason"] = row.segment_reason
+    view["trained_step"] = trained_step
+    return view
+
+
+@dataclass(frozen=True)
+class TrajectoryFilter:
+    """What the trajectory search narrows by; run or group is required (each is an index)."""
+
+    run: str | None = None
+    group_id: str | None = None
+    mode: str | None = None  # "train" | "eval"
+    reward_min: float | None = None
+    reward_max: float | None = None
+    untrainable: bool | None = None  # True: with untrainable calls; False: without
+
+
+class BadCursor(ValueError):
+    """A page cursor this store did not hand out."""
+
+
+def encode_cursor(created_at: datetime, trajectory_id: str) -> str:
+    if created_at.tzinfo is None:
+        created_at = created_at.replace(tzinfo=UTC)
+    raw = f"{created_at.isoformat()}|{trajectory_id}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        stamp, trajectory_id = raw.split("|", 1)
+        created_at = datetime.fromisoformat(stamp)
+    except ValueError as exc:  # binascii.Error and UnicodeDecodeError are ValueErrors
+        raise BadCursor(f"not a page cursor: {cursor[:40]!r}") from exc
+    return created_at, trajectory_id
+
+
+def search_trajectories(
+    engine: Engine, where: TrajectoryFilter, after: str | None = None, limit: int = 50
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Trajectories matching `where`, newest first, `limit` a page, continuing after the cursor `after`; returns the
+    page and the cursor of the next one (None at the end). Keyset pagination on (created_at, trajectory_id): page
+    1000 costs what page 1 does."""
+    if where.run is None and where.group_id is None:
+        raise ValueError("give a run or a group to search in")
+    call_count = (
+        select(func.count()).where(Call.trajectory_id == Trajectory.trajectory_id).scalar_subquery().label("calls")
+    )
+    query = select(
+        Trajectory.trajectory_id,
+        Trajectory.run,
+        Trajectory.group_id,
+        Trajectory.mode,
+        Trajectory.reward,
+        Trajectory.untrainable_calls,
+        Trajectory.trained_step,
+        Trajectory.created_at,
+        call_count,
+    )
+    if where.run is not None:
+        query = query.where(Trajectory.run == where.run)
+    if where.group_id is not None:
+        query = query.where(Trajectory.group_id == where.group_id)
+    if where.mode is not None:
+        query = query.where(Trajectory.mode == where.mode)
+    if where.reward_min is not None:
+        query = query.where(Trajectory.reward >= where.reward_min)
+    if where.reward_max is not None:
+        query = query.where(Trajectory.reward <= where.reward_max)
+    if where.untrainable is True:
+        query = query.where(Trajectory.untrainable_calls > 0)
+    elif where.untrainable is False:
+        query = query.where(Trajectory.untrainable_calls == 0)
+    if after is not None:
+        created_at, trajectory_id = decode_cursor(after)
+        if engine.dialect.name == "sqlite":  # stored naive in UTC; compare like with like
+            created_at = created_at.astimezone(UTC).replace(tzinfo=None)
+        query = query.where(
+            or_(
+                Trajectory.created_at < created_at,
+                and_(Trajectory.created_at == created_at, Trajectory.trajectory_id < trajectory_id),
+            )
+        )
+    query = query.order_by(Trajectory.created_at.desc(), Trajectory.trajectory_id.desc()).limit(limit + 1)
+    with engine.connect() as conn:
+        rows = conn.execute(query).all()
+    page = rows[:limit]
+    items = [
+        {
+            "trajectory_id": row.trajectory_id,
+            "run": row.run,
+            "group_id": row.group_id,
+            "mode": row.mode,
+            "reward": row.reward,
+            "untrainable_calls": row.untrainable_calls,
+            "trained_step": row.trained_step,
+            "calls": row.calls,
+            "created_at": iso(row.created_at),
+        }
+        for row in page
+    ]
+    more = len(rows) > limit
+    return items, encode_cursor(page[-1].created_at, page[-1].trajectory_id) if more and page else None
+
+
+def sample_trajectories(engine: Engine, trajectory_ids: list[str]) -> list[dict[str, Any]]:
+    """A few trajectories for a tracker's table: id, group, reward, number of calls and the last answer."""
+    if not trajectory_ids:
+        return []
+    with engine.connect() as conn:
+        trajectories = conn.execute(
+            select(Trajectory.trajectory_id, Trajectory.group_id, Trajectory.reward).where(
+                Trajectory.trajectory_id.in_(trajectory_ids)
+            )
+        ).all()
+        calls = conn.execute(
+            select(Call.trajectory_id, Call.seq, Call.choice_index, Call.endpoint, Call.response)
+            .where(Call.trajectory_id.in_(trajectory_ids), Call.choice_index == 0)
+            .order_by(Call.trajectory_id, Call.seq)
+        ).all()
+    last: dict[str, tuple[int, str]] = {}
+    counts: dict[str, int] = {}
+    for call in calls:
+        text, tool_calls = completion_of(call.response, call.choice_index, call.endpoint)
+        shown = text or ""
+        if tool_calls:
+            shown += " " + " ".join(
+                f"{(t.get('function') or {}).get('name')}({(t.get('function') or {}).get('arguments')})" for t in tool_calls
+            )
+        counts[call.trajectory_id] = counts.get(call.trajectory_id, 0) + 1
+        last[call.trajectory_id] = (call.seq, shown.strip())
+    order = {tid: i for i, tid in enumerate(trajectory_ids)}
+    return [
+        {
+            "trajectory_id": t.trajectory_id,
+            "group_id": t.group_id,
+            "reward": t.reward,
+            "calls": counts.get(t.trajectory_id, 0),
+            "last_answer": last.get(t.trajectory_id, (0, ""))[1],
+        }
+        for t in sorted(trajectories, key=lambda t: order[t.trajectory_id])
+    ]

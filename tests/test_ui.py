@@ -1,0 +1,255 @@
+"""The web UI at /ui against a run seeded through the store (tests/ui_seed.py), on Postgres and SQLite: the pages show
+the seeded numbers, every page and asset needs the admin key (a login form sets an HttpOnly cookie), hostile content
+renders inert, and the trajectory search pages by keyset."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import httpx
+import pytest
+
+from gateway.store import db
+from gateway.store.ui_reads import advantages
+from tests.fake_upstream import FakeUpstream
+from tests.gateway_harness import RunningGateway, running_gateway
+from tests.pgcluster import create_database, drop_database
+from tests.test_gateway_faults import assert_openai_error
+from tests.ui_seed import EVAL_REWARDS, HOSTILE, RUN, STEP_METRICS, TRAIN_REWARDS, add_step, seed
+
+ADMIN = "admin-secret-for-ui"
+PAGES = [
+    "/ui",
+    f"/ui/run?name={RUN}",
+    "/ui/group?id=g0",
+    "/ui/trajectory?id=g0-t0",
+    f"/ui/trajectories?run={RUN}",
+]
+ASSETS = ["/ui/static/ui.js", "/ui/static/ui.css", f"/ui/events?run={RUN}"]
+
+
+@pytest.fixture(scope="module", params=["postgres", "sqlite"])
+def seeded_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One seeded database per backend, shared by this module's tests (they only read it, but for the live test's
+    extra step, which comes after every number asserted here)."""
+    if request.param == "postgres":
+        url = create_database(request.getfixturevalue("pg_server_url"))
+    else:
+        url = f"sqlite:///{tmp_path_factory.mktemp('ui') / 'trajgate.db'}"
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    try:
+        seed(engine)
+    finally:
+        engine.dispose()
+    yield url
+    if request.param == "postgres":
+        drop_database(url)
+
+
+@pytest.fixture(scope="module")
+def ui(seeded_url: str, upstream: FakeUpstream, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    with running_gateway(
+        database_url=seeded_url, upstream_url=upstream.base_url, base_model="smollm2",
+        spool_dir=tmp_path_factory.mktemp("spool"), admin_key=ADMIN,
+    ) as gw:  # fmt: skip
+        yield gw
+
+
+@contextmanager
+def admin(gw: RunningGateway) -> Iterator[httpx.Client]:
+    """A client logged in through the form, as a browser is."""
+    with httpx.Client(base_url=gw.url, timeout=30) as client:
+        response = client.post("/ui/login", data={"key": ADMIN, "next": "/ui"})
+        assert response.status_code == 303 and response.headers["location"] == "/ui"
+        yield client
+
+
+def text_of(page: str) -> str:
+    """The page's visible text, tags dropped and whitespace squeezed, entities decoded."""
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page)))
+
+
+def test_every_page_and_asset_needs_the_admin_key(ui: RunningGateway) -> None:
+    with httpx.Client(base_url=ui.url, timeout=30) as anonymous:
+        for path in PAGES:
+            for cookies in ({}, {"trajgate_ui": "forged"}, {"trajgate_ui": ADMIN}):
+                anonymous.cookies.clear()
+                anonymous.cookies.update(cookies)
+                response = anonymous.get(path)
+                assert response.status_code == 303, (path, cookies)
+                location = urlparse(response.headers["location"])
+                assert location.path == "/ui/login" and parse_qs(location.query)["next"] == [path]
+        anonymous.cookies.clear()
+        for path in ASSETS:
+            assert assert_openai_error(anonymous.get(path), 401)["code"] == "invalid_api_key"
+        login = anonymous.get("/ui/login")
+        assert login.status_code == 200 and 'type="password"' in login.text and ADMIN not in login.text
+    # The key in a header works too (scripts), the session cookie in a browser; never the key in the URL.
+    for path in PAGES + ASSETS[:2]:
+        assert httpx.get(ui.url + path, headers={"authorization": f"Bearer {ADMIN}"}).status_code == 200, path
+    assert httpx.get(ui.url + f"/ui?key={ADMIN}").status_code == 303
+    with admin(ui) as client:
+        for path in PAGES + ASSETS[:2]:
+            response = client.get(path)
+            assert response.status_code == 200, path
+            assert "content-security-policy" in response.headers and response.headers["x-frame-options"] == "DENY"
+
+
+def test_login_cookie_is_httponly_and_not_the_key(ui: RunningGateway) -> None:
+    wrong = httpx.post(ui.url + "/ui/login", data={"key": "nope"})
+    assert wrong.status_code == 401 and "not the admin key" in wrong.text and "set-cookie" not in wrong.headers
+    right = httpx.post(ui.url + "/ui/login", data={"key": ADMIN, "next": "https://evil.example/"})
+    assert right.status_code == 303 and right.headers["location"] == "/ui"  # no open redirect
+    cookie = right.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/ui" in cookie
+    assert ADMIN not in cookie
+    with admin(ui) as client:
+        assert client.get("/ui").status_code == 200
+        out = client.post("/ui/logout")
+        assert out.status_code == 303 and client.get("/ui").status_code == 303
+
+
+def test_runs_page(ui: RunningGateway) -> None:
+    with admin(ui) as client:
+        page = text_of(client.get("/ui").text)
+    assert RUN in page
+    # policy version 2 published; groups: 2 trained, 1 dropped; last step 2; eval per version
+    assert re.search(rf"{RUN} base-model 2 dropped 1 trained 2 2 ", page), page
+    assert "v0: 0.250 (n=4)" in page and "v2: 0.750 (n=4)" in page
+
+
+def test_run_page_numbers(ui: RunningGateway) -> None:
+    with admin(ui) as client:
+        raw = client.get(f"/ui/run?name={RUN}").text
+    page = text_of(raw)
+    assert "groups (train) dropped 1 trained 2" in page
+    assert "dropped groups zero reward variance: 1" in page
+    train_total = sum(len(r) for r in TRAIN_REWARDS.values())
+    eval_total = sum(len(r) for r in EVAL_REWARDS.values())
+    assert f"train: {train_total} ({train_total} rewarded, 0 with untrainable calls)" in page
+    assert f"eval: {eval_total} ({eval_total} rewarded" in page
+    # eval: version 0 rewards 0,1,0,0 -> 0.25 ± 1.96 * 0.433 / 2; version 2: 0.75
+    assert "0 4 0.250 [-0.174, 0.674]" in page and "2 4 0.750 [0.326, 1.174]" in page
+    # the steps table, newest first, with the metrics the trainer logged
+    assert "2 0.625 0.484 0.0045 0.998 1.120 0.010 0.640 455 1.00 1 0" in page
+    assert "1 0.500 0.500 -0.0123 1.001 1.310 0.020 0.810 412 1.00 1 1 (zero reward variance: 1)" in page
+    # the data the charts are drawn from: one point per step, one per eval version
+    data = json.loads(re.search(r'<script type="application/json" id="run-data">(.*?)</script>', raw, re.S).group(1))
+    assert [s["step"] for s in data["steps"]] == [1, 2]
+    assert [s["metrics"]["reward_mean"] for s in data["steps"]] == [m["reward_mean"] for m in STEP_METRICS]
+    assert [e["policy_version"] for e in data["eval"]] == sorted(EVAL_REWARDS)
+
+
+def test_group_page_side_by_side(ui: RunningGateway) -> None:
+    with admin(ui) as client:
+        page = text_of(client.get("/ui/group?id=g0").text)
+        dropped = text_of(client.get("/ui/group?id=g2").text)
+    # rewards 1,0,1,0: population std 0.5, advantages +-1 (as trainer.samples computes them)
+    for i, value in enumerate(TRAIN_REWARDS["g0"]):
+        adv = "1.000" if value else "-1.000"
+        assert f"g0-t{i} reward {value:.3f} · advantage {adv}" in page
+        assert f"judge: answer for g0-t{i} checked against the directory" in page
+    assert "trained at step 1" in page and "→ search(" in page and "Oslo" in page
+    assert "dropped: zero reward variance" in dropped
+
+
+def test_advantages_match_the_trainer() -> None:
+    from trainer.samples import group_advantages
+
+    for rewards in ([1.0, 0.0, 1.0, 0.0], [0.2, 0.9, 0.4], [0.5, 0.5]):
+        for mode in ("group", "drgrpo"):
+            assert advantages(rewards, mode) == pytest.approx(group_advantages(rewards, mode))  # type: ignore[arg-type]
+
+
+def test_trajectory_page(ui: RunningGateway) -> None:
+    with admin(ui) as client:
+        raw = client.get("/ui/trajectory?id=g0-t0").text
+    page = text_of(raw)
+    assert "turn 0" in page and "turn 1" in page
+    assert "policy version 0 · latency 81 ms · finish tool_calls" in page
+    assert "finish stop" in page and "trainable" in page
+    assert '→ search({"query":' in page  # the tool call the model made
+    assert "tool (call_1)" in page and "Zenpri Ushven" in page  # the tool's result, as the agent sent it back
+    assert "extends turn 0 : trained in the same row" in page and "first call: starts a row" in page
+    tokens = re.findall(r'<span class="tok (lp[^ "]+) (\w+)" title="id (\d+) · logprob ([^"]+)">', raw)
+    assert len(tokens) == 6 + 5  # the two calls' completion tokens
+    assert {mark for _, mark, _, _ in tokens} == {"trained"}  # trainable calls of a trajectory step 1 trained
+    assert tokens[0][0] == "lp-forced" and tokens[0][3] == "–"  # the factory's first logprob is vLLM's -inf
+    assert all(cls.startswith("lp") for cls, _, _, _ in tokens)
+
+
+def test_hostile_content_renders_inert(ui: RunningGateway) -> None:
+    with admin(ui) as client:
+        for path in ("/ui/trajectory?id=g0-t1", "/ui/trajectories?run=" + RUN):
+            raw = client.get(path).text
+            assert "<script>alert" not in raw and "<img src=x" not in raw
+        raw = client.get("/ui/trajectory?id=g0-t1").text
+    assert html.escape(HOSTILE, quote=False) in raw.replace("&#34;", '"').replace("&#39;", "'")
+    assert raw.count("<script") == 1  # only our own script tag (src), nothing from the data
+
+
+def test_trajectory_search_keyset_pages(ui: RunningGateway) -> None:
+    everything = [tid for rewards in (TRAIN_REWARDS, {f"eval-v{v}": r for v, r in EVAL_REWARDS.items()})
+                  for group, values in rewards.items() for tid in (f"{group}-t{i}" for i in range(len(values)))]  # fmt: skip
+    seen: list[str] = []
+    with admin(ui) as client:
+        url = f"/ui/trajectories?run={RUN}&limit=7"
+        pages = 0
+        while url:
+            raw = client.get(url).text
+            seen += re.findall(r'href="/ui/trajectory\?id=([^"]+)"', raw)
+            found = re.search(r'id="next-page" href="([^"]+)"', raw)
+            url = html.unescape(found.group(1)) if found else ""
+            pages += 1
+        assert pages == 3 and len(seen) == len(everything) == len(set(seen))
+        assert sorted(seen) == sorted(everything)
+        winners = client.get(f"/ui/trajectories?run={RUN}&mode=train&reward_min=1").text
+        ids = re.findall(r'href="/ui/trajectory\?id=([^"]+)"', winners)
+        expected = {f"{g}-t{i}" for g, r in TRAIN_REWARDS.items() for i, v in enumerate(r) if v >= 1}
+        assert set(ids) == expected
+        evals = re.findall(r'href="/ui/trajectory\?id=([^"]+)"', client.get(f"/ui/trajectories?group=eval-v2").text)
+        assert sorted(evals) == [f"eval-v2-t{i}" for i in range(4)]
+        none = client.get(f"/ui/trajectories?run={RUN}&untrainable=yes").text
+        assert "no trajectory matches" in none
+        assert assert_openai_error(client.get(f"/ui/trajectories?run={RUN}&after=%%%"), 400)["code"] == "invalid_value"
+        assert assert_openai_error(client.get(f"/ui/trajectories?run={RUN}&reward_min=nan"), 422)["code"] == "invalid_value"
+        assert assert_openai_error(client.get(f"/ui/trajectories?run={RUN}&mode=both"), 422)["code"] == "invalid_value"
+        assert assert_openai_error(client.get("/ui/trajectory?id=nope"), 404)["code"] == "trajectory_not_found"
+        assert assert_openai_error(client.get("/ui/run?name=nope"), 404)["code"] == "run_not_found"
+
+
+def test_live_steps_reach_the_page_stream(ui: RunningGateway, seeded_url: str) -> None:
+    engine = db.make_engine(seeded_url)
+    try:
+        with admin(ui) as client, client.stream("GET", f"/ui/events?run={RUN}&after=2") as stream:
+            assert stream.status_code == 200
+            add_step(engine, 3, 0.875)
+            for line in stream.iter_lines():
+                if line.startswith("data: "):
+                    step = json.loads(line[6:])
+                    break
+    finally:
+        engine.dispose()
+    assert step["step"] == 3 and step["metrics"]["reward_mean"] == 0.875
+
+
+def test_open_gateway_says_so(upstream: FakeUpstream, tmp_path: Path) -> None:
+    with running_gateway(
+        database_url=f"sqlite:///{tmp_path / 'open.db'}", upstream_url=upstream.base_url, base_model="smollm2",
+        spool_dir=tmp_path / "spool",
+    ) as gw:  # fmt: skip
+        page = httpx.get(gw.url + "/ui")
+        assert page.status_code == 200 and "Auth is off" in page.text and "No runs yet" in page.text
+        assert httpx.get(gw.url + "/ui/static/ui.js").status_code == 200
+        assert httpx.get(gw.url + "/ui/login").status_code == 303
+        assert httpx.post(gw.base_url + "/runs", json={"name": "fresh"}).status_code == 201
+        fresh = httpx.get(gw.url + "/ui/run?name=fresh")
+        assert fresh.status_code == 200 and "no rewarded eval trajectories yet" in fresh.text
+        assert "fresh" in httpx.get(gw.url + "/ui/trajectories?run=fresh").text
