@@ -2,8 +2,8 @@
 
 The table lives in memory so the hot path never asks the database; the gateway refreshes it from the runs and
 their loaded policy versions in the background (and at once after `POST /v1/runs`). It also carries each run's
-sampling settings (overrides and `on_policy_sampling`), which the gateway applies to every call of the run, and
-its token mode.
+sampling settings (overrides and `on_policy_sampling`), which the gateway applies to every call of the run, its
+token mode, and how new training groups are admitted.
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ from gateway.store.runs import route_table
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionPolicy:
+    mode: str  # "wait" or "reject"
+    timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class Route:
     run: str
     version: int
@@ -27,6 +33,9 @@ class Route:
     on_policy_sampling: bool = True
     # "chat" or "token_in" (gateway/run_config.py): how chat calls reach vLLM.
     token_mode: str = "chat"
+    # How a call starting a new training group is admitted (gateway/admission.py); None: no bound to keep (the run
+    # says off, or no trainer has taken it yet, so there is nothing to pace the agents against).
+    admission: AdmissionPolicy | None = None
 
 
 class PolicyRouter:
@@ -56,6 +65,9 @@ class PolicyRouter:
                     row.sampling,
                     row.on_policy_sampling,
                     row.token_mode,
+                    AdmissionPolicy(row.admission, row.admission_timeout_s)
+                    if row.admission != "off" and row.trained
+                    else None,
                 )
                 for row in route_table(engine)
             ]

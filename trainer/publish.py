@@ -34,6 +34,10 @@ class PublishError(RuntimeError):
     """vLLM refused or failed to serve an adapter; the message carries its answer."""
 
 
+class Unreachable(PublishError):
+    """vLLM could not be reached at all (down, restarting): with several replicas, one to skip, not a refusal."""
+
+
 def served_name(run: str, step: int) -> str:
     return f"{run}@{step}"
 
@@ -58,7 +62,7 @@ class VllmAdmin:
         except urllib.error.HTTPError as exc:
             return exc.code, exc.read().decode("utf-8", "replace")
         except (urllib.error.URLError, OSError) as exc:
-            raise PublishError(f"vLLM unreachable at {self.base_url}: {exc}") from None
+            raise Unreachable(f"vLLM unreachable at {self.base_url}: {exc}") from None
 
     def models(self) -> set[str]:
         status, text = self._call("GET", "/models")
@@ -91,6 +95,67 @@ class VllmAdmin:
             raise PublishError(f"{name} is loaded but does not answer ({status}): {text[:300]}")
         return time.perf_counter() - started
 
+    def replicas(self) -> list[VllmAdmin]:
+        return [self]
+
+
+class VllmReplicas:
+    """Several vLLM replicas behind VllmAdmin's interface, so a version is published only once every replica that
+    can be reached serves it: a load or check refused by any replica fails the publication (retried with backoff);
+    an unreachable replica is skipped, and gets the run's adapters from `Publisher.reconcile` when it is back (the
+    gateway keeps it out of that run's rotation until its /models lists them). None reachable is a failure."""
+
+    def __init__(self, admins: list[VllmAdmin]) -> None:
+        self.admins = admins
+
+    def _on_each(self, action: Callable[[VllmAdmin], float | None]) -> list[float | None]:
+        results: list[float | None] = []
+        unreachable: list[str] = []
+        for admin in self.admins:
+            try:
+                results.append(action(admin))
+            except Unreachable as exc:
+                log.warning("skipping a replica: %s", exc)
+                unreachable.append(str(exc))
+        if not results:
+            raise Unreachable("no vLLM replica reachable: " + "; ".join(unreachable))
+        return results
+
+    def models(self) -> set[str]:
+        """What every reachable replica serves (a name one of them lacks is missing)."""
+        served = [admin.models() for admin in self.admins if _reachable(admin)]
+        if not served:
+            raise Unreachable("no vLLM replica reachable")
+        return set.intersection(*served)
+
+    def load(self, name: str, path: Path | str) -> None:
+        self._on_each(lambda admin: admin.load(name, path))
+
+    def unload(self, name: str) -> None:
+        self._on_each(lambda admin: admin.unload(name))
+
+    def check_answers(self, name: str) -> float:
+        """The slowest replica's first answer with the adapter."""
+        return max(t for t in self._on_each(lambda admin: admin.check_answers(name)) if t is not None)
+
+    def replicas(self) -> list[VllmAdmin]:
+        return list(self.admins)
+
+
+def _reachable(admin: VllmAdmin) -> bool:
+    try:
+        admin.models()
+    except Unreachable:
+        return False
+    return True
+
+
+def vllm_admin(urls: list[str], api_key: str | None = None) -> VllmAdmin | VllmReplicas:
+    """The admin for TRAJGATE_UPSTREAM_URL: one vLLM, or all of its replicas."""
+    if len(urls) == 1:
+        return VllmAdmin(urls[0], api_key)
+    return VllmReplicas([VllmAdmin(url, api_key) for url in urls])
+
 
 class Publisher:
     """Keeps vLLM serving each committed step of one run, newest `keep` adapters loaded."""
@@ -98,7 +163,7 @@ class Publisher:
     def __init__(
         self,
         engine: Engine,
-        admin: VllmAdmin,
+        admin: VllmAdmin | VllmReplicas,
         run: str,
         checkpoint_path: Callable[[int], Path],
         keep: int = 2,
@@ -167,15 +232,16 @@ class Publisher:
         if step is not None:
             self.publish(step, time.perf_counter())
             return
-        try:
-            served = self.admin.models()
-        except PublishError as exc:
-            log.warning("cannot check vLLM's adapters: %s", exc)
-            return
-        for version in versions:
-            if version.served_name not in served and version.adapter_path:
-                try:
-                    self.admin.load(version.served_name, version.adapter_path)
-                    self.echo(f"re-loaded {version.served_name} into vLLM (it had restarted)")
-                except PublishError as exc:
-                    log.error("re-loading %s failed: %s", version.served_name, exc)
+        for admin in self.admin.replicas():  # each replica on its own: one that restarted lacks what others serve
+            try:
+                served = admin.models()
+            except PublishError as exc:
+                log.warning("cannot check vLLM's adapters: %s", exc)
+                continue
+            for version in versions:
+                if version.served_name not in served and version.adapter_path:
+                    try:
+                        admin.load(version.served_name, version.adapter_path)
+                        self.echo(f"re-loaded {version.served_name} into vLLM at {admin.base_url} (it had restarted)")
+                    except PublishError as exc:
+                        log.error("re-loading %s failed: %s", version.served_name, exc)
