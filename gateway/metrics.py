@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+WAIT_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1)
 
@@ -64,6 +65,22 @@ class _WriterCollector(Collector):
         )
 
 
+class _ReplicaCollector(Collector):
+    def __init__(self, replicas: Callable[[], list[tuple[str, bool, int]]]) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily("trajgate_replica_up", "1 while a vLLM replica is in rotation", labels=["replica"])
+        in_flight = GaugeMetricFamily(
+            "trajgate_replica_in_flight", "Calls a vLLM replica is answering now", labels=["replica"]
+        )
+        for url, healthy, calls in self._replicas():
+            up.add_metric([url], 1.0 if healthy else 0.0)
+            in_flight.add_metric([url], float(calls))
+        yield up
+        yield in_flight
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -72,8 +89,8 @@ class GatewayMetrics:
         )
         self.upstream_latency = Histogram(
             "trajgate_upstream_latency_seconds",
-            "Time vLLM took (to the full body, or to the first chunk for streams)",
-            ["endpoint"],
+            "Time vLLM took (to the full body, or to the first chunk for streams), by the replica that answered",
+            ["endpoint", "replica"],
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -84,6 +101,37 @@ class GatewayMetrics:
             buckets=OVERHEAD_BUCKETS,
             registry=self.registry,
         )
+
+        # Admission (gateway/admission.py), counted by this process: groups it admitted, calls it turned away
+        # (rejected at once, or timed out waiting), calls waiting now, and how long admitted calls waited.
+        self.admission_admitted = Counter(
+            "trajgate_admission_admitted_groups", "New training groups admitted", ["run"], registry=self.registry
+        )
+        self.admission_refused = Counter(
+            "trajgate_admission_refused",
+            "Calls starting a group that got a 429 (reason: rejected or timed_out)",
+            ["run", "reason"],
+            registry=self.registry,
+        )
+        self.admission_waiting = Gauge(
+            "trajgate_admission_waiting", "Calls waiting for room to start a group", ["run"], registry=self.registry
+        )
+        self.admission_wait = Histogram(
+            "trajgate_admission_wait_seconds",
+            "How long a call starting a group waited to be admitted",
+            ["run"],
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.admission_errors = Counter(
+            "trajgate_admission_errors",
+            "Admission decisions the database could not make (the group was admitted)",
+            registry=self.registry,
+        )
+
+    def watch_replicas(self, replicas: Callable[[], list[tuple[str, bool, int]]]) -> None:
+        """(url, healthy, calls in flight) per vLLM replica, read at scrape time."""
+        self.registry.register(_ReplicaCollector(replicas))
 
     def watch_writer(self, stats: Callable[[], dict[str, float]]) -> None:
         self.registry.register(_WriterCollector(stats))

@@ -22,6 +22,7 @@ to `rejected/` for an operator to inspect.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import fcntl
@@ -548,12 +549,31 @@ class RecordWriter:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             target = self._submitted
-            while self._settled < target or self._held or (self.db_up and self._spool.pending):
+            while not self._flushed_locked(target):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
                 self._cond.wait(min(remaining, self._retry_interval_s))
         return True
+
+    async def settled(self, timeout_s: float = 10.0) -> bool:
+        """`flush` for the event loop: polls instead of holding a thread, so a burst of rewards waiting for their
+        calls' records cannot take every database thread from the reads queued behind them."""
+        with self._cond:
+            target = self._submitted
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while True:
+            with self._cond:
+                if self._flushed_locked(target):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _flushed_locked(self, target: int) -> bool:
+        return self._settled >= target and not self._held and not (self.db_up and self._spool.pending)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop accepting (later submits only go to the log), drain the queue, replay the log once more if the

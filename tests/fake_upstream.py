@@ -79,6 +79,8 @@ class FakeUpstream:
         self._derenders = 0
         self.mode = "replay"  # replay | error500 | fail_once (one 500, then replay) | hang | cut_stream | slow_stream | forbidden
         self.received: list[dict[str, Any]] = []
+        # LoRA adapters /v1/models lists besides the recorded base model (a replica that restarted has none).
+        self.adapters: list[str] = []
         self.cancelled_streams = 0
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -102,7 +104,12 @@ class FakeUpstream:
         fixture = self.fixtures.get("models")
         if fixture is None:
             return web.json_response({"object": "list", "data": [{"id": "smollm2", "object": "model"}]})
-        return web.json_response(fixture["response"])
+        response = fixture["response"]
+        if self.adapters:  # listed as vLLM lists a LoRA adapter: the base entry under the adapter's name
+            base = response["data"][0]
+            extra = [{**base, "id": name, "root": name, "parent": base["id"]} for name in self.adapters]
+            response = {**response, "data": [*response["data"], *extra]}
+        return web.json_response(response)
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -234,3 +241,4 @@ class FakeUpstream:
         asyncio.run_coroutine_threadsafe(shutdown(), loop)
         if self._thread is not None:
             self._thread.join(10)
+        self._loop = None  # stopped for good: a second stop (a test that stopped it, then its fixture) is a no-op
