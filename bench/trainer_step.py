@@ -175,15 +175,19 @@ def build_random_model(shape: str, layers: int | None, dtype: torch.dtype, direc
         _write_placeholder_tokenizer(directory, spec["vocab_size"])
 
 
-def synthetic_rows(count: int, length: int, vocab: int, trained_fraction: float, seed: int = 0) -> list[Row]:
+def synthetic_rows(
+    count: int, length: int, vocab: int, trained_fraction: float, seed: int = 0, shared_prefix: int = 0
+) -> list[Row]:
     """Random ids; the first part context (mask 0), the last ``trained_fraction`` trained; behaviour
-    logprobs near a random model's (≈ −log V), so ratios are near 1 as on-policy; advantages ±1."""
+    logprobs near a random model's (≈ −log V), so ratios are near 1 as on-policy; advantages ±1.
+    The first ``shared_prefix`` ids are the same in every row, as an agent's system prompt is."""
     rng = random.Random(seed)
+    prefix = [rng.randrange(vocab) for _ in range(shared_prefix)]
     context = max(1, round(length * (1 - trained_fraction)))  # position 0 is never trained
     uniform = -math.log(vocab)
     rows = []
     for i in range(count):
-        ids = [rng.randrange(vocab) for _ in range(length)]
+        ids = (prefix + [rng.randrange(vocab) for _ in range(length)])[:length]
         mask = [0] * context + [1] * (length - context)
         behaviour = [uniform + rng.uniform(-0.1, 0.1) if m else 0.0 for m in mask]
         rows.append(Row(ids, mask, behaviour, 1.0 if i % 2 == 0 else -1.0, f"t{i}", f"g{i // 4}", sequence_id=i))
@@ -246,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        help="leading tokens every row shares (an agent's prompt); adds the step with prefix sharing off beside it",
+    )
+    parser.add_argument(
         "--logprob-dtype",
         default="float32",
         help="the LM-head matmul's dtype in the step (bfloat16 is much faster on GPUs)",
@@ -292,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     config = model.get_base_model().config
     params = sum(p.numel() for p in model.parameters())
     lora_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    rows = synthetic_rows(rows_per_step, seq, config.vocab_size, args.trained_fraction)
+    rows = synthetic_rows(rows_per_step, seq, config.vocab_size, args.trained_fraction, shared_prefix=args.shared_prefix)
     batches = micro_batches(rows, mbt)
     total_trainable = sum(r.trainable_tokens for r in rows)
     tokens = sum(len(r) for r in rows)
@@ -312,6 +322,16 @@ def main(argv: list[str] | None = None) -> int:
             device,
         ),
     ]
+    if args.shared_prefix:
+
+        def unshared_step() -> None:
+            backend.share_prefix = False  # type: ignore[attr-defined]
+            try:
+                backend.train_step(rows, LossConfig(kind="cispo"), mbt)
+            finally:
+                backend.share_prefix = True  # type: ignore[attr-defined]
+
+        phases.append(Phase("the same step, prefix not shared", unshared_step, device))
     print(
         f"model: {what} ({params / 1e6:.1f}M params, LoRA {lora_params / 1e6:.2f}M), "
         f"{rows_per_step} rows × {seq} tokens, {len(batches)} micro-batch(es) of ≤ {mbt} tokens; warm-up…",
@@ -358,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['phase']} | {r['seconds']:.2f} | {r['best_seconds']:.2f} | {r['tokens_per_s']:,.0f} | "
             f"{100 * r['mfu']:.1f} % | {100 * r['mfu_6n']:.1f} % | {r['peak_memory_gib']:.2f} GiB |"
         )
+    if args.shared_prefix:
+        print(
+            f"\n{args.shared_prefix} of {seq} tokens shared by every row: the step takes "
+            f"{results[1]['seconds'] / results[2]['seconds']:.2f}× the time and "
+            f"{results[1]['peak_memory_gib'] / results[2]['peak_memory_gib']:.2f}× the memory of the unshared step"
+        )
     verdict = "PASS" if ratio <= TARGET_RATIO else "MISS"
     print(f"\nstep / bare = {ratio:.2f}× (target ≤ {TARGET_RATIO}×): {verdict}; best / best = {best_ratio:.2f}×")
     print(
@@ -395,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows=rows_per_step,
                     seq=seq,
                     micro_batch_tokens=mbt,
+                    shared_prefix=args.shared_prefix,
                     flops_per_token=flops_per_token,
                     results=results,
                     ratio=ratio,

@@ -1,5 +1,5 @@
 """What the example agents share so that `trajgate demo` can train and evaluate any of them: the `base_url` that names
-a rollout's group and trajectory, the reward POST, training rounds paced against the trainer, the held-out
+a rollout's group and trajectory, the reward POST, training rounds (paced by the gateway's admission), the held-out
 evaluation, and the command line. A task (short_answers.py, tool_agent.py) only says what its questions are and
 how one episode goes; everything trajgate-specific about running it lives here.
 """
@@ -127,9 +127,11 @@ def summarise(groups: list[list[Played]]) -> Summary:
     )
 
 
-def train(agent: Agent[Q], steps: int, groups_per_round: int, size: int, ahead: int, seed: int,
-          max_rounds: int) -> bool:  # fmt: skip
-    """Play rounds until the run has `steps` trained steps, never more than `ahead` rounds beyond the trainer.
+def train(agent: Agent[Q], steps: int, groups_per_round: int, size: int, seed: int, max_rounds: int) -> bool:
+    """Play rounds back to back until the run has `steps` trained steps. The agent does not pace itself: the
+    gateway admits a round's groups only while the trainer can take them before they are more than the run's
+    max_staleness versions old, and holds their first calls until then (admission, README). A round starts only
+    while the run is short of `steps`, so the trainer always takes another step and makes room for it.
     False if `max_rounds` were not enough: the trainer drops groups whose episodes all earn the same reward, so a
     model that never gets one right (or always does) gives it nothing to learn from."""
     rng = random.Random(seed)
@@ -142,11 +144,6 @@ def train(agent: Agent[Q], steps: int, groups_per_round: int, size: int, ahead: 
             print(f"agent: run {agent.run!r} reached step {step}; done after {round_no} rounds", flush=True)
             return True
         groups = state.get("groups", {})
-        waiting = sum(groups.get(s, 0) for s in ("open", "ready", "claimed"))
-        # Sample only once the newest step is served (less `ahead`), and keep at most `ahead` rounds queued.
-        if waiting >= groups_per_round * (1 + ahead) or state.get("policy_version", 0) + ahead < step:
-            time.sleep(0.5)
-            continue
         if round_no >= max_rounds:
             print(f"agent: {round_no} rounds played, the run is at step {step} of {steps} ({groups.get('dropped', 0)} "
                   "groups dropped, most likely because all their episodes earned the same reward); giving up",
@@ -202,7 +199,6 @@ def main_for(task: Task[Any], description: str, argv: Sequence[str] | None = Non
     parser.add_argument("--steps", type=int, default=10, help="train: stop once the run has this many steps")
     parser.add_argument("--groups-per-round", type=int, default=4, help="train: questions per round")
     parser.add_argument("--group-size", type=int, default=8, help="train: episodes per question")
-    parser.add_argument("--ahead", type=int, default=1, help="train: rounds the agent may run ahead of the trainer")
     parser.add_argument("--max-rounds", type=int, help="train: give up after this many rounds (default: 5 x steps)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--samples", type=int, default=4, help="eval: episodes per held-out question")
@@ -214,7 +210,7 @@ def main_for(task: Task[Any], description: str, argv: Sequence[str] | None = Non
     try:
         if args.mode == "train":
             max_rounds = args.max_rounds or 5 * args.steps
-            if not train(agent, args.steps, args.groups_per_round, args.group_size, args.ahead, args.seed, max_rounds):
+            if not train(agent, args.steps, args.groups_per_round, args.group_size, args.seed, max_rounds):
                 return 1
         else:
             result = evaluate(agent, args.samples, args.limit)

@@ -8,9 +8,9 @@ of words) for a right one: "Paris" earns 1, "The capital of France is Paris." 0.
     python examples/short_answers.py eval  --gateway http://127.0.0.1:8000 --run demo --out before.json
     python examples/short_answers.py train --gateway http://127.0.0.1:8000 --run demo --steps 10
 
-`train` plays rounds of groups (each question answered `--group-size` times) until the run has trained `--steps`
-steps, staying at most `--ahead` rounds ahead of the trainer, so the policy that samples is at most that many
-versions older than the one being trained. `eval` answers the held-out questions in evaluation mode (recorded and
+`train` plays rounds of groups (each question answered `--group-size` times) back to back until the run has trained
+`--steps` steps; the gateway's admission holds a round's first calls until the trainer can take its groups before
+they are more than the run's `max_staleness` versions old. `eval` answers the held-out questions in evaluation mode (recorded and
 rewarded, never trained) and writes the rewards per question as JSON. Both come from harness.py, which every example
 agent shares; this file is the task.
 """

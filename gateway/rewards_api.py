@@ -69,7 +69,7 @@ def _result(result: RewardResult) -> dict[str, Any]:
 
 
 async def _store(gw: GatewayState, items: Sequence[RewardItem]) -> list[RewardResult]:
-    await asyncio.to_thread(gw.writer.flush, FLUSH_TIMEOUT_S)
+    await gw.writer.settled(FLUSH_TIMEOUT_S)
     return await asyncio.to_thread(store_rewards, gw.engine, items)
 
 
@@ -137,7 +137,7 @@ async def close(group_id: str, request: Request) -> dict[str, Any]:
     """Declare the group complete: ready once every trajectory it has is rewarded, whatever its expected size."""
     check_id(group_id, "group id")
     gw = gateway_state(request)
-    await asyncio.to_thread(gw.writer.flush, FLUSH_TIMEOUT_S)
+    await gw.writer.settled(FLUSH_TIMEOUT_S)
     state = await asyncio.to_thread(close_group, gw.engine, group_id)
     if state is None:
         message = f"no group {group_id!r}: no call of this group has been recorded"

@@ -275,6 +275,54 @@ def test_gradient_checkpointing_changes_memory_not_results(tiny: str) -> None:
         assert results[1][key] == pytest.approx(results[0][key], rel=1e-5), key
 
 
+def prefixed_rows(prefix_len: int, seed: int = 0, n: int = 6) -> list[Row]:
+    """An agent's rows: one long prompt prefix shared by all (system prompt, tool schemas), then each its own."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(prefix_len)]
+    rows = mixed_rows(seed, n)
+    for r in rows:
+        r.input_ids = prefix + r.input_ids
+        r.loss_mask = [0] * prefix_len + r.loss_mask
+        r.behaviour_logprobs = [0.0] * prefix_len + r.behaviour_logprobs
+    return rows
+
+
+def test_a_shared_prefix_runs_once_and_changes_nothing(tiny: str) -> None:
+    rows = prefixed_rows(40)
+    results = []
+    for share in (False, True):
+        backend = make(tiny, share_prefix=share)
+        set_behaviour(backend, rows)
+        positions = [0]
+        embed = backend.model.get_base_model().get_input_embeddings()
+        embed.register_forward_hook(lambda _m, args, _o: positions.__setitem__(0, positions[0] + args[0].numel()))
+        metrics = backend.train_step(rows, LossConfig(kind="grpo"), micro_batch_tokens=1000)
+        step_positions = positions[0]
+        adapter = {n: p.detach().clone() for n, p in backend.model.named_parameters() if p.requires_grad}
+        backend.model.eval()
+        results.append((metrics, adapter, backend.token_logprobs(rows), step_positions))
+    (plain, plain_adapter, plain_lps, plain_positions), (shared, shared_adapter, shared_lps, shared_positions) = results
+    padded = len(rows) * max(len(r) for r in rows)
+    assert plain_positions == padded  # one micro-batch: every padded position through the decoder
+    assert shared_positions == padded - (len(rows) - 1) * 40  # the 40 shared tokens once, not once a row
+    for key in ("loss", "grad_norm", "ratio_mean"):
+        assert shared[key] == pytest.approx(plain[key], rel=1e-5), key
+    for name, weight in plain_adapter.items():
+        torch.testing.assert_close(shared_adapter[name], weight, rtol=0, atol=1e-5)
+    for got, want in zip(shared_lps, plain_lps, strict=True):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)
+
+
+def test_rows_that_share_little_or_nothing_run_whole(tiny: str) -> None:
+    backend = make(tiny)
+    positions = [0]
+    embed = backend.model.get_base_model().get_input_embeddings()
+    embed.register_forward_hook(lambda _m, args, _o: positions.__setitem__(0, positions[0] + args[0].numel()))
+    rows = prefixed_rows(5)  # below the point where a second decoder call pays
+    backend.token_logprobs(rows, micro_batch_tokens=1000)
+    assert positions[0] == len(rows) * max(len(r) for r in rows)
+
+
 def test_non_finite_gradient_raises_and_leaves_the_adapter_untouched(tiny: str) -> None:
     backend = make(tiny)
     rows = set_behaviour(backend, mixed_rows(n=2))

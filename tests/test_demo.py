@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.cli import build_parser
 from gateway.store import db
 from trainer.demo import (
     PORT_TAKEN,
@@ -31,11 +32,12 @@ from trainer.demo import (
     report,
     run_config,
     run_demo,
+    split_cpus,
     start_gateway,
 )
 from tests.test_tool_agent import scripted  # noqa: F401 - a fixture
 from tests.waiting import OutputLines
-from trainer.vllm_cpu import free_port
+from trainer.vllm_cpu import VllmServer, free_port
 
 
 def _load_agent():  # the example is a script, not part of the package
@@ -104,7 +106,7 @@ def test_run_config_is_one_the_gateway_accepts() -> None:
     from gateway.run_config import RunConfig
 
     config = RunConfig.model_validate(run_config(DemoOptions(ahead=2)))
-    assert config.max_staleness >= 2  # rounds sampled ahead are never dropped as stale
+    assert (config.max_staleness, config.admission) == (2, "wait")  # the gateway's admission paces the agent
     assert config.sampling.temperature == 1.0  # the importance ratio assumes samples from the model itself
 
 
@@ -263,3 +265,30 @@ def test_trivia_episode_is_one_call_scored_by_the_reward(scripted: Any) -> None:
     (request,) = server.requests
     assert request["model"] == "demo"
     assert request["messages"] == [{"role": "user", "content": f"What is the capital of France? {agent.INSTRUCTION}"}]
+
+
+def test_vllm_and_the_trainer_get_disjoint_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert split_cpus([0, 1]) == ([0], [1])
+    assert split_cpus([0, 1, 2, 3, 4]) == ([0, 1], [2, 3, 4])
+    assert split_cpus([3]) == ([3], [3])  # one core: both on it (nothing to split)
+    server = VllmServer("/nowhere", "m", cpus=[0, 1])
+    assert server.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in VllmServer("/nowhere", "m").environment()  # vLLM's own binding
+
+
+def test_train_cpus_are_a_cpu_list_and_a_bad_one_is_one_line() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["train", "--run", "r", "--cpus", "0,2-3"]).cpus == [0, 2, 3]
+    for bad in ("x", "3-a", ""):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["train", "--run", "r", "--cpus", bad])
+    missing = os.cpu_count() or 1
+    out = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "train", "--run", "r", "--cpus", str(missing + 64)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TRAJGATE_DATABASE_URL": "sqlite:///:memory:"},
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"trajgate train: --cpus {missing + 64}: Invalid argument (this machine has {missing})"
+    ]

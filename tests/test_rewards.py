@@ -228,13 +228,8 @@ async def test_concurrent_rewards_flip_readiness_exactly_once(
         assert {group_id: group(other, group_id)["ready_at"] for group_id in groups} == ready_at
 
 
-def test_reward_overtaking_the_last_call(
-    gateway: RunningGateway, upstream: FakeUpstream, db_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The writer is asynchronous: a reward posted right after the agent's last call must still find that call.
-
-    The writer is held at a gate (not by a timing window, which a busy machine outlasts), so the calls are
-    certainly still unwritten when the reward arrives; the gate opens while the reward waits for them."""
+def hold_the_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The writer's database writes wait at this gate until it is set (at most 60 s)."""
     gate = threading.Event()
     real_write = gateway_writer.write_calls
 
@@ -243,6 +238,17 @@ def test_reward_overtaking_the_last_call(
         real_write(engine, records)
 
     monkeypatch.setattr(gateway_writer, "write_calls", held_write)
+    return gate
+
+
+def test_reward_overtaking_the_last_call(
+    gateway: RunningGateway, upstream: FakeUpstream, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer is asynchronous: a reward posted right after the agent's last call must still find that call.
+
+    The writer is held at a gate (not by a timing window, which a busy machine outlasts), so the calls are
+    certainly still unwritten when the reward arrives; the gate opens while the reward waits for them."""
+    gate = hold_the_writer(monkeypatch)
     make_calls(gateway, upstream, ["o-new"], group="g-overtake-1", size=1)
     assert stored_calls(db_url, "o-new") == []  # the call is not in the database yet...
     threading.Timer(0.5, gate.set).start()
@@ -261,3 +267,30 @@ def test_reward_overtaking_the_last_call(
     assert reward(gateway, "o-two", 0.5).json()["group_ready"] is True
     # The group became ready with both calls in it: the trainer would claim a complete trajectory.
     assert [t["calls"] for t in group(gateway, "g-overtake-2")["trajectories"]] == [2]
+
+
+async def test_rewards_waiting_for_records_leave_reads_answering(
+    gateway_settings: dict[str, object], upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round of rewards arrives while the writer is behind (a busy SQLite): each waits for its calls' records,
+    and none may hold a database thread meanwhile, or the agent's progress read queues behind all of them (it once
+    went unanswered for over 300 s). More rewards wait here than the gateway has database threads."""
+    gate = hold_the_writer(monkeypatch)
+    with running_gateway(**{**gateway_settings, "db_threads": 2}) as gw:
+        trajectories = [f"busy-{i}" for i in range(8)]
+        make_calls(gw, upstream, trajectories, group="g-busy", size=len(trajectories))
+        async with httpx.AsyncClient(base_url=gw.base_url, timeout=60) as client:
+            rewards = [
+                asyncio.create_task(client.post(f"/trajectories/{t}/reward", json={"reward": 1.0}))
+                for t in trajectories
+            ]
+            await asyncio.sleep(0.5)  # every reward is in and waiting for the held writer
+            try:
+                runs = await client.get("/runs")
+                assert runs.status_code == 200, runs.text
+                assert not any(task.done() for task in rewards)  # the read answered while all of them waited
+            finally:
+                gate.set()
+            answers = await asyncio.gather(*rewards)
+    assert [a.status_code for a in answers] == [200] * len(trajectories)
+    assert sum(a.json()["group_ready"] for a in answers) == 1

@@ -200,6 +200,8 @@ class FlakyVllm:
     """Stands in for VllmAdmin (the HTTP side is exercised against real vLLM in tests/e2e): loads fail while
     `failures` lasts, as when vLLM is restarting."""
 
+    base_url = "http://vllm:8000/v1"
+
     def __init__(self, failures: int) -> None:
         self.failures = failures
         self.served: set[str] = set()
@@ -218,6 +220,9 @@ class FlakyVllm:
 
     def check_answers(self, name: str) -> float:
         return 0.01
+
+    def replicas(self) -> list[FlakyVllm]:
+        return [self]
 
 
 def flaky_trainer(url: str, tmp_path: Path, tiny: str, failures: int) -> tuple[Trainer, FlakyVllm]:

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -68,6 +69,8 @@ class DemoOptions:
     workdir: Path = Path("demo-run")
     groups_per_step: int = 4
     group_size: int = 8
+    # The run's max_staleness: versions the policy sampling a group may trail the trained one (0 = synchronous
+    # on-policy); the gateway's admission holds new groups to it, the agent does not pace itself.
     ahead: int = 1
     learning_rate: float = 3e-4
     loss: str = "cispo"
@@ -124,12 +127,16 @@ class Child:
     def tail(self, n: int = 30) -> str:
         return "\n".join(self.lines[-n:])
 
-    def wait(self, others: Sequence[Child] = ()) -> int:
-        """Wait for this process to exit; fail fast if one of `others` (that should outlive it) dies first."""
+    def wait(self, others: Sequence[Child] = (), may_finish: Sequence[Child] = ()) -> int:
+        """Wait for this process to exit; fail fast if one of `others` (that should outlive it) dies first, or one
+        of `may_finish` (that may be done first) fails."""
         while (code := self.proc.poll()) is None:
             for other in others:
                 if other.proc.poll() is not None:
                     raise DemoError(f"{other.name} exited ({other.proc.returncode}):\n{other.tail()}")
+            for other in may_finish:
+                if other.proc.poll() not in (None, 0):
+                    raise DemoError(f"{other.name} failed ({other.proc.returncode}):\n{other.tail()}")
             time.sleep(0.2)
         self._relay.join(5)
         return code
@@ -178,6 +185,17 @@ def model_weights(model: str) -> tuple[Path, str]:
     return path, path.name
 
 
+def split_cpus(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
+    """vLLM's cores and the trainer's: disjoint halves (vLLM the first, the trainer the rest), both all of one core.
+
+    Sampling and training overlap (the agent samples the next round while a step trains); threads of the two that
+    share a core stall each other at every parallel region, which made a tools step ~5x slower."""
+    if len(cpus) < 2:
+        return list(cpus), list(cpus)
+    half = len(cpus) // 2
+    return list(cpus[:half]), list(cpus[half:])
+
+
 def run_config(options: DemoOptions) -> dict[str, Any]:
     """The run's training and sampling settings (POST /v1/runs): temperature 1 samples the model's own
     distribution, which the importance ratio assumes; short replies keep a step fast on CPU."""
@@ -185,7 +203,7 @@ def run_config(options: DemoOptions) -> dict[str, Any]:
         "groups_per_step": options.groups_per_step,
         "learning_rate": options.learning_rate,
         "loss": options.loss,
-        "max_staleness": options.ahead + 1,
+        "max_staleness": options.ahead,
         "sampling": {"temperature": 1.0, "max_tokens": options.max_tokens or TASKS[options.task].max_tokens},
     }
     token_mode = options.token_mode or TASKS[options.task].token_mode
@@ -390,8 +408,9 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
     db.upgrade(database_url)
     with _stopping_everything_on_exit() as stack:
         task = TASKS[options.task]
+        vllm_cpus, trainer_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
         server = VllmServer(weights, served, max_lora_rank=16, max_loras=options.keep_adapters + 1, kvcache_gib=2,
-                            extra_args=task.vllm_args)  # fmt: skip
+                            extra_args=task.vllm_args, cpus=vllm_cpus)  # fmt: skip
         say(f"starting vLLM CPU ({served}, LoRA on; log {server.log_path})")
         vllm = stack.enter_context(server)
         t = phase("vllm_start", t)
@@ -420,11 +439,12 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         _http("POST", gateway_url + "/v1/runs",
               {"name": RUN, "base_model": served, "base_weights": str(weights), "config": run_config(options)})
         say(f"gateway on {gateway_url} (SQLite {workdir / 'trajgate.db'}); run {RUN!r} created")
+        say(f"watch it in the browser: {gateway_url}/ui/run?name={urllib.parse.quote(RUN)}")
         trainer = start(
             "trainer",
             [sys.executable, "-m", "gateway.cli", "train", "--run", RUN, "--backend", "hf", "--device", "cpu",
              "--steps", str(options.steps), "--poll-s", "0.5", "--seed", str(options.seed),
-             "--keep-adapters", str(options.keep_adapters)],
+             "--keep-adapters", str(options.keep_adapters), "--cpus", ",".join(map(str, trainer_cpus))],
             20,
         )  # fmt: skip
         agent = [sys.executable, str(task.agent), "--gateway", gateway_url, "--run", RUN, "--seed", str(options.seed)]
@@ -447,8 +467,10 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         t = phase("eval_before", t)
         say(f"training: {options.steps} steps of {options.groups_per_step} groups x {options.group_size} answers")
         rounds = [*agent, "train", "--steps", str(options.steps), "--groups-per-round", str(options.groups_per_step),
-                  "--group-size", str(options.group_size), "--ahead", str(options.ahead)]  # fmt: skip
-        if start("agent", rounds, 10).wait([gateway, trainer]) != 0:
+                  "--group-size", str(options.group_size)]  # fmt: skip
+        # The trainer may finish first: the agent's last round can start before the last step and be admitted
+        # only once that step frees room, after which it plays on the last adapter and stops.
+        if start("agent", rounds, 10).wait([gateway], may_finish=[trainer]) != 0:
             raise DemoError("the agent's training rounds failed")
         if trainer.wait([gateway]) != 0:
             raise DemoError(f"the trainer failed:\n{trainer.tail()}")

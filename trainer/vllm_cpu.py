@@ -299,6 +299,7 @@ class VllmServer:
         kvcache_gib: int = 2,
         extra_args: Sequence[str] = (),
         startup_timeout: float = 300.0,
+        cpus: Sequence[int] = (),
     ) -> None:
         self.model_dir = Path(model_dir)
         self.served_model_name = served_model_name
@@ -308,6 +309,7 @@ class VllmServer:
         self.max_loras = max_loras
         self.kvcache_gib = int(kvcache_gib)
         self.extra_args = tuple(extra_args)
+        self.cpus = tuple(cpus)  # the cores vLLM binds its threads to; empty: vLLM's own choice (all but one)
         self.startup_timeout = startup_timeout
         self.log_path = cache_dir() / "logs" / f"vllm-{served_model_name}-{self.port}.log"
         self.startup_seconds: float | None = None
@@ -350,6 +352,8 @@ class VllmServer:
             VLLM_NO_USAGE_STATS="1",
             DO_NOT_TRACK="1",
         )
+        if self.cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
         return env
 
     def start(self) -> Self:

@@ -88,6 +88,10 @@ def test_demo_trains_publishes_and_draws_the_curve(tmp_path: Path) -> None:
     assert view["trajectories"]["eval"]["rewarded"] == 2 * 6 * 2  # before and after, every answer rewarded
     assert [v["policy_version"] for v in view["eval_reward_by_version"]] == [0, 2]
     assert view["groups"].get("trained", 0) >= 2
+    # The agent no longer paces itself: the gateway's admission did (the rounds a trainer still starting up may
+    # miss aside), and no group went stale.
+    assert view["admission"]["admitted_groups"] > 0
+    assert view["admission"]["groups_dropped_stale"] == 0
 
 
 def test_ctrl_c_stops_every_process_the_demo_started(tmp_path: Path) -> None:

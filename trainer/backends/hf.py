@@ -30,6 +30,8 @@ OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
 STATE_FILE = "trainer_state.json"
 STATE_FORMAT = 1
+# Below this a shared prefix saves less than the second decoder call costs.
+MIN_SHARED_PREFIX = 16
 
 # Config attributes that transform logits after the LM-head matmul, with their neutral value. The
 # chunked logprob path computes plain ``hidden @ Wᵀ``; for these models it would silently disagree
@@ -76,6 +78,9 @@ class HFBackend(TrainerBackend):
     probability mismatch. On a GPU that fp32 matmul runs without tensor cores and, for a small
     model with a 150k vocabulary, can cost more than the whole decoder; ``"bfloat16"`` (logits
     still upcast to fp32) trades that precision for speed. ``None`` = the model's dtype.
+
+    ``share_prefix``: a micro-batch's common leading tokens go through the decoder once
+    (``_final_hidden``); off only to compare against.
     """
 
     name = "hf"
@@ -94,6 +99,7 @@ class HFBackend(TrainerBackend):
         logprob_chunk: int = 1024,
         gradient_checkpointing: bool = False,
         logprob_dtype: str | None = "float32",
+        share_prefix: bool = True,
     ) -> None:
         super().__init__(
             base_weights,
@@ -107,6 +113,7 @@ class HFBackend(TrainerBackend):
             logprob_chunk=logprob_chunk,
         )
         self.gradient_checkpointing = gradient_checkpointing
+        self.share_prefix = share_prefix
         self.logprob_dtype = None if logprob_dtype is None else resolve_dtype(logprob_dtype, self.device)
         # The LoRA A matrices are initialised from the global RNG (and dropout draws from it):
         # seeding here makes two backends built alike start identical.
@@ -157,9 +164,36 @@ class HFBackend(TrainerBackend):
         return get_peft_model(base, config), targets
 
     def _final_hidden(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """[B, T, H] hidden states after the final norm — the decoder body alone, no LM head."""
+        """[B, T, H] hidden states after the final norm — the decoder body alone, no LM head.
+
+        Rows that start alike (an agent's system prompt, tool schemas and worked examples, the same
+        question in every row of a group) run their common prefix once: its keys and values are
+        repeated across the batch and only the rest of each row goes through the decoder. Exact (the
+        same attention inputs; the gradient reaches the prefix once, summed over the rows), and for
+        an agent whose prompt is most of each row it is most of the step's compute.
+        """
         decoder = cast("PreTrainedModel", self.model.get_base_model()).get_decoder()
-        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        shared = self._shared_prefix(input_ids, attention_mask) if self.share_prefix else 0
+        if shared == 0:
+            return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        batch = input_ids.shape[0]
+        prefix = decoder(input_ids=input_ids[:1, :shared], use_cache=True)
+        cache = prefix.past_key_values
+        cache.batch_repeat_interleave(batch)
+        rest = decoder(
+            input_ids=input_ids[:, shared:], attention_mask=attention_mask, past_key_values=cache, use_cache=True
+        ).last_hidden_state
+        return torch.cat([prefix.last_hidden_state.expand(batch, -1, -1), rest], dim=1)
+
+    def _shared_prefix(self, input_ids: Tensor, attention_mask: Tensor) -> int:
+        """How many leading tokens every row has in common (0 when sharing would not pay: one row, or a
+        recomputing backward, which the cache cannot go through). At least one token of each row's
+        tail stays out of it, so every row runs through the decoder."""
+        if input_ids.shape[0] < 2 or self.gradient_checkpointing:
+            return 0
+        same = ((input_ids == input_ids[:1]) & (attention_mask > 0)).all(dim=0)
+        common = int(same.long().cumprod(dim=0).sum())
+        return min(common, input_ids.shape[1] - 1) if common >= MIN_SHARED_PREFIX else 0
 
     # -- the interface --------------------------------------------------------------------------
 
