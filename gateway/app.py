@@ -10,6 +10,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,9 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway import judge_api, read_api, rewards_api, runs_api
+from gateway import api_messages, api_responses, judge_api, read_api, rewards_api, runs_api, ui
+from gateway.api_messages import MessagesApi
+from gateway.api_responses import ResponsesAPI
 from gateway.attribution import split_path
 from gateway.auth import Auth
 from gateway.config import Settings
@@ -45,6 +48,8 @@ class GatewayState:
     auth: Auth
     metrics: GatewayMetrics
     proxy: Proxy
+    responses: ResponsesAPI
+    messages: MessagesApi
     # Set when the server begins a graceful shutdown, so endless responses (the event stream) end and let it finish.
     stopping: threading.Event = field(default_factory=threading.Event)
 
@@ -81,7 +86,7 @@ def build_state(settings: Settings) -> GatewayState:
         }
     )
     proxy = Proxy(
-        upstream_url=settings.upstream_url,
+        upstream_urls=settings.upstream_urls,
         upstream_api_key=settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None,
         upstream_timeout_s=settings.upstream_timeout_s,
         max_body_bytes=settings.max_body_bytes,
@@ -91,8 +96,12 @@ def build_state(settings: Settings) -> GatewayState:
         metrics=metrics,
         engine=engine,
         token_state_wait_s=settings.token_state_wait_s,
+        admission_poll_s=settings.admission_poll_s,
     )
-    return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy)
+    metrics.watch_replicas(lambda: [(r.url, r.healthy, r.in_flight) for r in proxy.replicas.all])
+    responses = ResponsesAPI(proxy, engine, settings.token_state_wait_s, settings.responses_kept)
+    messages = MessagesApi(proxy)
+    return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy, responses, messages)
 
 
 class Gateway:
@@ -102,7 +111,10 @@ class Gateway:
         self.state = build_state(settings)
         self.api = FastAPI(title="trajgate", lifespan=self._lifespan, docs_url="/docs", redoc_url=None)
         self.api.state.gateway = self.state
-        for module in (router, rewards_api.router, read_api.router, runs_api.router, judge_api.router):
+        for module in (
+            router, rewards_api.router, read_api.router, runs_api.router, judge_api.router, api_responses.router,
+            ui.router,
+        ):  # fmt: skip
             self.api.include_router(module)
         install_error_handlers(self.api)
         self._routes_failing = False
@@ -116,15 +128,21 @@ class Gateway:
         self.state.auth.warn_if_open()
         self.state.stopping.clear()
         self.state.writer.start()
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(self.state.settings.db_threads, thread_name_prefix="trajgate-db")
+        )
         await self.state.proxy.start()
         await self._refresh_routes()
         refresher = asyncio.create_task(self._refresh_routes_forever())
+        prober = self._probe_replicas()
         log.info("gateway ready: upstream %s", self.state.settings.upstream_url)
         try:
             yield
         finally:
             self.state.stopping.set()
             refresher.cancel()
+            if prober is not None:
+                prober.cancel()
             await self.state.proxy.close()
             self.state.writer.close()
             self.state.engine.dispose()
@@ -142,6 +160,15 @@ class Gateway:
                 log.info("run routes refreshed again")
             self._routes_failing = False
 
+    def _probe_replicas(self) -> asyncio.Task[None] | None:
+        """With several vLLM replicas, ask each one's /models in the background (health, adapters it serves)."""
+        proxy = self.state.proxy
+        if not proxy.replicas.several:
+            return None
+        assert proxy.session is not None
+        every_s = self.state.settings.replica_probe_s
+        return asyncio.create_task(proxy.replicas.probe_forever(proxy.session, proxy.upstream_headers, every_s))
+
     async def _refresh_routes_forever(self) -> None:
         while True:
             await asyncio.sleep(ROUTE_REFRESH_S)
@@ -157,6 +184,12 @@ class Gateway:
                 else:
                     error = GatewayError(405, f"{scope['method']} is not allowed here; use POST", code="method_not_allowed")
                     await send_json(send, 405, error.body(), [(b"allow", b"POST")])
+                return
+            if path == api_responses.PATH and scope["method"] == "POST":
+                await self.state.responses.create(scope, receive, send, prefix)
+                return
+            if path in api_messages.PATHS or path.startswith(api_messages.PATH_PREFIX):
+                await self.state.messages.handle(scope, receive, send, prefix)
                 return
             if prefix is not None:
                 scope = {**scope, "path": path, "raw_path": path.encode()}

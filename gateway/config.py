@@ -27,7 +27,13 @@ class Settings(BaseSettings):
         "sqlite:///trajgate.db",
         description="SQLAlchemy URL; SQLite file in the working directory by default, postgresql://... for Postgres.",
     )
-    upstream_url: str = Field("http://127.0.0.1:8001/v1", description="vLLM's OpenAI base URL (ends in /v1).")
+    upstream_url: str = Field(
+        "http://127.0.0.1:8001/v1",
+        description="vLLM's OpenAI base URL (ends in /v1); several replicas: their URLs, comma-separated.",
+    )
+    replica_probe_s: float = Field(
+        2.0, gt=0, description="Several replicas: how often each one's /models is asked (health, adapters served)."
+    )
     base_model: str | None = Field(None, description="Name vLLM serves the base model under.")
     base_weights: str | None = Field(
         None, description="Weights the trainer loads for runs that name none: the same weights vLLM serves."
@@ -45,6 +51,8 @@ class Settings(BaseSettings):
         description="Group fsync interval of the spool: the most answered calls a power loss can take (0: every call).",
     )
     checkpoint_dir: Path = Field(Path("checkpoints"), description="Adapters and optimizer state, per run and step.")
+    tracker_project: str = Field("trajgate", description="`trajgate train --log-to`: the tracker project / experiment.")
+    tracker_name: str | None = Field(None, description="`trajgate train --log-to`: the tracker run name (default: the run).")
 
     host: str = Field("127.0.0.1", description="Address `trajgate serve` listens on.")
     port: int = Field(8000, ge=1, le=65535, description="Port `trajgate serve` listens on.")
@@ -67,6 +75,26 @@ class Settings(BaseSettings):
         description="token_in runs: how long a call whose history holds an assistant message no record matches yet "
         "waits for another gateway's record of it to be written before it starts a new token segment.",
     )
+    db_threads: int = Field(
+        32,
+        ge=1,
+        le=512,
+        description="Threads for the database work of the ordinary endpoints (reads, rewards, runs): each holds a "
+        "thread while SQLite's busy timeout or Postgres makes it wait, so a reward burst must not starve the reads.",
+    )
+    responses_kept: int = Field(
+        4096,
+        ge=0,
+        description="OpenAI Responses API: recent stored responses kept in memory for `previous_response_id` and "
+        "`GET /v1/responses/{id}`; older ones are read back from the database.",
+    )
+    admission_poll_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="How often calls waiting for admission ask the database again for room (the trainer frees it "
+        "by training, dropping or publishing, which the gateway is not told of).",
+    )
     max_connections: int | None = Field(
         None, ge=1, description="Open connections before new ones get a 503; unset: half the open-file limit."
     )
@@ -85,11 +113,13 @@ class Settings(BaseSettings):
 
     @field_validator("upstream_url")
     @classmethod
-    def _check_upstream_url(cls, url: str) -> str:
-        url = url.strip().rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError("must be an http(s) URL such as http://vllm:8000/v1")
-        return url
+    def _check_upstream_url(cls, value: str) -> str:
+        urls = [url.strip().rstrip("/") for url in value.split(",") if url.strip()]
+        if not urls or not all(url.startswith(("http://", "https://")) for url in urls):
+            raise ValueError("must be an http(s) URL such as http://vllm:8000/v1 (several: comma-separated)")
+        if len(set(urls)) != len(urls):
+            raise ValueError("lists the same replica twice")
+        return ",".join(urls)
 
     @field_validator("agent_keys", mode="before")
     @classmethod
@@ -106,10 +136,15 @@ class Settings(BaseSettings):
             raise ValueError("a key may not contain '#'")
         return keys
 
-    @field_validator("admin_key", "base_model", "base_weights", "upstream_api_key", mode="before")
+    @field_validator("admin_key", "base_model", "base_weights", "upstream_api_key", "tracker_name", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def upstream_urls(self) -> list[str]:
+        """The vLLM replicas, in the order given (one for a single upstream)."""
+        return self.upstream_url.split(",")
 
     @property
     def is_sqlite(self) -> bool:

@@ -13,8 +13,11 @@ from sqlalchemy import inspect, text
 from gateway.store import db
 from gateway.store.models import Base
 
-TABLES = {"runs", "policy_versions", "groups", "trajectories", "calls", "train_steps", "trainer_leases"}
-HEAD = "0007"
+TABLES = {
+    "runs", "policy_versions", "groups", "trajectories", "calls", "train_steps", "trainer_leases", "admissions",
+    "admission_refusals",
+}
+HEAD = "0009"
 
 
 def _tables(url: str) -> set[str]:

@@ -171,6 +171,13 @@ class Call(Base):
     request_hash: Mapped[bytes | None] = mapped_column(LargeBinary)
     first_seq: Mapped[int | None] = mapped_column(BigInteger)
     first_retry_count: Mapped[int | None] = mapped_column(Integer)
+    # The call tree (gateway.store.tree): the recorded call whose prompt + completion ids this call's prompt extends
+    # the furthest (null: a root, `merge_reason` says why), and this call's own prompt + completion as a candidate
+    # parent for later calls: their count and a hash of them. Null on calls written before 0009.
+    tree_parent_seq: Mapped[int | None] = mapped_column(BigInteger)
+    tree_parent_choice: Mapped[int | None] = mapped_column(Integer)
+    tokens_len: Mapped[int | None] = mapped_column(Integer)
+    tokens_key: Mapped[bytes | None] = mapped_column(LargeBinary)
 
     __table_args__ = (
         UniqueConstraint("trajectory_id", "seq", "choice_index"),
@@ -187,6 +194,36 @@ class TrainerLease(Base):
     holder: Mapped[str] = mapped_column(String(256))
     lease_until: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     acquired_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Admission(Base):
+    """A training group the gateway admitted (gateway/admission.py): once per group, whichever gateway did it.
+
+    What counts against the run's bound is read from here joined to groups (a group trained or dropped no longer
+    counts), so every gateway on the database shares one bound.
+    """
+
+    __tablename__ = "admissions"
+
+    group_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    run: Mapped[str] = mapped_column(ForeignKey("runs.name", ondelete="CASCADE"))
+    # The policy version serving the run when the group was admitted.
+    policy_version: Mapped[int] = mapped_column(Integer)
+    admitted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # How long the call that asked for it waited for room.
+    wait_s: Mapped[float] = mapped_column(Float, default=0.0)
+
+    __table_args__ = (Index(None, "run", "policy_version"),)
+
+
+class AdmissionRefusal(Base):
+    """Per run, the calls admission turned away: at once (`admission: reject`) or after waiting (timed out)."""
+
+    __tablename__ = "admission_refusals"
+
+    run: Mapped[str] = mapped_column(ForeignKey("runs.name", ondelete="CASCADE"), primary_key=True)
+    rejected: Mapped[int] = mapped_column(Integer, default=0)
+    timed_out: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class TrainStep(Base):
