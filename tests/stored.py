@@ -91,3 +91,19 @@ def count_calls(db_url: str) -> int:
             return conn.execute(select(func.count()).select_from(Call)).scalar_one()
     finally:
         engine.dispose()
+
+
+def tree_rows(calls: list[dict[str, Any]]) -> int:
+    """Rows the trainer makes of a trajectory (trainer.samples): a call opens one when it is a root of the call tree,
+    or when its tree parent was already continued by an earlier call (a cut or re-serialised tool call sends the next
+    turn back to the call before it: a fork). The gateway recorded each call's tree parent."""
+    continued: set[tuple[int, int]] = set()
+    rows = 0
+    for call in calls:
+        if call["tree_parent_seq"] is None:
+            rows += 1
+            continue
+        parent = (call["tree_parent_seq"], call["tree_parent_choice"] or 0)
+        rows += parent in continued
+        continued.add(parent)
+    return rows

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from langchain_core.exceptions import OutputParserException
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage, SystemMessage
 from langchain_core.output_parsers.openai_tools import parse_tool_call
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -33,8 +33,8 @@ from gateway.store.runs import steps_after
 from gateway.token_in import NO_MATCH
 from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESULT
 from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import stored_calls
-from tests.token_in_agent import teach_end_token
+from tests.stored import stored_calls, tree_rows
+from tests.token_in_agent import continues_exactly, teach_end_token
 from trainer.loop import Trainer, TrainerOptions
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 from trainer.vllm_cpu import ensure_smollm2
@@ -121,24 +121,37 @@ def create_run(gateway: RunningGateway, name: str, token_mode: str) -> None:
     assert response.status_code in (200, 201), response.text
 
 
-def assert_client_saw_the_recorded_answers(history: list[BaseMessage], calls: list[dict[str, Any]]) -> None:
-    """Each AIMessage is the recorded response in the OpenAI shape: its content, and its tool calls parsed into
-    AIMessage.tool_calls with the recorded name and arguments (when the model emitted one)."""
+def assert_client_saw_the_recorded_answers(
+    history: list[BaseMessage], calls: list[dict[str, Any]], streamed: bool
+) -> None:
+    """Each AIMessage is the recorded response in the OpenAI shape: its content, and its tool calls as LangChain
+    makes them from that response (when the model emitted one). LangChain parses a whole answer's arguments strictly
+    (unparseable ones go to invalid_tool_calls) but a streamed answer's leniently (a cut JSON object becomes what
+    parses of it, possibly {}), so the expectation goes through the same parser the client used."""
     ai = answers(history)
     assert len(ai) == len(calls)
     for message, call in zip(ai, calls):
         recorded = call["response"]["choices"][0]["message"]
         assert message.content == (recorded.get("content") or "")
-        valid: list[tuple[str, Any]] = []
-        invalid: list[tuple[str, Any]] = []  # arguments LangChain cannot parse: it keeps their text
-        for c in recorded.get("tool_calls") or ():
-            try:
-                parsed = parse_tool_call(c, return_id=False)
-            except OutputParserException:
-                invalid.append((c["function"]["name"], c["function"]["arguments"]))
-            else:
-                assert parsed is not None
-                valid.append((parsed["name"], parsed["args"]))
+        raw = recorded.get("tool_calls") or []
+        if streamed:
+            chunks = [
+                {"name": c["function"]["name"], "args": c["function"]["arguments"], "id": c["id"], "index": i}
+                for i, c in enumerate(raw)
+            ]
+            expected = AIMessageChunk(content="", tool_call_chunks=chunks)
+            valid = [(c["name"], c["args"]) for c in expected.tool_calls]
+            invalid = [(c["name"], c["args"]) for c in expected.invalid_tool_calls]
+        else:
+            valid, invalid = [], []  # invalid: arguments LangChain cannot parse; it keeps their text
+            for c in raw:
+                try:
+                    parsed = parse_tool_call(c, return_id=False)
+                except OutputParserException:
+                    invalid.append((c["function"]["name"], c["function"]["arguments"]))
+                else:
+                    assert parsed is not None
+                    valid.append((parsed["name"], parsed["args"]))
         assert [(c["name"], c["args"]) for c in message.tool_calls] == valid
         assert [(c["name"], c["args"]) for c in message.invalid_tool_calls] == invalid
 
@@ -167,24 +180,35 @@ def test_langgraph_agent_trajectories_are_one_sequence_each_and_train(
     histories = converse_streamed_and_not(gw, TOKEN_RUN, group)
     runs = list(histories)
 
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(ensure_smollm2()).convert_tokens_to_ids("<|im_end|>")
     data = []
+    whole = []  # trajectories every call of which continued its predecessor's exact tokens
+    segments = 0  # training rows: one per call-tree root, and one per fork (a call extending an already continued call)
     for reward, (trajectory, history) in enumerate(histories.items()):
         calls = stored_calls(url, trajectory)
         assert len(calls) >= 2 and all(c["trainable"] for c in calls), [c["untrainable_reason"] for c in calls]
-        assert_client_saw_the_recorded_answers(history, calls)
+        assert_client_saw_the_recorded_answers(history, calls, trajectory.endswith("-stream"))
+        assert (calls[0]["merge_reason"], calls[0]["segment_reason"]) == ("first_call", "first_call")
         for before, after in zip(calls, calls[1:]):
+            if not continues_exactly(before, end):
+                continue  # a cut or unparseable tool call comes back re-serialised by LangChain: a new segment is right
             previous = before["prompt_token_ids"] + before["completion_token_ids"]
             assert after["prompt_token_ids"][: len(previous)] == previous
-        assert [c["merge_reason"] for c in calls] == ["first_call"] + [EXTENDS] * (len(calls) - 1)
-        assert [c["segment_reason"] for c in calls] == ["first_call"] + [None] * (len(calls) - 1)
-        # Linear storage: each turn stores only the ids past its predecessor's prompt + completion.
-        for before, after in zip(calls, calls[1:]):
+            assert (after["merge_reason"], after["segment_reason"]) == (EXTENDS, None)
+            # Linear storage: each turn stores only the ids past its predecessor's prompt + completion.
             assert after["parent_seq"] == before["seq"]
-            assert after["prefix_len"] == len(before["prompt_token_ids"]) + len(before["completion_token_ids"])
+            assert after["prefix_len"] == len(previous)
+        segments += tree_rows(calls)
+        if all(after["tree_parent_seq"] == before["seq"] for before, after in zip(calls, calls[1:])):
+            whole.append(trajectory)
         data.append(as_trajectory(trajectory, float(reward), calls))
 
     batch = build_samples([GroupData(group, data)])
     for recorded in data:
+        if recorded.trajectory_id not in whole:
+            continue
         (row,) = [r for r in batch.rows if r.trajectory_id == recorded.trajectory_id]  # one row per trajectory
         last = recorded.calls[-1]
         assert row.input_ids == last.prompt_token_ids + last.completion_token_ids
@@ -209,8 +233,9 @@ def test_langgraph_agent_trajectories_are_one_sequence_each_and_train(
         engine.dispose()
     metrics = step["metrics"]
     turns = sum(len(t.calls) for t in data)
-    assert (metrics["rows"], metrics["merge_ratio"], metrics["merge_breaks"]) == (2, 1.0, {})
-    assert metrics["merged_calls"] == turns - 2
+    assert (metrics["rows"], metrics["merged_calls"]) == (segments, turns - segments)
+    if len(whole) == len(data):
+        assert (metrics["merge_ratio"], metrics["merge_breaks"]) == (1.0, {})
     assert metrics["trainable_tokens"] == sum(len(c.completion_token_ids or ()) for t in data for c in t.calls)
     assert metrics["publish_error"] is None
 
@@ -223,12 +248,15 @@ def test_chat_mode_agent_is_unchanged_and_breaks_at_tool_calls(gateway: tuple[Ru
     tool_calls = 0
     for trajectory, history in histories.items():
         calls = stored_calls(url, trajectory)
-        assert_client_saw_the_recorded_answers(history, calls)
+        assert_client_saw_the_recorded_answers(history, calls, trajectory.endswith("-stream"))
         tool_calls += sum(bool(c["response"]["choices"][0]["message"].get("tool_calls")) for c in calls)
         assert all(c["segment_reason"] is None and c["history_key"] is None for c in calls)
         for before, after in zip(calls, calls[1:]):
             if before["response"]["choices"][0]["message"].get("tool_calls"):
-                assert after["merge_reason"] == "template_dropped_tool_call"  # SmolLM2's template drops it
+                # SmolLM2's template drops the call, so the next prompt does not extend it: that call is a root, or
+                # a second child of an earlier call whose ids it still extends (gateway.store.tree).
+                assert after["tree_parent_seq"] != before["seq"]
+                assert after["merge_reason"] in ("template_dropped_tool_call", EXTENDS)
         data.append(as_trajectory(trajectory, 0.0, calls))
     stats = build_samples([GroupData(group, data)], drop_zero_variance=False).stats
     print(f"chat LangGraph merge ratio {stats['merge_ratio']:.2f} over {stats['merge_candidates']} turns, "
@@ -257,7 +285,12 @@ def test_an_edited_history_starts_a_new_segment(gateway: tuple[RunningGateway, s
     assert edit["divergence"] < len(previous["prompt_token_ids"])
     shorter = len(edit["prompt_token_ids"]) < len(previous["prompt_token_ids"])
     assert edit["merge_reason"] == (TRUNCATED if shorter else HISTORY_EDITED)
-    assert [c["merge_reason"] for c in calls[before + 1 :]] == [EXTENDS] * (len(calls) - before - 1)
+    from transformers import AutoTokenizer
+
+    end = AutoTokenizer.from_pretrained(ensure_smollm2()).convert_tokens_to_ids("<|im_end|>")
+    for b, a in zip(calls[before:], calls[before + 1 :]):
+        if continues_exactly(b, end):  # else LangChain hands a cut tool call back re-serialised: a new segment
+            assert a["merge_reason"] == EXTENDS
     edited = as_trajectory(trajectory, 0.0, calls)
     stats = build_samples([GroupData("g", [edited])], drop_zero_variance=False).stats
-    assert stats["rows"] == 2 and stats["merge_breaks"] == {edit["merge_reason"]: 1}
+    assert stats["rows"] == tree_rows(calls) and stats["merge_breaks"].get(edit["merge_reason"], 0) >= 1
