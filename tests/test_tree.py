@@ -258,3 +258,40 @@ def test_the_lookup_hashes_each_prompt_id_once_however_many_turns_came_before() 
         assert key is not None
         candidates.append(Candidate(turn, 0, key[0], key[1]))
         messages.append(bot(reply))
+
+
+def compacted_after_a_sub_agent(trajectory_id: str = "traj-1") -> list[CallRecord]:
+    """An agent hands a task to a sub-agent (its own system prompt), then compacts its history and goes on."""
+    system = sys("Agent.")
+    return [
+        call(1, [system, user("u1")], "a1", trajectory_id),
+        call(2, [system, user("u1"), bot("a1"), user("u2")], "a2", trajectory_id),
+        call(3, [sys("Helper."), user("task")], "done", trajectory_id),
+        # Straight after the sub-agent: a summary in place of the agent's own history, not a new root.
+        call(4, [system, user("Summary: u1 u2; helper done."), user("u3")], "a3", trajectory_id),
+        call(5, [system, user("Summary: u1 u2; helper done."), user("u3"), bot("a3"), user("u4")], "a4", trajectory_id),
+    ]
+
+
+COMPACTED_AFTER_SUB_AGENT_TREE = [
+    (1, "first_call", None),
+    (2, "extends", (1, 0)),
+    (3, "new_root", None),
+    (4, "compacted", None),
+    (5, "extends", (4, 0)),
+]
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3, 4), (3, 4, 2, 1, 0), (2, 3, 0, 4, 1), (0, 1, 3, 4, 2)])
+def test_a_history_compacted_right_after_a_sub_agent_call_is_compacted_not_a_new_root(
+    engine: Engine, order: tuple[int, ...]
+) -> None:
+    # The root's reason is told against the agent's own last call (the latest one sharing its system prompt), not
+    # against the sub-agent's call that arrived just before it; whichever order the records reach the database in.
+    calls = compacted_after_a_sub_agent()
+    for i in order:
+        write_calls(engine, [calls[i]])
+        store_records._caches.pop(engine, None)
+    assert _tree(engine) == COMPACTED_AFTER_SUB_AGENT_TREE
+    write_calls(engine, compacted_after_a_sub_agent("traj-2"))  # all in one batch
+    assert _tree(engine, "traj-2") == COMPACTED_AFTER_SUB_AGENT_TREE

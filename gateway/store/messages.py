@@ -41,6 +41,19 @@ def message_digests(request: dict[str, Any] | None, ordered: bool) -> bytes | No
         return None
 
 
+def first_message(digests: bytes | None) -> bytes | None:
+    """The first message's digest out of a request's message digests; None when it has no message."""
+    return digests[:DIGEST_BYTES] if digests else None
+
+
+def first_message_digest(request: dict[str, Any] | None, ordered: bool) -> bytes | None:
+    """The first message's digest of a request, as message_digests gives it, without hashing the other messages."""
+    messages = (request or {}).get("messages")
+    if not isinstance(messages, list):
+        return None
+    return first_message(message_digests({"messages": messages[:1]}, ordered))
+
+
 def shared_messages(own: bytes | None, parent: bytes | None) -> int:
     """How many leading messages the call shares with its parent's request."""
     if own is None or parent is None:

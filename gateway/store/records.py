@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime
-from functools import cache
+from functools import cache, partial
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection, Engine, Executable, Table, bindparam, delete, func, select, text, update
@@ -28,9 +28,16 @@ from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
 from gateway.store.attempts import Attempt, Settlement, request_hash, settle
 from gateway.store.lineage import EXTENDS, Lineage, Predecessor, Rebuilder, classify
-from gateway.store.messages import compact_request, keeps_key_order, message_digests, shared_messages
+from gateway.store.messages import (
+    compact_request,
+    first_message,
+    first_message_digest,
+    keeps_key_order,
+    message_digests,
+    shared_messages,
+)
 from gateway.store.models import Call, Group, Run, Trajectory
-from gateway.store.tree import Candidate, find_parent, place, root_reason
+from gateway.store.tree import Candidate, find_parent, place, root_anchor, root_reason
 
 _runs = cast(Table, Run.__table__)
 _groups = cast(Table, Group.__table__)
@@ -501,6 +508,27 @@ def _lineages(
                 found[key] = cached or _predecessor_at(conn, trajectory_id, key, in_batch, rows, rebuilt, digests)
             return found[key]
 
+        def full_calls() -> RebuiltCalls:
+            nonlocal rebuilt
+            if rebuilt is None:
+                rebuilt = rebuild_calls(conn, trajectory_id)
+            return rebuilt
+
+        def same_agent_before(seq: int, own: bytes | None) -> Predecessor | None:
+            # The latest earlier choice-0 call whose request starts with the same message as `own` (gateway.store.tree
+            # root_anchor): read only for a root that shares no message with the call before it.
+            first = first_message(own)
+            if first is None:
+                return None
+            for earlier in reversed([s for s in choice0 if s < seq]):
+                if (earlier, 0) in in_batch:
+                    theirs = first_message(digests[in_batch[(earlier, 0)].id])
+                else:
+                    theirs = first_message_digest(full_calls().requests.get((earlier, 0)), key_order)
+                if theirs == first:
+                    return predecessor_at(earlier, 0)
+            return None
+
         candidates = _stored_candidates(rows, records)
         for record in records:
             earlier = [seq for seq in choice0 if seq < record.seq]
@@ -509,7 +537,8 @@ def _lineages(
             if own is None or own >= record.seq or predecessor_at(own, record.predecessor_choice or 0) is None:
                 lineage = classify(record.prompt_token_ids, previous)
                 lineage = _with_messages(lineage, digests[record.id], previous)
-                lineages.append(_in_tree(lineage, record, candidates, None, digests[record.id], previous))
+                anchor = partial(same_agent_before, record.seq, digests[record.id])
+                lineages.append(_in_tree(lineage, record, candidates, None, digests[record.id], previous, anchor))
                 continue
             # A token_in call names the recorded choice its prompt was built on: classify against that one (a retry
             # or a parallel branch of a turn extends the turn before it, not its sibling at the previous seq). Its
@@ -520,19 +549,18 @@ def _lineages(
             lineage = replace(lineage, parent_seq=stored_as.parent_seq, prefix_len=stored_as.prefix_len)
             lineage = _with_messages(lineage, digests[record.id], storage)
             named_choice = record.predecessor_choice or 0
-            lineages.append(_in_tree(lineage, record, candidates, (own, named_choice), digests[record.id], storage))
+            anchor = partial(same_agent_before, record.seq, digests[record.id])
+            lineages.append(
+                _in_tree(lineage, record, candidates, (own, named_choice), digests[record.id], storage, anchor)
+            )
 
         def previous_of(seq: int) -> Predecessor | None:
             earlier = [s for s in choice0 if s < seq]
             return predecessor_at(earlier[-1], 0) if earlier else None
 
-        def full_calls() -> RebuiltCalls:
-            nonlocal rebuilt
-            if rebuilt is None:
-                rebuilt = rebuild_calls(conn, trajectory_id)
-            return rebuilt
-
-        _reparent_late(conn, trajectory_id, rows, records, candidates, replaced, full_calls, previous_of)
+        _reparent_late(
+            conn, trajectory_id, rows, records, candidates, replaced, full_calls, previous_of, same_agent_before
+        )
     ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
     return ordered, lineages, firsts
 
@@ -555,11 +583,12 @@ def _in_tree(
     named: tuple[int, int] | None,
     own: bytes | None,
     compared: Predecessor | None,
+    same_agent: Callable[[], Predecessor | None],
 ) -> Lineage:
     """The lineage with the call's tree parent (gateway.store.tree) and tree keys; the call then joins `candidates`
     (records come in (seq, choice) order, so every earlier one of the batch is there). A call that extends the
     predecessor it names (token_in) keeps it; any other is looked up among the trajectory's earlier calls by its
-    prompt's ids. A root keeps its reason against `compared`, refined by the messages."""
+    prompt's ids. A root gets its reason from `_root_reason`."""
     earlier = (c for c in candidates if c.seq < record.seq)
     parent, tokens = place(record.prompt_token_ids, record.completion_token_ids, earlier)
     if tokens is not None:
@@ -572,8 +601,26 @@ def _in_tree(
     if lineage.reason == EXTENDS and compared is not None:
         # It extends a call written before calls kept tree keys (revision 0009), which no lookup can find.
         return replace(lineage, tree_parent=(compared.seq, 0))
+    reason, divergence = _root_reason(record.prompt_token_ids, own, compared, lineage, same_agent)
+    return replace(lineage, reason=reason, divergence=divergence)
+
+
+def _root_reason(
+    prompt: list[int] | None,
+    own: bytes | None,
+    compared: Predecessor | None,
+    lineage: Lineage,
+    same_agent: Callable[[], Predecessor | None],
+) -> tuple[str, int | None]:
+    """A root's (reason, divergence): told against the call before it (`compared`, whose classification `lineage`
+    holds) unless the two share no message, and then against the agent's own last call when there is one
+    (gateway.store.tree.root_anchor: an agent compacting right after a sub-agent's call)."""
+    anchor = root_anchor(own, compared.messages if compared is not None else None, same_agent)
+    if anchor is not None and anchor is not compared:
+        lineage = classify(prompt, anchor)
+        compared = anchor
     reason = root_reason(lineage.reason, own, compared.messages if compared is not None else None)
-    return replace(lineage, reason=reason)
+    return reason, lineage.divergence
 
 
 def _reparent_late(
@@ -585,10 +632,11 @@ def _reparent_late(
     replaced: set[int],
     full_calls: Callable[[], RebuiltCalls],
     previous_of: Callable[[int], Predecessor | None],
+    same_agent_before: Callable[[int, bytes | None], Predecessor | None],
 ) -> None:
     """Stored calls whose place in the tree a record arriving late changes (it reached the database after them:
     another gateway's writer, the spool) are looked up again: those it extends further than their recorded parent,
-    those whose parent this batch replaced, and roots it now precedes (their reason is against the previous call).
+    those whose parent this batch replaced, and roots it now precedes (their reason is told against an earlier call).
     In order of arrival there are none and nothing is read."""
     newest = max((seq for seq, _ in rows), default=None)
     if not replaced and (newest is None or all(r.seq > newest for r in records)):
@@ -596,17 +644,15 @@ def _reparent_late(
     lengths = {(c.seq, c.choice_index): c.tokens_len for c in candidates}
     incoming = [(r.seq, r.choice_index, lengths.get((r.seq, r.choice_index))) for r in records]
     in_batch = {(r.seq, r.choice_index) for r in records}
-    stored_choice0 = sorted(seq for seq, choice in rows if choice == 0)
     suspects = []
     for key, row in sorted(rows.items()):
         if key in in_batch or row.tokens_len is None:
             continue
-        if row.tree_parent_seq is None:
-            before = [seq for seq in stored_choice0 if seq < key[0]]
-            after = before[-1] if before else -1
-            if any(after < seq < key[0] and choice == 0 for seq, choice, _ in incoming):
-                suspects.append((key, row))
-                continue
+        # A root's reason is told against an earlier call: the one before it, or past other agents' calls its own
+        # agent's latest (_root_reason), so any earlier call arriving late may change it.
+        if row.tree_parent_seq is None and any(seq < key[0] and choice == 0 for seq, choice, _ in incoming):
+            suspects.append((key, row))
+            continue
         parent = (row.tree_parent_seq, row.tree_parent_choice) if row.tree_parent_seq is not None else None
         held = lengths.get(parent, 0) if parent is not None else 0
 
@@ -636,11 +682,11 @@ def _reparent_late(
             }
         else:
             previous = previous_of(key[0])
-            lineage = classify(prompt, previous)
             own = message_digests(rebuilt.requests.get(key), key_order)
-            reason = root_reason(lineage.reason, own, previous.messages if previous is not None else None)
+            anchor = partial(same_agent_before, key[0], own)
+            reason, divergence = _root_reason(prompt, own, previous, classify(prompt, previous), anchor)
             values = {"tree_parent_seq": None, "tree_parent_choice": None, "merge_reason": reason}
-            values["divergence"] = lineage.divergence
+            values["divergence"] = divergence
         conn.execute(
             update(_calls)
             .where(_calls.c.trajectory_id == trajectory_id, _calls.c.seq == key[0], _calls.c.choice_index == key[1])

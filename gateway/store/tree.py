@@ -17,21 +17,27 @@ A root (a call extending nothing) keeps the reason gateway.store.lineage gives a
 the requests' messages: `new_root` when it shares no message with it (a sub-agent with its own system prompt, a fresh
 conversation), and `compacted` when its ids diverge inside the previous prompt, it holds fewer messages, and the first
 message that differs is one the previous request never held (a summary in place of the cut history), as opposed to
-`truncated` (old messages only dropped) and `history_edited` (as many messages, one changed).
+`truncated` (old messages only dropped) and `history_edited` (as many messages, one changed). Several agents' calls
+interleave in one trajectory, so a root sharing no message with the previous call is told against the latest earlier
+call whose request starts with the same message instead (root_anchor): an agent that compacts right after a
+sub-agent's call is `compacted` against its own last call, not a `new_root` against the sub-agent's. Messages alone
+cannot tell a summary from a fresh task, so a sub-agent started again on another task (same system prompt, a new
+first user message, fewer messages than its last run) reads as `compacted` too.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from gateway.store.arrays import encode_ids
 from gateway.store.lineage import COMPACTED, FIRST_CALL, HISTORY_EDITED, NEW_ROOT, NO_IDS, TRUNCATED
 from gateway.store.messages import DIGEST_BYTES, shared_messages
 
 KEY_BYTES = 16
+AnchorT = TypeVar("AnchorT")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +105,19 @@ def place(
     hasher.update(packed[at * 4 :])
     hasher.update(encode_ids(completion) or b"")
     return best, (len(prompt) + len(completion), hasher.digest())
+
+
+def root_anchor(
+    own: bytes | None, previous: bytes | None, same_agent: Callable[[], AnchorT | None]
+) -> AnchorT | None:
+    """The earlier call a root's reason is told against, when it is not the previous call by arrival: calls of
+    several agents interleave in one trajectory, so a root sharing no message with the call before it (a sub-agent's,
+    say) is compared with `same_agent()`, the latest earlier call whose request starts with the same message (the
+    agent's own system prompt). None: compare with the previous call (it shares a message, there is none, or the
+    root's request has no messages), or no earlier call starts like the root (it is a `new_root`)."""
+    if not own or previous is None or shared_messages(own, previous) > 0:
+        return None
+    return same_agent()
 
 
 def root_reason(reason: str, own: bytes | None, previous: bytes | None) -> str:
