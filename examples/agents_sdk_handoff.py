@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import openai
-from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, set_tracing_disabled
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py and short_answers.py beside this script
 from harness import Outcome, Task, main_for  # noqa: E402
@@ -31,30 +31,41 @@ from short_answers import HELD_OUT, INSTRUCTION, TRAIN, Question, describe, is_c
 set_tracing_disabled(True)  # traces would go to OpenAI's servers
 MAX_TOKENS = 48
 MAX_TURNS = 4
+# SmolLM2's chat template does not show the model its tools, so the triage instructions show the call (hermes markup,
+# as vLLM's parser reads it); without it the constrained reply fills the empty arguments with whitespace.
+TRIAGE = (
+    "Hand every question off to the geographer: reply only with "
+    '<tool_call>\n{"name": "transfer_to_geographer", "arguments": {}}\n</tool_call>'
+)
 
 
 def agents(client: openai.AsyncOpenAI, model: str) -> Agent:
     """The triage agent, with the specialist it may hand off to."""
-    settings = ModelSettings(max_tokens=MAX_TOKENS)
     geographer = Agent(
         name="geographer",
         instructions=f"You are a geographer. {INSTRUCTION}",
         model=OpenAIResponsesModel(model=model, openai_client=client),
-        model_settings=settings,
+        model_settings=ModelSettings(max_tokens=MAX_TOKENS),
     )
     return Agent(
         name="triage",
-        instructions="Hand geography questions off to the geographer; answer anything else yourself.",
+        instructions=TRIAGE,
         handoffs=[geographer],
         model=OpenAIResponsesModel(model=model, openai_client=client),
-        model_settings=settings,
+        # Every question here is geography, so triage always routes: `required` has vLLM constrain the reply to a
+        # call of the handoff tool.
+        model_settings=ModelSettings(max_tokens=MAX_TOKENS, tool_choice="required"),
     )
 
 
-async def _run(base_url: str, api_key: str, model: str, question: str) -> str:
+async def run_agents(base_url: str, api_key: str, model: str, question: str, config: RunConfig | None = None) -> str:
+    """The question through triage and (once handed off) the geographer; the final answer. `config` overrides the
+    agents' settings for the whole run (the fixture recorder and its replay sample greedily)."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=3, timeout=300)
     try:
-        result = await Runner.run(agents(client, model), f"{question} {INSTRUCTION}", max_turns=MAX_TURNS)
+        result = await Runner.run(
+            agents(client, model), f"{question} {INSTRUCTION}", max_turns=MAX_TURNS, run_config=config
+        )
     finally:
         await client.close()
     return str(result.final_output or "")
@@ -63,7 +74,7 @@ async def _run(base_url: str, api_key: str, model: str, question: str) -> str:
 def episode(client: openai.OpenAI, model: str, question: Question) -> Outcome:
     """One question through the agents (the harness's sync client names the trajectory; the SDK wants an async one)."""
     text, accepted = question
-    answer = asyncio.run(_run(str(client.base_url), client.api_key, model, text))
+    answer = asyncio.run(run_agents(str(client.base_url), client.api_key, model, text))
     return Outcome(reward(answer, accepted), is_correct(answer, accepted), answer, -1)
 
 

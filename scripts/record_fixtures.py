@@ -264,6 +264,22 @@ def record_tree(rec: Recorder) -> None:
     rec.record("tree_compacted", "POST", path, chat(compacted))
 
 
+def record_tree_handoff(rec: Recorder) -> None:
+    """The OpenAI Agents SDK handoff of examples/agents_sdk_handoff.py (triage hands the question to the geographer,
+    who answers), driven through the gateway in front of a recording proxy once per token mode, as
+    tests/handoff_agent.py replays it: eval mode, greedy."""
+    from tests.handoff_agent import RUNS, play
+
+    for mode, run in RUNS.items():
+        with _recording_gateway(rec, run=run, token_mode=mode) as (gateway, proxy):
+            play(gateway.url, mode, f"handoff-{mode}")
+        name = f"tree_handoff_{mode}"
+        fixture = {"name": name, "path": None, "exchanges": proxy.recorded, "vllm_version": rec.vllm_version}
+        (rec.out_dir / f"{name}.json").write_text(json.dumps(fixture, indent=1) + "\n")
+        rec.recorded[name] = fixture
+        print(f"{name}: {[(e['path'], e['status']) for e in proxy.recorded]}", flush=True)
+
+
 def record_scale_out(rec: Recorder) -> None:
     """vLLM's token-level endpoints (need `--enable-scale-out`): render a chat request to its exact prompt ids and
     sampling params, generate from ids, derender the generated ids into a ChatCompletion (tool parser applied), for
@@ -511,6 +527,7 @@ def record_all(rec: Recorder) -> None:
     record_responses(rec)
     record_messages(rec)
     record_tree(rec)
+    record_tree_handoff(rec)
     rec.record("completions", "POST", "/v1/completions", completion("The capital of France is"))
     rec.record(
         "completions_stream",
@@ -596,9 +613,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--only",
-        choices=("all", "scale_out", "token_in", "token_in_calls", "responses", "messages", "tree"),
+        choices=("all", "scale_out", "token_in", "token_in_calls", "responses", "messages", "tree", "tree_handoff"),
         default="all",
-        help="record every scenario, or only scale_out_*, token_in_* or messages_*",
+        help="record every scenario, or only one family (scale_out_*, token_in_*, messages_*, tree_*, tree_handoff_*...)",
     )
     args = parser.parse_args()
     record = {
@@ -608,6 +625,7 @@ def main() -> None:
         "responses": record_responses,
         "messages": record_messages,
         "tree": record_tree,
+        "tree_handoff": record_tree_handoff,
     }.get(args.only, record_all)
     if args.base_url:
         recorder = Recorder(args.base_url, args.out)

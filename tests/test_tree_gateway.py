@@ -1,23 +1,30 @@
 """The call tree through the gateway: an agent's calls, made with the OpenAI SDK and answered from real vLLM
 recordings (scripts/record_fixtures.py `record_tree`: greedy SmolLM2), come back from the read API with the parents,
 reasons and branches of their shape, and train as one row per path with nothing trained twice. The shapes: a
-supervisor with a researcher sub-agent, parallel branches off one call, a compacted history."""
+supervisor with a researcher sub-agent, parallel branches off one call, a compacted history; and the OpenAI Agents
+SDK handoff of examples/agents_sdk_handoff.py in both token modes (tests/handoff_agent.py, recorded through the
+gateway by `record_tree_handoff`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from gateway.store.db import make_engine
 from gateway.store.training import load_groups
 from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway
+from tests.gateway_harness import RunningGateway, running_gateway
+from tests.handoff_agent import RUNS, handoff
+from tests.handoff_agent import play as play_handoff
+from tests.stored import stored_calls
 from tests.test_gateway_capture import sdk_kwargs
 from tests.trajectories import reward
 from trainer.loop import to_groups
-from trainer.samples import build_samples
+from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 
 SUPERVISOR = ["tree_plan", "tree_research", "tree_report", "tree_conclude"]
 PARALLEL = ["tree_plan", "tree_branch_a", "tree_branch_b", "tree_conclude"]
@@ -72,3 +79,31 @@ def test_recorded_agent_shapes_are_trees_and_train_one_row_per_path(
     assert (stats["roots"], stats["forks"], stats["tokens_trained_twice"]) == (3 + 1 + 2, 2, 0)
     completions = sum(len(c.completion_token_ids or ()) for g in groups for t in g.trajectories for c in t.calls)
     assert stats["trainable_tokens"] == completions
+
+
+@pytest.mark.parametrize("mode", ["chat", "token_in"])
+def test_an_agents_sdk_handoff_is_a_new_root_of_the_same_trajectory(
+    gateway_settings: dict[str, object], db_url: str, mode: str
+) -> None:
+    """Triage calls the handoff tool; the SDK then runs the geographer on the conversation so far under its own
+    instructions: a call of the same trajectory that extends nothing (another system prompt), so a new root."""
+    with running_gateway(**gateway_settings) as gw:
+        body = {"name": RUNS[mode], "config": {"token_mode": mode}}
+        assert httpx.post(gw.url + "/v1/runs", json=body, timeout=30).status_code in (200, 201)
+        answer = play_handoff(gw.url, mode, f"handoff-{mode}")
+        gw.flush()
+        assert tree(gw, f"handoff-{mode}") == [("first_call", None, 0), ("new_root", None, 1)]
+    triage, geographer = stored_calls(db_url, f"handoff-{mode}")
+    [tool_call] = triage["response"]["choices"][0]["message"]["tool_calls"]
+    assert tool_call["function"]["name"] == "transfer_to_geographer"
+    messages = geographer["request"]["messages"]
+    assert messages[0] == {"role": "system", "content": f"You are a geographer. {handoff.INSTRUCTION}"}
+    assert messages[-1]["role"] == "tool" and messages[-1]["tool_call_id"] == tool_call["id"]
+    assert geographer["response"]["choices"][0]["message"]["content"] == answer
+    assert geographer["prompt_token_ids"][: len(triage["prompt_token_ids"])] != triage["prompt_token_ids"]
+
+    # Eval calls (greedy) are not trainable; as the trainer would lay them out if they were: one row per agent.
+    calls = [replace(CallData(**{f: c[f] for f in CallData.__dataclass_fields__}), trainable=True)
+             for c in (triage, geographer)]  # fmt: skip
+    stats = build_samples([GroupData("g", [TrajectoryData("t0", 0.0, calls), TrajectoryData("t1", 1.0, calls)])]).stats
+    assert (stats["roots"], stats["forks"], stats["rows"], stats["tokens_trained_twice"]) == (4, 0, 4, 0)
