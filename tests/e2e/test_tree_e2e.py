@@ -1,7 +1,8 @@
 """Non-linear trajectories against real vLLM CPU + SmolLM2, in both token modes: the LangGraph supervisor with a
 researcher sub-agent (examples/supervisor_langgraph.py), the agent that compacts its history
 (examples/compacting_agent.py) and the LangGraph graph with parallel branches (examples/parallel_branches_langgraph.py)
-are recorded as trees of calls, and groups of them train one step with one row per path and no token trained twice.
+are recorded as trees of calls, and groups of them train one step with one row per path and no token trained twice;
+and the OpenAI Agents SDK handoff (examples/agents_sdk_handoff.py) records the specialist as a new root.
 
 Train mode (temperature 1), so what the model says varies run to run: the assertions are about the tree the gateway
 builds from the recorded ids and messages (which call extends which, why a root is one), never about the answers.
@@ -52,6 +53,7 @@ def load_example(name: str) -> Any:
 supervisor = load_example("supervisor_langgraph")
 compacting = load_example("compacting_agent")
 parallel = load_example("parallel_branches_langgraph")
+handoff = load_example("agents_sdk_handoff")
 
 
 def create_run(gateway: RunningGateway, name: str, token_mode: str) -> None:
@@ -215,3 +217,31 @@ def test_supervisor_and_compacting_agents_are_trees_and_train(
     assert metrics["publish_error"] is None
     print(f"token_in step: rows {metrics['rows']}, tokens {metrics['tokens']}, trained {metrics['trainable_tokens']}, "
           f"shared prefix tokens {metrics['shared_prefix_tokens']}")  # fmt: skip
+
+
+def test_agents_sdk_handoff_is_a_new_root(gateway: tuple[RunningGateway, str]) -> None:
+    """Triage is made to call the handoff tool (tool_choice required), but at temperature 1 the model may still end
+    its reply before the call closes, and then triage's answer is the episode's only call: the tree is checked for
+    whichever happened."""
+    gw, url = gateway
+    session = uuid.uuid4().hex[:6]
+    played = {mode: play(gw, f"tree-{mode}", f"hnd-{mode}-{session}", handoff.episode, handoff.TRAIN[0]) for mode in MODES}
+    gw.flush()
+    for mode, trajectories in played.items():
+        data = []
+        for reward, trajectory in enumerate(trajectories):
+            calls = stored_calls(url, trajectory)
+            assert all(c["trainable"] for c in calls), [c["untrainable_reason"] for c in calls]
+            check_tree_invariants(calls)
+            triage, *specialist = calls
+            assert triage["merge_reason"] == FIRST_CALL
+            handed_off = bool(triage["response"]["choices"][0]["message"].get("tool_calls"))
+            assert len(specialist) == (1 if handed_off else 0)
+            for call in specialist:  # the geographer: its own system prompt, so a new root of the same trajectory
+                assert call["merge_reason"] == NEW_ROOT and parent_of(call) is None
+            data.append(as_trajectory(trajectory, float(reward), calls))
+        stats = build_samples([GroupData("handoff", data)]).stats
+        assert stats["tokens_trained_twice"] == 0 and stats["rows"] == stats["roots"] == stats["calls"]
+        print(f"{mode} handoff: calls {stats['calls']}, roots {stats['roots']}, forks {stats['forks']}, "
+              f"rows/trajectory {stats['rows_per_trajectory']:.1f}, trained tokens {stats['trainable_tokens']} "
+              f"of {stats['tokens']}")  # fmt: skip
