@@ -295,3 +295,17 @@ def test_a_history_compacted_right_after_a_sub_agent_call_is_compacted_not_a_new
     assert _tree(engine) == COMPACTED_AFTER_SUB_AGENT_TREE
     write_calls(engine, compacted_after_a_sub_agent("traj-2"))  # all in one batch
     assert _tree(engine, "traj-2") == COMPACTED_AFTER_SUB_AGENT_TREE
+
+
+def test_a_sub_agent_started_again_on_a_new_task_stays_a_new_root(engine: Engine) -> None:
+    # Its request starts like its last run's, but it compacts nothing (as many messages): told against the supervisor's
+    # call before it, as any sub-agent's first call.
+    boss = [sys("Supervisor."), user("Two tasks.")]
+    calls = [
+        call(1, boss, "task one"),
+        call(2, [sys("Helper."), user("task one")], "done one"),
+        call(3, [*boss, bot("task one"), user("helper: done one")], "task two"),
+        call(4, [sys("Helper."), user("task two")], "done two"),
+    ]
+    write_calls(engine, calls)
+    assert _tree(engine) == [(1, "first_call", None), (2, "new_root", None), (3, "extends", (1, 0)), (4, "new_root", None)]

@@ -27,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
 from gateway.store.attempts import Attempt, Settlement, request_hash, settle
-from gateway.store.lineage import EXTENDS, Lineage, Predecessor, Rebuilder, classify
+from gateway.store.lineage import COMPACTED, EXTENDS, Lineage, Predecessor, Rebuilder, classify
 from gateway.store.messages import (
     compact_request,
     first_message,
@@ -613,14 +613,14 @@ def _root_reason(
     same_agent: Callable[[], Predecessor | None],
 ) -> tuple[str, int | None]:
     """A root's (reason, divergence): told against the call before it (`compared`, whose classification `lineage`
-    holds) unless the two share no message, and then against the agent's own last call when there is one
-    (gateway.store.tree.root_anchor: an agent compacting right after a sub-agent's call)."""
+    holds), except that a root sharing no message with it is `compacted` when it compacts the history of its own
+    agent's last call (gateway.store.tree.root_anchor: an agent compacting right after a sub-agent's call)."""
     anchor = root_anchor(own, compared.messages if compared is not None else None, same_agent)
-    if anchor is not None and anchor is not compared:
-        lineage = classify(prompt, anchor)
-        compared = anchor
-    reason = root_reason(lineage.reason, own, compared.messages if compared is not None else None)
-    return reason, lineage.divergence
+    if anchor is not None:
+        told = classify(prompt, anchor)
+        if root_reason(told.reason, own, anchor.messages) == COMPACTED:
+            return COMPACTED, told.divergence
+    return root_reason(lineage.reason, own, compared.messages if compared is not None else None), lineage.divergence
 
 
 def _reparent_late(

@@ -18,11 +18,11 @@ the requests' messages: `new_root` when it shares no message with it (a sub-agen
 conversation), and `compacted` when its ids diverge inside the previous prompt, it holds fewer messages, and the first
 message that differs is one the previous request never held (a summary in place of the cut history), as opposed to
 `truncated` (old messages only dropped) and `history_edited` (as many messages, one changed). Several agents' calls
-interleave in one trajectory, so a root sharing no message with the previous call is told against the latest earlier
-call whose request starts with the same message instead (root_anchor): an agent that compacts right after a
-sub-agent's call is `compacted` against its own last call, not a `new_root` against the sub-agent's. Messages alone
-cannot tell a summary from a fresh task, so a sub-agent started again on another task (same system prompt, a new
-first user message, fewer messages than its last run) reads as `compacted` too.
+interleave in one trajectory, so a root sharing no message with the previous call is also compared with the latest
+earlier call whose request starts with the same message (root_anchor), and is `compacted` when it compacts that one's
+history: an agent that compacts right after a sub-agent's call is `compacted`, not a `new_root`. Otherwise it stays a
+`new_root` (a sub-agent started again on a new task). Messages alone cannot tell a summary from a fresh task, so a
+sub-agent started again with fewer messages than its last run held reads as `compacted` too.
 """
 
 from __future__ import annotations
@@ -110,11 +110,11 @@ def place(
 def root_anchor(
     own: bytes | None, previous: bytes | None, same_agent: Callable[[], AnchorT | None]
 ) -> AnchorT | None:
-    """The earlier call a root's reason is told against, when it is not the previous call by arrival: calls of
-    several agents interleave in one trajectory, so a root sharing no message with the call before it (a sub-agent's,
-    say) is compared with `same_agent()`, the latest earlier call whose request starts with the same message (the
-    agent's own system prompt). None: compare with the previous call (it shares a message, there is none, or the
-    root's request has no messages), or no earlier call starts like the root (it is a `new_root`)."""
+    """The earlier call a root is compared with besides the previous call by arrival: calls of several agents
+    interleave in one trajectory, so a root sharing no message with the call before it (a sub-agent's, say) may
+    compact the history of `same_agent()`, the latest earlier call whose request starts with the same message (the
+    agent's own system prompt). None: only the previous call counts (it shares a message, there is none, or the
+    root's request has no messages), or no earlier call starts like the root."""
     if not own or previous is None or shared_messages(own, previous) > 0:
         return None
     return same_agent()
