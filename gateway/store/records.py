@@ -514,9 +514,35 @@ def _lineages(
                 rebuilt = rebuild_calls(conn, trajectory_id)
             return rebuilt
 
+        firsts_stored: dict[int, bytes | None] = {}
+
+        def stored_first(seq: int) -> bytes | None:
+            # A stored call's first message is its messages' storage parent's (they share at least that one), down to
+            # a call that stores its request whole: one read per such call, not a rebuild of the trajectory.
+            chain = []
+            at = seq
+            while at not in firsts_stored:
+                row = rows.get((at, 0))
+                if row is None:
+                    firsts_stored[at] = None
+                elif row.messages_parent_seq is None or row.messages_parent_seq in replaced:
+                    # (a call whose storage parent this batch replaces got its whole request back above)
+                    request = conn.execute(
+                        select(_calls.c.request).where(
+                            _calls.c.trajectory_id == trajectory_id, _calls.c.seq == at, _calls.c.choice_index == 0
+                        )
+                    ).scalar_one_or_none()
+                    firsts_stored[at] = first_message_digest(request, key_order)
+                else:
+                    chain.append(at)
+                    at = row.messages_parent_seq
+            for link in chain:
+                firsts_stored[link] = firsts_stored[at]
+            return firsts_stored[seq]
+
         def same_agent_before(seq: int, own: bytes | None) -> Predecessor | None:
             # The latest earlier choice-0 call whose request starts with the same message as `own` (gateway.store.tree
-            # root_anchor): read only for a root that shares no message with the call before it.
+            # root_anchor): looked for only for a root that shares no message with the call before it.
             first = first_message(own)
             if first is None:
                 return None
@@ -524,7 +550,7 @@ def _lineages(
                 if (earlier, 0) in in_batch:
                     theirs = first_message(digests[in_batch[(earlier, 0)].id])
                 else:
-                    theirs = first_message_digest(full_calls().requests.get((earlier, 0)), key_order)
+                    theirs = stored_first(earlier)
                 if theirs == first:
                     return predecessor_at(earlier, 0)
             return None
