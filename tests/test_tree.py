@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from unittest import mock
 from typing import Any
 
 import pytest
@@ -309,3 +310,14 @@ def test_a_sub_agent_started_again_on_a_new_task_stays_a_new_root(engine: Engine
     ]
     write_calls(engine, calls)
     assert _tree(engine) == [(1, "first_call", None), (2, "new_root", None), (3, "extends", (1, 0)), (4, "new_root", None)]
+
+
+def test_roots_find_their_own_agent_without_rebuilding_the_trajectory(engine: Engine) -> None:
+    """Written in order by one process, a root's own agent's last call comes from the lineage cache (one entry per
+    agent) and the stored first messages: no call rebuilds the trajectory's ids, however long it is."""
+    calls = [*compacted_after_a_sub_agent()[:4], call(5, [sys("Helper."), user("task two")], "done two")]
+    with mock.patch.object(store_records, "rebuild_calls", wraps=store_records.rebuild_calls) as rebuilds:
+        for record in calls:
+            write_calls(engine, [record])
+    assert rebuilds.call_count == 0
+    assert [reason for _, reason, _ in _tree(engine)] == ["first_call", "extends", "new_root", "compacted", "new_root"]

@@ -295,22 +295,26 @@ class _Entry(NamedTuple):
 
 
 class _LineageCache:
-    """The newest choice-0 call written per trajectory by this process, with its full ids and its messages' digests,
-    so that the next call
-    of a trajectory usually finds its predecessor here instead of rebuilding it from the database. An entry is used
-    only when the database still holds that very call (same id) at the predecessor's seq. Bounded by the bytes of
-    ids it holds; the least recently written trajectories go first."""
+    """The newest choice-0 call written by this process per trajectory and agent (calls whose requests start with the
+    same message: the supervisor's, a sub-agent's), with its full ids and its messages' digests, so that the next call
+    of a trajectory usually finds its predecessor here instead of rebuilding it from the database, and a root the last
+    call of its own agent (_root_reason) too. An entry is used only when the database still holds that very call (same
+    id) at that seq. At most AGENTS_KEPT agents a trajectory (the newest calls stay); bounded by the bytes of ids it
+    holds, the least recently written trajectories going first."""
+
+    AGENTS_KEPT = 4
 
     def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
         self._max_bytes = max_bytes
         self._bytes = 0
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._entries: OrderedDict[str, dict[bytes | None, _Entry]] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, trajectory_id: str, seq: int, call_id: str) -> Predecessor | None:
         with self._lock:
-            entry = self._entries.get(trajectory_id)
-        if entry is None or entry.call_id != call_id or entry.seq != seq:
+            agents = self._entries.get(trajectory_id) or {}
+            entry = next((e for e in agents.values() if e.seq == seq), None)
+        if entry is None or entry.call_id != call_id:
             return None
         return Predecessor(
             seq, decode_ids(entry.prompt), decode_ids(entry.completion), entry.tool_call, entry.messages
@@ -325,18 +329,23 @@ class _LineageCache:
             predecessor.tool_call,
             predecessor.messages,
         )
+        agent = first_message(predecessor.messages)
         with self._lock:
-            current = self._entries.get(trajectory_id)
+            agents = self._entries.setdefault(trajectory_id, {})
+            current = agents.get(agent)
             if current is not None:
                 if current.seq > entry.seq:
                     return
                 self._bytes -= _size(current)
-            self._entries[trajectory_id] = entry
-            self._entries.move_to_end(trajectory_id)
+            agents[agent] = entry
             self._bytes += _size(entry)
+            if len(agents) > self.AGENTS_KEPT:
+                oldest = min(agents, key=lambda a: agents[a].seq)
+                self._bytes -= _size(agents.pop(oldest))
+            self._entries.move_to_end(trajectory_id)
             while self._bytes > self._max_bytes and self._entries:
                 _, evicted = self._entries.popitem(last=False)
-                self._bytes -= _size(evicted)
+                self._bytes -= sum(_size(e) for e in evicted.values())
 
 
 def _size(entry: _Entry) -> int:
