@@ -321,3 +321,16 @@ def test_roots_find_their_own_agent_without_rebuilding_the_trajectory(engine: En
             write_calls(engine, [record])
     assert rebuilds.call_count == 0
     assert [reason for _, reason, _ in _tree(engine)] == ["first_call", "extends", "new_root", "compacted", "new_root"]
+
+
+def test_a_supervisor_resuming_on_a_re_rendered_reply_after_a_sub_agent_says_so(engine: Engine) -> None:
+    # The resumption holds the supervisor's whole first prompt, but its reply comes back re-rendered (as a chat
+    # template may): not an extension, and told against the supervisor's call, not the researcher's before it.
+    boss = [sys("Supervisor."), user("Find it.")]
+    calls = [
+        call(1, boss, "ask researcher"),
+        call(2, [sys("Researcher."), user("Find it.")], "found"),
+        call(3, [*boss, bot("ask  researcher"), user("researcher: found")], "done"),
+    ]
+    write_calls(engine, calls)
+    assert _tree(engine) == [(1, "first_call", None), (2, "new_root", None), (3, "completion_rerendered", None)]

@@ -27,7 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
 from gateway.store.attempts import Attempt, Settlement, request_hash, settle
-from gateway.store.lineage import COMPACTED, EXTENDS, Lineage, Predecessor, Rebuilder, classify
+from gateway.store.lineage import EXTENDS, Lineage, Predecessor, Rebuilder, classify
 from gateway.store.messages import (
     compact_request,
     first_message,
@@ -37,7 +37,7 @@ from gateway.store.messages import (
     shared_messages,
 )
 from gateway.store.models import Call, Group, Run, Trajectory
-from gateway.store.tree import Candidate, find_parent, place, root_anchor, root_reason
+from gateway.store.tree import OWN_AGENT_REASONS, Candidate, find_parent, place, root_anchor, root_reason
 
 _runs = cast(Table, Run.__table__)
 _groups = cast(Table, Group.__table__)
@@ -648,13 +648,15 @@ def _root_reason(
     same_agent: Callable[[], Predecessor | None],
 ) -> tuple[str, int | None]:
     """A root's (reason, divergence): told against the call before it (`compared`, whose classification `lineage`
-    holds), except that a root sharing no message with it is `compacted` when it compacts the history of its own
-    agent's last call (gateway.store.tree.root_anchor: an agent compacting right after a sub-agent's call)."""
+    holds), except that a root sharing no message with it is told against its own agent's last call when it plainly
+    continues that one (gateway.store.tree.root_anchor and OWN_AGENT_REASONS: an agent compacting, or resuming on a
+    re-rendered reply, right after a sub-agent's call)."""
     anchor = root_anchor(own, compared.messages if compared is not None else None, same_agent)
     if anchor is not None:
         told = classify(prompt, anchor)
-        if root_reason(told.reason, own, anchor.messages) == COMPACTED:
-            return COMPACTED, told.divergence
+        reason = root_reason(told.reason, own, anchor.messages)
+        if reason in OWN_AGENT_REASONS:
+            return reason, told.divergence
     return root_reason(lineage.reason, own, compared.messages if compared is not None else None), lineage.divergence
 
 

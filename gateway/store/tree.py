@@ -19,10 +19,13 @@ conversation), and `compacted` when its ids diverge inside the previous prompt, 
 message that differs is one the previous request never held (a summary in place of the cut history), as opposed to
 `truncated` (old messages only dropped) and `history_edited` (as many messages, one changed). Several agents' calls
 interleave in one trajectory, so a root sharing no message with the previous call is also compared with the latest
-earlier call whose request starts with the same message (root_anchor), and is `compacted` when it compacts that one's
-history: an agent that compacts right after a sub-agent's call is `compacted`, not a `new_root`. Otherwise it stays a
-`new_root` (a sub-agent started again on a new task). Messages alone cannot tell a summary from a fresh task, so a
-sub-agent started again with fewer messages than its last run held reads as `compacted` too.
+earlier call whose request starts with the same message (root_anchor), and takes the reason against that one when it
+plainly continues it (OWN_AGENT_REASONS): it compacts that call's history, or holds that call's whole prompt (a
+re-rendered reply, a dropped tool call, a retry). An agent that compacts, or resumes on a reply its template
+re-rendered, right after a sub-agent's call is then `compacted` or `completion_rerendered`, not a `new_root`.
+Otherwise it stays a `new_root` (a sub-agent started again on a new task: `truncated` and `history_edited` cannot
+tell it from an edit). Messages alone cannot tell a summary from a fresh task, so a sub-agent started again with fewer
+messages than its last run held reads as `compacted`.
 """
 
 from __future__ import annotations
@@ -33,11 +36,23 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from gateway.store.arrays import encode_ids
-from gateway.store.lineage import COMPACTED, FIRST_CALL, HISTORY_EDITED, NEW_ROOT, NO_IDS, TRUNCATED
+from gateway.store.lineage import (
+    COMPACTED,
+    COMPLETION_RERENDERED,
+    FIRST_CALL,
+    HISTORY_EDITED,
+    NEW_ROOT,
+    NO_IDS,
+    RETRY,
+    TEMPLATE_DROPPED_TOOL_CALL,
+    TRUNCATED,
+)
 from gateway.store.messages import DIGEST_BYTES, shared_messages
 
 KEY_BYTES = 16
 AnchorT = TypeVar("AnchorT")
+# A root's reasons against its own agent's last call that say it continues that call (root_anchor).
+OWN_AGENT_REASONS = frozenset({COMPACTED, COMPLETION_RERENDERED, TEMPLATE_DROPPED_TOOL_CALL, RETRY})
 
 
 @dataclass(frozen=True, slots=True)
