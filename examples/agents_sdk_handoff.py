@@ -6,8 +6,9 @@ Ordinary Agents SDK code: two `Agent`s, the triage one listing the specialist in
 and the reward POST. When the triage agent calls the handoff tool, the SDK runs the specialist on the conversation so
 far under the specialist's own instructions: the gateway records that call as a new root of the same trajectory
 (`new_root`: another system prompt) and the specialist's later calls as its children; the trainer trains each agent's
-path as its own row, every sampled token once. A small model may answer without handing off; that episode is then
-one path.
+path as its own row, every sampled token once. Every question here is geography, so triage is told to hand off and
+`tool_choice: required` makes it; a reply cut by max_tokens before the call closes is triage's answer, and that
+episode is one path.
 
     python examples/agents_sdk_handoff.py train --gateway http://127.0.0.1:8000 --run demo --steps 10
     python examples/agents_sdk_handoff.py eval --gateway http://127.0.0.1:8000 --run demo --out eval.json
