@@ -265,6 +265,8 @@ def demo_options(args: argparse.Namespace) -> Any:
         groups_per_step=args.groups_per_step,
         group_size=args.group_size,
         ahead=args.ahead,
+        admission=args.admission,
+        fleet=args.fleet,
         learning_rate=args.lr,
         max_tokens=args.max_tokens,
         eval_samples=args.eval_samples,
@@ -434,6 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ahead", type=int, default=1,
                       help="the run's max_staleness: versions the sampling policy may trail the trained one, enforced "
                       "by the gateway's admission; 0 = synchronous on-policy (default: 1)")
+    demo.add_argument("--admission", choices=["wait", "reject", "off"], default="wait",
+                      help="the run's admission (README): wait (default) holds a new group's first call while the "
+                      "trainer cannot take it in time, reject answers 429, off admits everything")
+    demo.add_argument("--fleet", type=int, default=0,
+                      help="keep this many training episodes in flight, with no rounds (a fleet of agents paced only "
+                      "by admission); 0 (default) = rounds of --groups-per-step groups")
     demo.add_argument("--lr", type=float, default=3e-4, help="the LoRA's learning rate (default: 3e-4)")
     demo.add_argument("--max-tokens", type=int, help="longest reply sampled (default: trivia 32, tools 48)")
     demo.add_argument("--eval-samples", type=int, default=4, help="answers per held-out question (default: 4)")
