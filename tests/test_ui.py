@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import httpx
@@ -18,6 +19,7 @@ import pytest
 from gateway.store import db
 from gateway.store.ui_reads import advantages
 from gateway.token_text import DERENDER_COMPLETIONS, TokenTextCache, batches, derender_body
+from gateway.ui_tree import layout as tree_layout
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.pgcluster import create_database, drop_database
@@ -307,6 +309,29 @@ def test_trajectory_page_draws_the_call_tree(ui: RunningGateway) -> None:
     sections = re.findall(r'<section class="call" id="turn-(\d+)-0">(.*?)</section>', raw, re.S)
     assert [turn for turn, body in sections if "the whole prompt is shown" in body] == ["1"]
     assert "Bergen, or Oslo" in page and "Are you sure?" in page
+
+
+def test_call_tree_lanes_are_reused_once_a_branch_ends() -> None:
+    """Roots one after another (a chat-mode agent whose template drops tool calls) stay in one column; a fork takes
+    a lane from its parent's row on, and a later root reuses the lane once that fork has ended."""
+
+    def call(seq: int, parent: int | None, branch: int, reason: str = "extends", fork: bool = False) -> dict[str, Any]:
+        return {"seq": seq, "choice_index": 0, "turn": seq, "parent": {"seq": parent, "choice_index": 0} if parent
+                is not None else None, "branch": branch, "parent_turn": parent, "parent_choice": 0 if parent is not
+                None else None, "fork": fork, "merge_reason": reason, "trainable": True}  # fmt: skip
+
+    chain = tree_layout([call(0, None, 0, "first_call"), call(1, None, 1, "template_dropped_tool_call"),
+                         call(2, None, 2, "template_dropped_tool_call")])  # fmt: skip
+    assert len({n.x for n in chain.nodes}) == 1 and chain.edges == []
+    assert [n.label for n in chain.nodes][1] == "turn 1 · new root: template_dropped_tool_call"
+    forked = tree_layout([
+        call(0, None, 0, "first_call"), call(1, 0, 0), call(2, 0, 2, fork=True), call(3, None, 3, "compacted"),
+        call(4, 1, 0),
+    ])  # fmt: skip
+    x = [n.x for n in forked.nodes]
+    assert x[0] == x[1] == x[4] and x[2] > x[0] and x[3] == x[2]  # the compacted root reuses the fork's lane
+    assert len(forked.edges) == 3 and forked.edges[1].startswith(f"M{x[0]:g},") and " C" in forked.edges[1]
+    assert [n.kind for n in forked.nodes] == ["root", "extends", "fork", "root", "extends"]
 
 
 def test_hostile_content_renders_inert(ui: RunningGateway) -> None:
