@@ -172,6 +172,7 @@ def _pin(cpus: list[int]) -> None:
 
 def _train(settings: Settings, args: argparse.Namespace) -> int:
     # Imported here: only the trainer process pays for torch; `trajgate serve` never imports it.
+    from trainer.distributed import DataParallel, Topology, follow
     from trainer.loop import Trainer, TrainerOptions
 
     _setup_logging(args.log_level)
@@ -198,11 +199,25 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
     )
     if args.worker_id:
         options.worker_id = args.worker_id
-    trainer = Trainer(settings, options)  # errors (TrainerError, a waiting trainer's Ctrl-C): see main()
+    topology = Topology.from_env()
+    if topology is None:
+        trainer = Trainer(settings, options)  # errors (TrainerError, a waiting trainer's Ctrl-C): see main()
+        try:
+            return _train_until_stopped(trainer, args)
+        finally:
+            trainer.close()  # gives the run up, so a waiting trainer takes over at once
+    # Under torchrun: rank 0 is the trainer above, the other ranks follow it (trainer.distributed).
+    data_parallel = DataParallel.start(topology, args.device, args.dist_timeout_s)
     try:
-        return _train_until_stopped(trainer, args)
+        if data_parallel.rank != 0:
+            return follow(data_parallel)
+        trainer = Trainer(settings, options, data_parallel=data_parallel)
+        try:
+            return _train_until_stopped(trainer, args)
+        finally:
+            trainer.close()
     finally:
-        trainer.close()  # gives the run up, so a waiting trainer takes over at once
+        data_parallel.close()  # rank 0 tells the followers to stop (unless a rank died)
 
 
 def _train_until_stopped(trainer: Any, args: argparse.Namespace) -> int:
@@ -344,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the trainer worker for a run: claim ready groups, update the LoRA adapter, commit steps",
         description="Train run RUN: wait for `groups_per_step` ready groups, claim them under a lease, take one "
         "GRPO-family step on the LoRA adapter, checkpoint under TRAJGATE_CHECKPOINT_DIR/RUN/STEP and commit. "
-        "Restarting resumes from the last committed step. Ctrl-C / SIGTERM stop after the current step.",
+        "Restarting resumes from the last committed step. Ctrl-C / SIGTERM stop after the current step. "
+        "Under `torchrun --nproc_per_node N -m gateway.cli train ...` it trains data-parallel on N ranks.",
     )
     train.add_argument("--run", required=True, help="the run to train (the `model` name agents call)")
     train.add_argument("--backend", default="auto", choices=["auto", "hf", "unsloth"], help="auto: unsloth on CUDA")
@@ -392,6 +408,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["wandb", "trackio", "mlflow"],
         help="also log every step's metrics, the eval reward per policy version and sample trajectories to this "
         "tracker (repeatable; pip install 'trajgate[wandb|trackio|mlflow]')",
+    )
+    train.add_argument(
+        "--dist-timeout-s",
+        type=float,
+        default=1800.0,
+        help="under torchrun: how long a rank waits for the others within a step before the step fails "
+        "(a hung rank); the slowest rank's step must fit (default: 1800)",
     )
     train.add_argument("--tracker-project", help="tracker project / MLflow experiment (default: TRAJGATE_TRACKER_PROJECT)")
     train.add_argument("--tracker-name", help="the tracker's run name (default: TRAJGATE_TRACKER_NAME, else the run)")
