@@ -200,6 +200,8 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
     if args.worker_id:
         options.worker_id = args.worker_id
     topology = Topology.from_env()
+    if topology is None and args.fsdp:
+        raise ValueError("--fsdp shards the model across the ranks of a torchrun job: launch with torchrun")
     if topology is None:
         trainer = Trainer(settings, options)  # errors (TrainerError, a waiting trainer's Ctrl-C): see main()
         try:
@@ -207,7 +209,7 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
         finally:
             trainer.close()  # gives the run up, so a waiting trainer takes over at once
     # Under torchrun: rank 0 is the trainer above, the other ranks follow it (trainer.distributed).
-    data_parallel = DataParallel.start(topology, args.device, args.dist_timeout_s)
+    data_parallel = DataParallel.start(topology, args.device, args.dist_timeout_s, fsdp=args.fsdp)
     try:
         if data_parallel.rank != 0:
             return follow(data_parallel)
@@ -415,6 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="under torchrun: how long a rank waits for the others within a step before the step fails "
         "(a hung rank); the slowest rank's step must fit (default: 1800)",
+    )
+    train.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun: shard the frozen base weights across the ranks (FSDP2), for a model too large for "
+        "one device; the LoRA adapter stays whole on every rank (hf backend)",
     )
     train.add_argument("--tracker-project", help="tracker project / MLflow experiment (default: TRAJGATE_TRACKER_PROJECT)")
     train.add_argument("--tracker-name", help="the tracker's run name (default: TRAJGATE_TRACKER_NAME, else the run)")

@@ -2,11 +2,13 @@
 step is the single-process step: the same global normalisers, the same summed gradient, the same update.
 
 The equality test runs two real gloo ranks (torch.multiprocessing, a file store) on the tiny random Llama and
-compares each rank's gradient, just before the optimizer step, with one process's gradient over all the rows.
+compares each rank's gradient, just before the optimizer step, with one process's gradient over all the rows;
+once with the model whole on each rank (DDP) and once with its base weights sharded across them (FSDP2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,10 +115,14 @@ def case_rows(tiny: str, count: int) -> list[Row]:
     return set_behaviour(make(tiny), mixed_rows(seed=3, n=count))
 
 
+MODES = ("ddp", "fsdp")
+
+
 def train_case(tiny: str, name: str, data_parallel: DataParallel | None, rows: list[Row]) -> dict[str, Any]:
     """One step of a fresh backend (seeded: every rank starts alike); the gradient the optimizer got."""
     config, _ = CASES[name]
-    backend = make(tiny, lr=1e-2, grad_clip=0.0)
+    sharded = data_parallel is not None and data_parallel.fsdp
+    backend = make(tiny, lr=1e-2, grad_clip=0.0, fsdp_mesh=data_parallel.mesh if sharded else None)
     seen: dict[str, Any] = {}
     step = backend.optimizer.step
 
@@ -133,12 +139,16 @@ def train_case(tiny: str, name: str, data_parallel: DataParallel | None, rows: l
 
 
 def rank_main(rank: int, tiny: str, out: str) -> None:
-    """One of the two ranks: train every case on its share and save what it saw."""
+    """One of the two ranks: train every case on its share, in each mode, and save what it saw."""
     torch.set_num_threads(1)
-    data_parallel = DataParallel.start(Topology(rank, WORLD, rank), "cpu", 60.0, init_method=f"file://{out}/store")
+    topology = Topology(rank, WORLD, rank)
+    sharding = DataParallel.start(topology, "cpu", 60.0, fsdp=True, init_method=f"file://{out}/store")
+    data_parallel = dataclasses.replace(sharding, mesh=None)  # the same ranks, the model whole on each
     try:
-        for name, (_, count) in CASES.items():
-            torch.save(train_case(tiny, name, data_parallel, case_rows(tiny, count)), f"{out}/{name}-{rank}.pt")
+        for mode, ranks in zip(MODES, (data_parallel, sharding), strict=True):
+            for name, (_, count) in CASES.items():
+                seen = train_case(tiny, name, ranks, case_rows(tiny, count))
+                torch.save(seen, f"{out}/{mode}-{name}-{rank}.pt")
         if rank != 0:
             assert data_parallel.receive().kind == "stop"  # what rank 0's close() sends
     finally:
@@ -154,11 +164,12 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     return tiny, out
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_two_ranks_take_the_single_process_step(ranks: tuple[str, Path], name: str) -> None:
+def test_two_ranks_take_the_single_process_step(ranks: tuple[str, Path], name: str, mode: str) -> None:
     tiny, out = ranks
     alone = train_case(tiny, name, None, case_rows(tiny, CASES[name][1]))
-    first, second = (torch.load(out / f"{name}-{rank}.pt") for rank in range(WORLD))
+    first, second = (torch.load(out / f"{mode}-{name}-{rank}.pt") for rank in range(WORLD))
     assert first["rows"] + second["rows"] == alone["rows"]
     if name == "one-row":
         assert second["rows"] == 0

@@ -138,14 +138,27 @@ class DataParallel:
     group: Any
     objects: Any
     control: Any
+    mesh: Any = None
     healthy: bool = field(default=True)
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the ranks shard the base weights (``mesh``, FSDP2: ``HFBackend``'s ``fsdp_mesh``)."""
+        return self.mesh is not None
 
     @classmethod
     def start(
-        cls, topology: Topology, device: str | None, timeout_s: float, *, init_method: str | None = None
+        cls,
+        topology: Topology,
+        device: str | None,
+        timeout_s: float,
+        *,
+        fsdp: bool = False,
+        init_method: str | None = None,
     ) -> DataParallel:
         """Join the job: each rank takes its own GPU (``cuda:LOCAL_RANK``) when the device is CUDA, else the
-        CPU; NCCL between GPUs, gloo otherwise. ``init_method`` defaults to torchrun's environment."""
+        CPU; NCCL between GPUs, gloo otherwise. ``fsdp``: a device mesh over all ranks, to shard the base
+        weights on. ``init_method`` defaults to torchrun's environment."""
         on_cuda = (device is None and torch.cuda.is_available()) or (device is not None and device.startswith("cuda"))
         if on_cuda:
             here = torch.device("cuda", topology.local_rank)
@@ -163,7 +176,12 @@ class DataParallel:
         )
         objects = dist.new_group(backend="gloo", timeout=timeout) if on_cuda else dist.group.WORLD
         control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-        return cls(topology.rank, topology.world_size, here, dist.group.WORLD, objects, control)
+        mesh = None
+        if fsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(here.type, (topology.world_size,))
+        return cls(topology.rank, topology.world_size, here, dist.group.WORLD, objects, control, mesh)
 
     # -- trainer.step.Collective ------------------------------------------------------------------
 
@@ -172,6 +190,15 @@ class DataParallel:
         tensor = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         self._checked(dist.all_reduce, tensor, group=self.group)
         return tensor.tolist()
+
+    def passes(self, micro_batches: int) -> int:
+        """Under FSDP the most micro-batches any rank has (every rank runs that many passes), else this
+        rank's own."""
+        if not self.fsdp:
+            return micro_batches
+        count = torch.tensor([micro_batches], dtype=torch.int64, device=self.device)
+        self._checked(dist.all_reduce, count, op=dist.ReduceOp.MAX, group=self.group)
+        return int(count.item())
 
     def reduce_gradients(self, params: Sequence[nn.Parameter]) -> None:
         """Sum the parameters' gradients over all ranks, in one buffer per dtype. A parameter without a
@@ -196,6 +223,13 @@ class DataParallel:
         out: list[Any] = [None] * self.world_size
         self._checked(dist.all_gather_object, out, value, group=self.objects)
         return out
+
+    def make_backend(self, spec: ReplicaSpec) -> TrainerBackend:
+        """This rank's replica: on its own device, its share of the base weights under FSDP."""
+        if self.fsdp and spec.backend != "hf":
+            raise ValueError(f"--fsdp shards the hf backend's model; the {spec.backend!r} backend is not supported")
+        extra = {"fsdp_mesh": self.mesh} if self.fsdp else {}
+        return make_backend(spec.backend, device=str(self.device), **spec.backend_args, **extra)  # type: ignore[arg-type]
 
     # -- rank 0 -> followers ----------------------------------------------------------------------
 
@@ -274,7 +308,7 @@ def follow(data_parallel: DataParallel) -> int:
             return 0
         if command.kind == "setup":
             spec = command.payload
-            backend = make_backend(spec.backend, device=str(data_parallel.device), **spec.backend_args)  # type: ignore[arg-type]
+            backend = data_parallel.make_backend(spec)
             continue
         if backend is None or spec is None:
             raise RuntimeError(f"rank {data_parallel.rank} got {command.kind!r} before setup")

@@ -46,7 +46,7 @@ from gateway.store.training import (
     renew_run_lease,
     run_lease,
 )
-from trainer.backends import LoraSpec, TrainerBackend, make_backend
+from trainer.backends import LoraSpec, TrainerBackend, make_backend, resolve_backend_name
 from trainer.checkpoint import (
     checkpoint_dir,
     discard_after,
@@ -341,11 +341,15 @@ class Trainer:
         }
 
     def _load_backend(self) -> TrainerBackend:
-        device = str(self.data_parallel.device) if self.data_parallel is not None else self.options.device
-        return make_backend(self.options.backend, device=device, **self._backend_args())
+        if self.data_parallel is not None:
+            return self.data_parallel.make_backend(self._replica_spec())
+        return make_backend(self.options.backend, device=self.options.device, **self._backend_args())
 
     def _replica_spec(self) -> ReplicaSpec:
-        return ReplicaSpec(self.options.backend, self._backend_args(), self.loss, self.config.micro_batch_tokens)
+        """What every rank builds: rank 0 resolves ``auto`` so that all ranks run the same backend."""
+        assert self.data_parallel is not None
+        backend = resolve_backend_name(self.options.backend, str(self.data_parallel.device))  # type: ignore[arg-type]
+        return ReplicaSpec(backend, self._backend_args(), self.loss, self.config.micro_batch_tokens)
 
     def _publisher(self) -> Publisher:
         key = self.settings.upstream_api_key

@@ -31,6 +31,9 @@ from trainer.samples import Row, collate, micro_batches
 
 Progress = Callable[[int, int], None]
 
+# What a rank with fewer micro-batches than the others runs under FSDP (``_idle_pass``).
+_IDLE_ROW = Row(input_ids=[0, 0], loss_mask=[0, 0], behaviour_logprobs=[0.0, 0.0], advantage=0.0, trajectory_id="", group_id="")
+
 
 class Policy(Protocol):
     """What a step needs from a backend: the model (for train mode), its trainable parameters and
@@ -52,6 +55,11 @@ class Collective(Protocol):
     each method in the same order."""
 
     def all_sum(self, values: Sequence[float]) -> list[float]: ...
+
+    def passes(self, micro_batches: int) -> int:
+        """How many forward/backward passes this rank must run for ``micro_batches`` of its own: the
+        most any rank has when the ranks shard the model (FSDP: every pass is collective), else its own."""
+        ...
 
     def reduce_gradients(self, params: Sequence[nn.Parameter]) -> None: ...
 
@@ -82,6 +90,13 @@ def step_totals(rows: Sequence[Row], loss_config: LossConfig, data_parallel: Col
     return StepTotals(tokens=tokens, sequences=sequences)
 
 
+def _idle_pass(policy: Policy) -> None:
+    """A forward and backward pass that adds nothing to any gradient: under FSDP every rank must run as
+    many passes as the busiest (each layer gathers its weights from all ranks), also one without rows."""
+    batch = {k: v.to(policy.device) for k, v in collate([_IDLE_ROW]).items()}
+    (policy.logprobs(batch, trained_only=False).sum() * 0.0).backward()
+
+
 def train_step(
     policy: Policy,
     rows: list[Row],
@@ -106,6 +121,8 @@ def train_step(
         raise ValueError("gspo needs every row's sequence_id (build_samples numbers them)")
     totals = step_totals(rows, loss_config, data_parallel)
     batches = micro_batches(rows, micro_batch_tokens)
+    # Agreed before the first pass: under FSDP every pass is a collective of all ranks.
+    passes = len(batches) if data_parallel is None else data_parallel.passes(len(batches))
     started = time.perf_counter()
 
     policy.model.train()
@@ -130,6 +147,8 @@ def train_step(
         padded_tokens += batch["input_ids"].numel()
         if progress is not None:
             progress(done, len(batches))
+    for _ in range(passes - len(batches)):
+        _idle_pass(policy)
 
     if data_parallel is not None:
         data_parallel.reduce_gradients(policy.trainable)

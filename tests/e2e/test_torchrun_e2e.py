@@ -1,6 +1,7 @@
 """`torchrun --nproc_per_node 2 -m gateway.cli -- train` with gloo on the tiny random Llama, against the same
 groups trained in one process: the same gradients (step metrics) and adapters, resuming from a one-process
-checkpoint and resumed from a two-rank one; and a rank killed mid-step commits nothing.
+checkpoint and resumed from a two-rank one, with the model whole on each rank (DDP) or its base weights sharded
+(`--fsdp`); and a rank killed mid-step commits nothing.
 
 In the e2e tier (no vLLM here) because a torchrun launch loads torch and transformers in three processes: about
 20 s on an idle 2-core machine, over a minute on a busy one. The fast tier checks the same arithmetic with two
@@ -110,7 +111,10 @@ def run_alone(url: str, directory: Path, tiny: str, steps: int) -> int:
     return resumed
 
 
-def test_two_ranks_train_the_single_process_steps_and_resume_at_any_world_size(tmp_path: Path, tiny: str) -> None:
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_two_ranks_train_the_single_process_steps_and_resume_at_any_world_size(
+    tmp_path: Path, tiny: str, sharding: list[str]
+) -> None:
     reference = seeded(tmp_path / "reference.db", tiny)
     run_alone(reference, tmp_path / "alone", tiny, steps=4)
 
@@ -118,7 +122,7 @@ def test_two_ranks_train_the_single_process_steps_and_resume_at_any_world_size(t
     checkpoints = tmp_path / "ranks" / "ckpt"
     run_alone(url, tmp_path / "ranks", tiny, steps=1)
     # Rank 0 resumes from the one-process checkpoint and hands it to rank 1; then two data-parallel steps.
-    done = torchrun(url, checkpoints, tiny, "--steps", "2")
+    done = torchrun(url, checkpoints, tiny, "--steps", "2", *sharding)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "run 'loop' is at step 3" in done.stdout
     assert run_alone(url, tmp_path / "ranks", tiny, steps=1) == 3  # one process resumes a two-rank checkpoint
