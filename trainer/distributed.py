@@ -25,6 +25,10 @@ committed, and torchrun stops the job; the claimed groups return to the pool whe
 
 Checkpoints are rank 0's replica, which is the whole state: they load with any world size (rank 0 loads one,
 ``sync`` hands it to the others, so followers need no access to the checkpoint directory).
+
+With ``fsdp`` the ranks also shard the frozen base weights of the decoder layers (FSDP2, ``HFBackend``'s
+``fsdp_mesh``), for a base too large for one device. The LoRA weights stay whole on every rank, so all of the above
+holds unchanged; every forward pass becomes a collective, so the ranks agree on a number of passes first.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -43,6 +47,9 @@ from torch import nn
 from trainer.backends import TrainerBackend, make_backend
 from trainer.loss import LossConfig
 from trainer.samples import Row
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger("trajgate.trainer.distributed")
 
@@ -138,7 +145,7 @@ class DataParallel:
     group: Any
     objects: Any
     control: Any
-    mesh: Any = None
+    mesh: DeviceMesh | None = None
     healthy: bool = field(default=True)
 
     @property
@@ -224,12 +231,17 @@ class DataParallel:
         self._checked(dist.all_gather_object, out, value, group=self.objects)
         return out
 
-    def make_backend(self, spec: ReplicaSpec) -> TrainerBackend:
+    def build_backend(self, spec: ReplicaSpec) -> TrainerBackend:
         """This rank's replica: on its own device, its share of the base weights under FSDP."""
         if self.fsdp and spec.backend != "hf":
             raise ValueError(f"--fsdp shards the hf backend's model; the {spec.backend!r} backend is not supported")
         extra = {"fsdp_mesh": self.mesh} if self.fsdp else {}
-        return make_backend(spec.backend, device=str(self.device), **spec.backend_args, **extra)  # type: ignore[arg-type]
+        return make_backend(
+            spec.backend,  # type: ignore[arg-type]  # resolved by rank 0: "hf" or "unsloth"
+            device=str(self.device),
+            **spec.backend_args,
+            **extra,
+        )
 
     # -- rank 0 -> followers ----------------------------------------------------------------------
 
@@ -248,11 +260,28 @@ class DataParallel:
         self._send([Command("sync")] * self.world_size)
         self.share_state(backend)
 
+    def share_state(self, backend: TrainerBackend) -> None:
+        """Every rank, after ``sync``: rank 0's adapter weights, optimizer moments and step count to all (a DDP
+        replica's start). Only the adapter travels; the frozen base is the same weights everywhere."""
+        state = [{"optimizer": _cpu(backend.optimizer.state_dict()), "step": backend.step} if self.rank == 0 else None]
+        self._checked(dist.broadcast_object_list, state, src=0, group=self.objects)
+        with torch.no_grad():
+            for p in backend.trainable:
+                self._checked(dist.broadcast, p.data, src=0, group=self.group)
+        if self.rank != 0:
+            # load_state_dict moves each moment to its parameter's device and dtype.
+            backend.optimizer.load_state_dict(state[0]["optimizer"])
+            backend.step = int(state[0]["step"])
+
     def stop(self) -> None:
         """Rank 0: tell the followers to exit. Skipped when a collective already failed: a dead rank would not
-        answer, and torchrun stops the others once one process exits with an error."""
+        answer, and torchrun stops the others once one process exits with an error. Stopping torchrun signals
+        every rank, so the followers may be gone already: that is only logged."""
         if self.healthy and self.rank == 0:
-            self._send([Command("stop")] * self.world_size)
+            try:
+                self._send([Command("stop")] * self.world_size)
+            except RuntimeError as exc:
+                log.warning("the other ranks did not take the stop (stopped already?): %s", str(exc).splitlines()[0])
 
     def receive(self) -> Command:
         """A follower: the next command from rank 0 (waits as long as rank 0 does)."""
@@ -276,18 +305,6 @@ class DataParallel:
         out: list[Any] = [None]
         self._checked(dist.scatter_object_list, out, commands, src=0, group=self.control)
 
-    def share_state(self, backend: TrainerBackend) -> None:
-        """Rank 0's adapter weights, optimizer moments and step count to every rank (a DDP replica's start)."""
-        state = [{"optimizer": _cpu(backend.optimizer.state_dict()), "step": backend.step} if self.rank == 0 else None]
-        self._checked(dist.broadcast_object_list, state, src=0, group=self.objects)
-        with torch.no_grad():
-            for p in backend.trainable:
-                self._checked(dist.broadcast, p.data, src=0, group=self.group)
-        if self.rank != 0:
-            # load_state_dict moves each moment to its parameter's device and dtype.
-            backend.optimizer.load_state_dict(state[0]["optimizer"])
-            backend.step = int(state[0]["step"])
-
     def _checked(self, collective: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a collective; if it fails (a rank died, or timed out) mark the job unhealthy and re-raise."""
         try:
@@ -308,7 +325,7 @@ def follow(data_parallel: DataParallel) -> int:
             return 0
         if command.kind == "setup":
             spec = command.payload
-            backend = data_parallel.make_backend(spec)
+            backend = data_parallel.build_backend(spec)
             continue
         if backend is None or spec is None:
             raise RuntimeError(f"rank {data_parallel.rank} got {command.kind!r} before setup")

@@ -333,7 +333,9 @@ class Trainer:
         """``make_backend``'s arguments but the backend's name and the device (every rank has its own)."""
         return {
             "base_weights": self._base_weights(),
-            "lora": LoraSpec(rank=self.config.lora_rank, alpha=self.config.lora_alpha, targets=self.config.lora_targets),
+            "lora": LoraSpec(
+                rank=self.config.lora_rank, alpha=self.config.lora_alpha, targets=self.config.lora_targets
+            ),
             "learning_rate": self.config.learning_rate,
             "dtype": self.options.dtype,
             "seed": self.options.seed,
@@ -342,7 +344,7 @@ class Trainer:
 
     def _load_backend(self) -> TrainerBackend:
         if self.data_parallel is not None:
-            return self.data_parallel.make_backend(self._replica_spec())
+            return self.data_parallel.build_backend(self._replica_spec())
         return make_backend(self.options.backend, device=self.options.device, **self._backend_args())
 
     def _replica_spec(self) -> ReplicaSpec:

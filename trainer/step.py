@@ -32,7 +32,9 @@ from trainer.samples import Row, collate, micro_batches
 Progress = Callable[[int, int], None]
 
 # What a rank with fewer micro-batches than the others runs under FSDP (``_idle_pass``).
-_IDLE_ROW = Row(input_ids=[0, 0], loss_mask=[0, 0], behaviour_logprobs=[0.0, 0.0], advantage=0.0, trajectory_id="", group_id="")
+_IDLE_ROW = Row(
+    input_ids=[0, 0], loss_mask=[0, 0], behaviour_logprobs=[0.0, 0.0], advantage=0.0, trajectory_id="", group_id=""
+)
 
 
 class Policy(Protocol):

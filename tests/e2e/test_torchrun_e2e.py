@@ -65,7 +65,9 @@ def trainer(url: str, directory: Path, tiny: str, steps: int) -> Trainer:
     return Trainer(settings, options, echo=lambda line: None)
 
 
-def torchrun(url: str, checkpoints: Path, tiny: str, *args: str, module: str = "gateway.cli", **env: str) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    url: str, checkpoints: Path, tiny: str, *args: str, module: str = "gateway.cli", **env: str
+) -> subprocess.CompletedProcess[str]:
     """Two gloo ranks on the CPU training run 'loop' (``--standalone``: a free port, so parallel jobs don't
     collide). `--` keeps torchrun's parser off `--run` (its
     `--run-path` would claim it as an abbreviation)."""
