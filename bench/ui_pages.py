@@ -5,7 +5,8 @@ The run: groups of 8 trajectories of 3 calls each (a tool call, its result, an a
 every group trained, 300 training steps and eval trajectories on 10 policy versions. Calls are written straight
 into the store with the writer's own `write_calls`, in batches, not through the gateway. Each page is read 5 times;
 the median is printed, with the first (cold) read. A page that grew with the run's size would show here as a read
-far slower than on the small run.
+far slower than on the small run. The trajectory page's figure includes laying out its call tree, not its tokens'
+text, which vLLM gives (gateway.token_text: a derender request the first time a page is shown).
 
 Run: `python bench/ui_pages.py [--calls 100000] [--pg-url URL | --no-pg]` (without --pg-url it starts a throwaway
 Postgres with tests.pgcluster, as the tests do).
@@ -40,6 +41,7 @@ from gateway.store.ui_reads import (  # noqa: E402
     search_trajectories,
     trajectory_page,
 )
+from gateway.ui_tree import layout as tree_layout  # noqa: E402
 from tests.factories import make_record  # noqa: E402
 
 GROUP = 8
@@ -106,7 +108,7 @@ def measure(label: str, url: str, calls: int) -> None:
                 "runs list": lambda: runs_overview(engine),
                 "run": lambda run=run: run_page(engine, run),
                 "group": lambda run=run: group_page(engine, f"{run}-g3"),
-                "trajectory": lambda run=run: trajectory_page(engine, f"{run}-t25"),
+                "trajectory + call tree": lambda run=run: tree_layout(trajectory_page(engine, f"{run}-t25")["calls"]),
                 "search, first page": lambda run=run: search_trajectories(engine, TrajectoryFilter(run=run), None, 50),
                 "search, reward >= 0.75": lambda run=run: search_trajectories(
                     engine, TrajectoryFilter(run=run, mode="train", reward_min=0.75), None, 50

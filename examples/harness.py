@@ -10,6 +10,7 @@ import argparse
 import json
 import random
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -161,6 +162,67 @@ def train(agent: Agent[Q], steps: int, groups_per_round: int, size: int, seed: i
         round_no += 1
 
 
+def fleet(agent: Agent[Q], steps: int, size: int, seed: int, episodes: int, poll_s: float = 5.0) -> bool:
+    """Keep `episodes` episodes in flight until the run has `steps` trained steps, as a fleet of agents does: each
+    worker starts the next episode the moment its last one ends, with no rounds and no pacing of its own. Groups fill
+    in order (`size` episodes per question). Only the gateway's admission keeps such a fleet from outrunning the
+    trainer; with admission `off` the groups it starts pile up and go stale, which is what this mode shows. An
+    episode that fails is played again. False if every episode failed (the run cannot make progress)."""
+    rng = random.Random(seed)
+    slots = threading.Lock()
+    order: list[Q] = []
+    counter = {"group": 0, "slot": size, "played": 0, "failed": 0}
+    question: list[Q] = []
+    done = threading.Event()
+
+    def next_slot() -> tuple[Q, str, int]:
+        with slots:
+            if counter["slot"] == size:
+                if not order:
+                    order.extend(rng.sample(list(agent.task.train), len(agent.task.train)))
+                question[:] = [order.pop()]
+                counter["group"] += 1
+                counter["slot"] = 0
+            counter["slot"] += 1
+            return question[0], f"{agent.run}-{agent.session}-f{counter['group']}", counter["slot"] - 1
+
+    def worker() -> None:
+        slot = None
+        while not done.is_set():
+            slot = slot or next_slot()
+            q, group, index = slot
+            try:
+                agent.play_one(q, group, size, index, "train")
+                outcome, slot = "played", None
+            except Exception as exc:  # refused or timed out waiting for admission: play the same slot again, so its
+                outcome = "failed"  # group still fills (a group short of an episode would hold its place for ever)
+                if not done.is_set():  # once the run has its steps, episodes still waiting for admission may fail
+                    print(f"agent: episode {group}-t{index} failed ({type(exc).__name__}: {exc}); again", flush=True)
+            with slots:
+                counter[outcome] += 1
+
+    workers = [threading.Thread(target=worker, name=f"fleet-{i}", daemon=True) for i in range(episodes)]
+    for thread in workers:
+        thread.start()
+    started = time.perf_counter()
+    while True:
+        time.sleep(poll_s)
+        state = agent.progress()
+        step = (state.get("last_step") or {}).get("step", 0)
+        admission = state.get("admission") or {}
+        print(f"agent: fleet of {episodes} | step {step} | {counter['played']} episodes played, {counter['failed']} "
+              f"failed | groups {state.get('groups', {})} | in flight {admission.get('in_flight')} of "
+              f"{admission.get('slots')} | {time.perf_counter() - started:.0f}s", flush=True)  # fmt: skip
+        if step >= steps:
+            done.set()
+            print(f"agent: run {agent.run!r} reached step {step}; the fleet stops", flush=True)
+            return True
+        if counter["failed"] >= episodes and not counter["played"]:
+            done.set()
+            print("agent: every episode of the fleet failed; giving up", flush=True)
+            return False
+
+
 def evaluate(agent: Agent[Q], samples: int, limit: int | None) -> dict[str, Any]:
     """Play every held-out question `samples` times in evaluation mode."""
     questions = list(agent.task.held_out[:limit] if limit else agent.task.held_out)
@@ -200,6 +262,9 @@ def main_for(task: Task[Any], description: str, argv: Sequence[str] | None = Non
     parser.add_argument("--groups-per-round", type=int, default=4, help="train: questions per round")
     parser.add_argument("--group-size", type=int, default=8, help="train: episodes per question")
     parser.add_argument("--max-rounds", type=int, help="train: give up after this many rounds (default: 5 x steps)")
+    parser.add_argument("--fleet", type=int, default=0,
+                        help="train: keep this many episodes in flight, no rounds (a fleet of agents, paced only by "
+                        "the gateway's admission); 0 = rounds of --groups-per-round groups")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--samples", type=int, default=4, help="eval: episodes per held-out question")
     parser.add_argument("--limit", type=int, help="eval: only the first N held-out questions")
@@ -209,6 +274,8 @@ def main_for(task: Task[Any], description: str, argv: Sequence[str] | None = Non
     agent = Agent(task, args.gateway, args.run, args.api_key, args.admin_key)
     try:
         if args.mode == "train":
+            if args.fleet > 0:
+                return 0 if fleet(agent, args.steps, args.group_size, args.seed, args.fleet) else 1
             max_rounds = args.max_rounds or 5 * args.steps
             if not train(agent, args.steps, args.groups_per_round, args.group_size, args.seed, max_rounds):
                 return 1

@@ -31,6 +31,7 @@ from gateway.proxy import ENDPOINTS, Proxy, send_json
 from gateway.routes import install_error_handlers, router
 from gateway.routing import PolicyRouter
 from gateway.store.db import make_engine
+from gateway.token_text import TokenTextCache
 from gateway.writer import RecordWriter
 
 log = logging.getLogger("trajgate.gateway")
@@ -52,6 +53,8 @@ class GatewayState:
     messages: MessagesApi
     # Set when the server begins a graceful shutdown, so endless responses (the event stream) end and let it finish.
     stopping: threading.Event = field(default_factory=threading.Event)
+    # The trajectory page's token strings per call id (gateway.token_text).
+    token_texts: TokenTextCache = field(default_factory=TokenTextCache)
 
 
 def build_state(settings: Settings) -> GatewayState:

@@ -172,6 +172,7 @@ def _pin(cpus: list[int]) -> None:
 
 def _train(settings: Settings, args: argparse.Namespace) -> int:
     # Imported here: only the trainer process pays for torch; `trajgate serve` never imports it.
+    from trainer.distributed import DataParallel, Topology, follow
     from trainer.loop import Trainer, TrainerOptions
 
     _setup_logging(args.log_level)
@@ -198,11 +199,27 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
     )
     if args.worker_id:
         options.worker_id = args.worker_id
-    trainer = Trainer(settings, options)  # errors (TrainerError, a waiting trainer's Ctrl-C): see main()
+    topology = Topology.from_env()
+    if topology is None and args.fsdp:
+        raise ValueError("--fsdp shards the model across the ranks of a torchrun job: launch with torchrun")
+    if topology is None:
+        trainer = Trainer(settings, options)  # errors (TrainerError, a waiting trainer's Ctrl-C): see main()
+        try:
+            return _train_until_stopped(trainer, args)
+        finally:
+            trainer.close()  # gives the run up, so a waiting trainer takes over at once
+    # Under torchrun: rank 0 is the trainer above, the other ranks follow it (trainer.distributed).
+    data_parallel = DataParallel.start(topology, args.device, args.dist_timeout_s, fsdp=args.fsdp)
     try:
-        return _train_until_stopped(trainer, args)
+        if data_parallel.rank != 0:
+            return follow(data_parallel)
+        trainer = Trainer(settings, options, data_parallel=data_parallel)
+        try:
+            return _train_until_stopped(trainer, args)
+        finally:
+            trainer.close()
     finally:
-        trainer.close()  # gives the run up, so a waiting trainer takes over at once
+        data_parallel.close()  # rank 0 tells the followers to stop (unless a rank died)
 
 
 def _train_until_stopped(trainer: Any, args: argparse.Namespace) -> int:
@@ -265,6 +282,8 @@ def demo_options(args: argparse.Namespace) -> Any:
         groups_per_step=args.groups_per_step,
         group_size=args.group_size,
         ahead=args.ahead,
+        admission=args.admission,
+        fleet=args.fleet,
         learning_rate=args.lr,
         max_tokens=args.max_tokens,
         eval_samples=args.eval_samples,
@@ -342,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the trainer worker for a run: claim ready groups, update the LoRA adapter, commit steps",
         description="Train run RUN: wait for `groups_per_step` ready groups, claim them under a lease, take one "
         "GRPO-family step on the LoRA adapter, checkpoint under TRAJGATE_CHECKPOINT_DIR/RUN/STEP and commit. "
-        "Restarting resumes from the last committed step. Ctrl-C / SIGTERM stop after the current step.",
+        "Restarting resumes from the last committed step. Ctrl-C / SIGTERM stop after the current step. "
+        "Under `torchrun --nproc_per_node N -m gateway.cli train ...` it trains data-parallel on N ranks.",
     )
     train.add_argument("--run", required=True, help="the run to train (the `model` name agents call)")
     train.add_argument("--backend", default="auto", choices=["auto", "hf", "unsloth"], help="auto: unsloth on CUDA")
@@ -391,6 +411,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="also log every step's metrics, the eval reward per policy version and sample trajectories to this "
         "tracker (repeatable; pip install 'trajgate[wandb|trackio|mlflow]')",
     )
+    train.add_argument(
+        "--dist-timeout-s",
+        type=float,
+        default=1800.0,
+        help="under torchrun: how long a rank waits for the others within a step before the step fails "
+        "(a hung rank); the slowest rank's step must fit (default: 1800)",
+    )
+    train.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun: shard the frozen base weights across the ranks (FSDP2), for a model too large for "
+        "one device; the LoRA adapter stays whole on every rank (hf backend)",
+    )
     train.add_argument("--tracker-project", help="tracker project / MLflow experiment (default: TRAJGATE_TRACKER_PROJECT)")
     train.add_argument("--tracker-name", help="the tracker's run name (default: TRAJGATE_TRACKER_NAME, else the run)")
     train.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -434,6 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ahead", type=int, default=1,
                       help="the run's max_staleness: versions the sampling policy may trail the trained one, enforced "
                       "by the gateway's admission; 0 = synchronous on-policy (default: 1)")
+    demo.add_argument("--admission", choices=["wait", "reject", "off"], default="wait",
+                      help="the run's admission (README): wait (default) holds a new group's first call while the "
+                      "trainer cannot take it in time, reject answers 429, off admits everything")
+    demo.add_argument("--fleet", type=int, default=0,
+                      help="keep this many training episodes in flight, with no rounds (a fleet of agents paced only "
+                      "by admission); 0 (default) = rounds of --groups-per-step groups")
     demo.add_argument("--lr", type=float, default=3e-4, help="the LoRA's learning rate (default: 3e-4)")
     demo.add_argument("--max-tokens", type=int, help="longest reply sampled (default: trivia 32, tools 48)")
     demo.add_argument("--eval-samples", type=int, default=4, help="answers per held-out question (default: 4)")

@@ -95,6 +95,13 @@ class Settings(BaseSettings):
         description="How often calls waiting for admission ask the database again for room (the trainer frees it "
         "by training, dropping or publishing, which the gateway is not told of).",
     )
+    ui_token_text_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=120,
+        description="Trajectory page: longest wait for vLLM's derender to give the completion tokens' text (the "
+        "page shows token ids instead past it).",
+    )
     max_connections: int | None = Field(
         None, ge=1, description="Open connections before new ones get a 503; unset: half the open-file limit."
     )

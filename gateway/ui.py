@@ -33,6 +33,8 @@ from gateway.store.ui_reads import (
     search_trajectories,
     trajectory_page,
 )
+from gateway.token_text import token_texts
+from gateway.ui_tree import layout as tree_layout
 
 UI_DIR = Path(__file__).resolve().parent / "ui"
 COOKIE = "trajgate_ui"
@@ -243,12 +245,16 @@ async def group(request: Request, id: str) -> Response:
 
 @router.get("/trajectory")
 async def trajectory(request: Request, id: str) -> Response:
+    """A trajectory: its call tree, then each call with the messages it added (against its tree parent's request,
+    or the previous call's for a root) and its completion tokens, as text when vLLM can say it (gateway.token_text)."""
     if not _authorized(request):
         return _login_redirect(request)
     check_id(id, "trajectory id")
-    view = await asyncio.to_thread(trajectory_page, gateway_state(request).engine, id)
+    gw = gateway_state(request)
+    view = await asyncio.to_thread(trajectory_page, gw.engine, id)
     if view is None:
         raise GatewayError(404, f"no trajectory {id!r}", code="trajectory_not_found")
+    sent: dict[tuple[int, int], Any] = {}
     previous: list[Any] = []
     for call in view["calls"]:
         messages = call["messages"] if isinstance(call["messages"], list) else None
@@ -256,14 +262,21 @@ async def trajectory(request: Request, id: str) -> Response:
             call["new_messages"] = [{"role": "prompt", "text": str(call["messages"]), "tool_calls": [], "tool_call_id": None}]
             call["history_changed"] = False
             continue
-        extends = messages[: len(previous)] == previous
-        shown = messages[len(previous):] if extends else messages
+        parent = call["parent"]
+        base = sent.get((parent["seq"], parent["choice_index"]), previous) if parent else previous
+        extends = messages[: len(base)] == base
+        shown = messages[len(base):] if extends else messages
         call["new_messages"] = [_message_parts(m) for m in shown]
         call["history_changed"] = not extends
         call["completion_tool_calls"] = _tool_calls(call["tool_calls"])
+        sent[(call["seq"], call["choice_index"])] = messages
         if call["choice_index"] == 0:
             previous = messages
-    return _page(request, "trajectory.html", t=view)
+    texts = await token_texts(gw.proxy, gw.token_texts, [(c["id"], c["completion_token_ids"]) for c in view["calls"]],
+                              gw.settings.ui_token_text_timeout_s)  # fmt: skip
+    for call, text in zip(view["calls"], texts.texts, strict=True):
+        call["token_text"] = text
+    return _page(request, "trajectory.html", t=view, tree=tree_layout(view["calls"]), token_text_error=texts.error)
 
 
 def _float_param(name: str, value: str | None) -> float | None:

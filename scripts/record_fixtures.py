@@ -353,6 +353,15 @@ def record_scale_out(rec: Recorder) -> None:
     )
 
 
+def record_ui_token_text(rec: Recorder) -> None:
+    """The trajectory page's one request for its tokens' text (gateway.token_text), for the seeded trajectory whose
+    completion ids are real SmolLM2 tokens (tests/ui_seed.py): vLLM's completions derender, tokenizer only."""
+    from gateway.token_text import DERENDER_COMPLETIONS, derender_body
+    from tests.ui_seed import TOKEN_TEXT_IDS
+
+    rec.record("ui_token_text", "POST", DERENDER_COMPLETIONS, derender_body(TOKEN_TEXT_IDS))
+
+
 @contextlib.contextmanager
 def _recording_gateway(
     rec: Recorder, run: str | None = None, token_mode: str = "token_in"
@@ -528,6 +537,7 @@ def record_all(rec: Recorder) -> None:
     record_messages(rec)
     record_tree(rec)
     record_tree_handoff(rec)
+    record_ui_token_text(rec)
     rec.record("completions", "POST", "/v1/completions", completion("The capital of France is"))
     rec.record(
         "completions_stream",
@@ -613,7 +623,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--only",
-        choices=("all", "scale_out", "token_in", "token_in_calls", "responses", "messages", "tree", "tree_handoff"),
+        choices=(
+            "all", "scale_out", "token_in", "token_in_calls", "responses", "messages", "tree", "tree_handoff",
+            "ui_token_text",
+        ),  # fmt: skip
         default="all",
         help="record every scenario, or only one family (scale_out_*, token_in_*, messages_*, tree_*, tree_handoff_*...)",
     )
@@ -626,6 +639,7 @@ def main() -> None:
         "messages": record_messages,
         "tree": record_tree,
         "tree_handoff": record_tree_handoff,
+        "ui_token_text": record_ui_token_text,
     }.get(args.only, record_all)
     if args.base_url:
         recorder = Recorder(args.base_url, args.out)

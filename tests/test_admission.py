@@ -38,6 +38,7 @@ from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.test_gateway_capture import sdk_kwargs
 from tests.test_gateway_faults import assert_openai_error
+from tests.test_tool_agent import load_example
 from tests.waiting import wait_until
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 
@@ -201,6 +202,45 @@ def test_64_concurrent_episodes_never_exceed_the_bound(
     assert (view["admitted_groups"], view["groups_dropped_stale"], view["in_flight"]) == (16, 0, 0)
     assert view["wait_s_max"] > 0  # some groups waited for room
     assert later and len(later) == 64  # every episode's second call went through
+
+
+def test_a_fleet_paced_only_by_admission_stays_within_the_bound(
+    gateway: RunningGateway, upstream: FakeUpstream, db_url: str
+) -> None:
+    """The demo's `--fleet` (examples/harness.py `fleet`): 32 episodes kept in flight, each starting the next the moment
+    it ends, no rounds. Only admission paces it: the bound holds in every snapshot, the run reaches its steps, and
+    nothing trained was staler than max_staleness."""
+    harness = load_example("harness")
+    kwargs = sdk_kwargs(upstream.fixture("chat"))
+
+    def episode(client: openai.OpenAI, run: str, question: int) -> Any:
+        reply = client.chat.completions.create(**{**kwargs, "model": run})
+        return harness.Outcome(float(question % 2), bool(question % 2), reply.choices[0].message.content or "", 0)
+
+    task = harness.Task(train=list(range(8)), held_out=[], episode=episode, describe=lambda q: {"q": q})
+    agent = harness.Agent(task, gateway.url, RUN)
+    # Once the run has its steps, the episodes still waiting for room give up after a second (429, then the SDK's
+    # retries) instead of holding the gateway's shutdown.
+    create_run(gateway, groups_per_step=2, max_staleness=1, admission_timeout_s=1)
+    with engine_on(db_url) as engine:
+        take_run(engine, gateway)
+        trainer = ScriptedTrainer(engine, [gateway], groups_per_step=2, steps=3).start()
+        seen: list[tuple[int, int, int]] = []
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch_bound, args=(db_url, stop, seen), daemon=True)
+        watcher.start()
+        try:
+            assert harness.fleet(agent, steps=3, size=4, seed=0, episodes=32, poll_s=0.2)
+            trainer.join()
+        finally:
+            stop.set()
+            watcher.join(10)
+    assert seen and all(in_flight <= slots for in_flight, _, slots in seen), max(seen)
+    assert max(in_flight for in_flight, _, _ in seen) == 4  # 32 episodes want 8 groups: admission held them to 4
+    for step, groups in trainer.trained.items():
+        for group, versions in groups.items():
+            assert step - 1 - min(versions) <= 1, (step, group, versions)
+    assert len(trainer.trained) == 3
 
 
 def test_later_calls_of_an_admitted_group_never_wait(

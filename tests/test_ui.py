@@ -10,6 +10,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import httpx
@@ -17,11 +18,25 @@ import pytest
 
 from gateway.store import db
 from gateway.store.ui_reads import advantages
+from gateway.token_text import DERENDER_COMPLETIONS, TokenTextCache, batches, derender_body
+from gateway.ui_tree import layout as tree_layout
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.pgcluster import create_database, drop_database
 from tests.test_gateway_faults import assert_openai_error
-from tests.ui_seed import EVAL_REWARDS, HOSTILE, RUN, STEP_METRICS, TRAIN_REWARDS, add_step, seed
+from tests.ui_seed import (
+    EVAL_REWARDS,
+    HOSTILE,
+    RUN,
+    STEP_METRICS,
+    TOKEN_TEXT_IDS,
+    TOKEN_TEXT_TRAJECTORY,
+    TOKEN_TEXTS,
+    TRAIN_REWARDS,
+    TREE_TRAJECTORY,
+    add_step,
+    seed,
+)
 
 ADMIN = "admin-secret-for-ui"
 PAGES = [
@@ -69,6 +84,12 @@ def admin(gw: RunningGateway) -> Iterator[httpx.Client]:
         response = client.post("/ui/login", data={"key": ADMIN, "next": "/ui"})
         assert response.status_code == 303 and response.headers["location"] == "/ui"
         yield client
+
+
+# A completion token's span: colour class, trained mark, partial flag, id, logprob, partial note, what it shows.
+TOKEN = re.compile(
+    r'<span class="tok (lp[^ "]+) (\w+)( partial)?" title="id (\d+) · logprob ([^"·]+?)( · [^"]+)?">([^<]*)</span>'
+)
 
 
 def text_of(page: str) -> str:
@@ -178,11 +199,139 @@ def test_trajectory_page(ui: RunningGateway) -> None:
     assert '→ search({"query":' in page  # the tool call the model made
     assert "tool (call_1)" in page and "Zenpri Ushven" in page  # the tool's result, as the agent sent it back
     assert "extends turn 0 : trained in the same row" in page and "first call: starts a row" in page
-    tokens = re.findall(r'<span class="tok (lp[^ "]+) (\w+)" title="id (\d+) · logprob ([^"]+)">', raw)
+    tokens = TOKEN.findall(raw)
     assert len(tokens) == 6 + 5  # the two calls' completion tokens
-    assert {mark for _, mark, _, _ in tokens} == {"trained"}  # trainable calls of a trajectory step 1 trained
-    assert tokens[0][0] == "lp-forced" and tokens[0][3] == "–"  # the factory's first logprob is vLLM's -inf
-    assert all(cls.startswith("lp") for cls, _, _, _ in tokens)
+    assert {mark for _, mark, _, _, _, _, _ in tokens} == {"trained"}  # trainable calls of a trajectory step 1 trained
+    assert tokens[0][0] == "lp-forced" and tokens[0][4] == "–"  # the factory's first logprob is vLLM's -inf
+    assert all(cls.startswith("lp") for cls, *_ in tokens)
+
+
+def test_trajectory_page_shows_token_text_from_vllm(seeded_url: str, upstream: FakeUpstream, tmp_path: Path) -> None:
+    """The page asks vLLM's completions derender for its tokens' strings in one request (replayed from the real
+    server: tests/fixtures/vllm/ui_token_text.json) and shows each token as its text, the id and logprob on hover;
+    a token holding only part of a character shows '·' and the token completing it the whole character. Shown
+    again, the page asks nothing: a call's strings are kept by its id."""
+    upstream.mode = "replay"
+    before = len(upstream.received)
+    with running_gateway(
+        database_url=seeded_url, upstream_url=upstream.base_url, base_model="smollm2", spool_dir=tmp_path / "spool",
+        admin_key=ADMIN,
+    ) as gw, admin(gw) as client:  # fmt: skip
+        pages = [client.get(f"/ui/trajectory?id={TOKEN_TEXT_TRAJECTORY}").text for _ in range(2)]
+    asked = [body for body in upstream.received[before:] if "generate_responses" in body]
+    assert asked == [derender_body(TOKEN_TEXT_IDS)]
+    expected = [text for texts in TOKEN_TEXTS for text in texts]
+    for raw in pages:
+        tokens = TOKEN.findall(raw)
+        assert [int(t[3]) for t in tokens] == [i for ids in TOKEN_TEXT_IDS for i in ids]
+        assert [html.unescape(t[6]) for t in tokens] == [text or "·" for text in expected]
+        assert [bool(t[2]) for t in tokens] == [text == "" for text in expected]
+        assert all(t[5] == " · part of a character a later token completes" for t in tokens if t[2])
+        assert "token ids shown, not text" not in raw
+
+
+def test_token_text_batches_and_cache() -> None:
+    """Calls go to vLLM in requests of at most TOKENS_PER_REQUEST tokens (a longer call alone), in order; the cache
+    drops the least recently shown call first once it holds more strings than its bound."""
+    assert batches([3, 5, 2, 10, 1, 1], 8) == [[0, 1], [2], [3], [4, 5]]
+    assert batches([], 8) == []
+    cache = TokenTextCache(max_tokens=5)
+    cache.put("a", ["x"] * 2)
+    cache.put("b", ["y"] * 2)
+    assert cache.get("a") == ["x", "x"]  # "a" is now the most recently shown
+    cache.put("c", ["z"] * 2)  # 6 > 5: "b" goes
+    assert cache.get("b") is None and cache.get("a") == ["x", "x"] and cache.get("c") == ["z", "z"]
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"),
+    [
+        ("forbidden", f"vLLM answered 403 on {DERENDER_COMPLETIONS} (start vLLM with --enable-scale-out)"),
+        ("hang", f"vLLM did not answer {DERENDER_COMPLETIONS} in 0.5 s"),
+        ("down", "vLLM unreachable: ClientConnectorError"),
+    ],
+)
+def test_token_ids_when_vllm_cannot_say_their_text(seeded_url: str, tmp_path: Path, mode: str, why: str) -> None:
+    """vLLM started without --enable-scale-out, hanging, or down: the page still renders, with the ids, and says
+    why."""
+    fake = FakeUpstream().start()
+    upstream_url = fake.base_url
+    if mode == "down":
+        fake.stop()
+    else:
+        fake.mode = mode
+    try:
+        with running_gateway(
+            database_url=seeded_url, upstream_url=upstream_url, base_model="smollm2", spool_dir=tmp_path / "spool",
+            admin_key=ADMIN, ui_token_text_timeout_s=0.5,
+        ) as gw, admin(gw) as client:  # fmt: skip
+            response = client.get(f"/ui/trajectory?id={TOKEN_TEXT_TRAJECTORY}")
+    finally:
+        fake.stop()
+    assert response.status_code == 200
+    assert f"token ids shown, not text: {why}" in text_of(response.text)
+    tokens = TOKEN.findall(response.text)
+    assert [t[6] for t in tokens] == [str(i) for ids in TOKEN_TEXT_IDS for i in ids]
+
+
+def test_trajectory_page_draws_the_call_tree(ui: RunningGateway) -> None:
+    """The seeded tree (a supervisor's turn 0; its sub-agent's turn 1, a new root; turn 2 resuming turn 0; turn 3 a
+    parallel branch off turn 0; turn 4 going on from turn 2) as SVG: a node per call linking to it, an edge per
+    parent, each root's break reason, one lane per branch."""
+    with admin(ui) as client:
+        raw = client.get(f"/ui/trajectory?id={TREE_TRAJECTORY}").text
+    svg = re.search(r'<svg id="call-tree".*?</svg>', raw, re.S).group(0)
+    nodes = re.findall(
+        r'<a href="#turn-(\d+)-(\d+)"><circle class="tree-node (\w+)[^"]*" cx="([\d.]+)" cy="([\d.]+)"[^>]*>'
+        r'<title>[^<]*</title></circle><text class="tree-label[^"]*"[^>]*>([^<]*)</text></a>',
+        svg,
+    )
+    assert [html.unescape(n[5]) for n in nodes] == [
+        "turn 0 · first call",
+        "turn 1 · new root: new_root",
+        "turn 2 · extends turn 0",
+        "turn 3 · fork of turn 0",
+        "turn 4 · extends turn 2",
+    ]
+    assert [n[2] for n in nodes] == ["root", "root", "extends", "fork", "extends"]
+    assert len(re.findall(r'<path class="tree-edge"', svg)) == 3
+    for turn, choice, *_ in nodes:  # every node links to its call's section
+        assert f'<section class="call" id="turn-{turn}-{choice}">' in raw
+    x = [float(n[3]) for n in nodes]
+    assert x[0] == x[2] == x[4] and len({x[0], x[1], x[3]}) == 3  # the supervisor's lane, the sub-agent's, the fork's
+    assert [float(n[4]) for n in nodes] == sorted(float(n[4]) for n in nodes)  # time reads downwards
+    assert 'class="tree-label tree-break"' in svg and svg.count("tree-break") == 1  # the sub-agent's new root
+    page = text_of(raw)
+    assert "new row: new_root" in page
+    assert "fork: extends turn 0 , whose branch goes on in another call: a new row" in page
+    assert "extends turn 2 : trained in the same row" in page
+    # each call shows what it added to its tree parent's messages; only the sub-agent's root shows its whole prompt
+    sections = re.findall(r'<section class="call" id="turn-(\d+)-0">(.*?)</section>', raw, re.S)
+    assert [turn for turn, body in sections if "the whole prompt is shown" in body] == ["1"]
+    assert "Bergen, or Oslo" in page and "Are you sure?" in page
+
+
+def test_call_tree_lanes_are_reused_once_a_branch_ends() -> None:
+    """Roots one after another (a chat-mode agent whose template drops tool calls) stay in one column; a fork takes
+    a lane from its parent's row on, and a later root reuses the lane once that fork has ended."""
+
+    def call(seq: int, parent: int | None, branch: int, reason: str = "extends", fork: bool = False) -> dict[str, Any]:
+        return {"seq": seq, "choice_index": 0, "turn": seq, "parent": {"seq": parent, "choice_index": 0} if parent
+                is not None else None, "branch": branch, "parent_turn": parent, "parent_choice": 0 if parent is not
+                None else None, "fork": fork, "merge_reason": reason, "trainable": True}  # fmt: skip
+
+    chain = tree_layout([call(0, None, 0, "first_call"), call(1, None, 1, "template_dropped_tool_call"),
+                         call(2, None, 2, "template_dropped_tool_call")])  # fmt: skip
+    assert len({n.x for n in chain.nodes}) == 1 and chain.edges == []
+    assert [n.label for n in chain.nodes][1] == "turn 1 · new root: template_dropped_tool_call"
+    forked = tree_layout([
+        call(0, None, 0, "first_call"), call(1, 0, 0), call(2, 0, 2, fork=True), call(3, None, 3, "compacted"),
+        call(4, 1, 0),
+    ])  # fmt: skip
+    x = [n.x for n in forked.nodes]
+    assert x[0] == x[1] == x[4] and x[2] > x[0] and x[3] == x[2]  # the compacted root reuses the fork's lane
+    assert len(forked.edges) == 3 and forked.edges[1].startswith(f"M{x[0]:g},") and " C" in forked.edges[1]
+    assert [n.kind for n in forked.nodes] == ["root", "extends", "fork", "root", "extends"]
 
 
 def test_hostile_content_renders_inert(ui: RunningGateway) -> None:

@@ -1,7 +1,8 @@
 """The UI in a real browser: Debian's chromium, headless, driven by selenium through chromium-driver (both installed
 by .ci/run; nothing is downloaded). Log in, open the run, see the reward curve drawn with one point per step and
-updated live when the trainer logs another, open a trajectory, see its tool calls and coloured tokens. Screenshots
-are saved under the test's tmp dir (and under $TRAJGATE_UI_SCREENSHOTS if set: the README's come from there)."""
+updated live when the trainer logs another, open a trajectory, see its tool calls and its tokens coloured and as
+text, open a tree-shaped trajectory and see its call tree drawn. Screenshots are saved under the test's tmp dir (and
+under $TRAJGATE_UI_SCREENSHOTS if set); the README's come from the CPU demo (scripts/ui_screenshots.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from gateway.store import db
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
-from tests.ui_seed import RUN, STEP_METRICS, add_step, seed
+from tests.ui_seed import RUN, STEP_METRICS, TOKEN_TEXT_IDS, TOKEN_TEXTS, TREE_TRAJECTORY, add_step, seed
 
 CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -117,7 +118,25 @@ def test_login_run_curve_and_trajectory(
     assert any(text.startswith("→ search(") for text in calls), calls
     tokens = driver.find_elements(By.CSS_SELECTOR, ".tokens .tok")  # type: ignore[attr-defined]
     assert len(tokens) == 11
+    # as text (vLLM's derender, replayed), a token that is part of a character as '·'; the id and logprob on hover
+    shown = [t.get_attribute("textContent") for t in tokens]
+    assert shown == [text or "·" for texts in TOKEN_TEXTS for text in texts]
+    assert tokens[0].get_attribute("title").startswith(f"id {TOKEN_TEXT_IDS[0][0]} · logprob")
     colours = {t.value_of_css_property("background-color") for t in tokens}
     assert len(colours) >= 2  # coloured by logprob, not one flat colour
     assert all(t.value_of_css_property("border-bottom-style") == "solid" for t in tokens)  # trained: solid underline
     assert _shoot(driver, tmp_path, "trajectory").stat().st_size > 10_000
+
+    # the call tree: a node per call, an edge per parent; a node takes you to its call
+    driver.get(gw.url + f"/ui/trajectory?id={TREE_TRAJECTORY}")  # type: ignore[attr-defined]
+    wait.until(ec.presence_of_element_located((By.ID, "call-tree")))
+    nodes = driver.find_elements(By.CSS_SELECTOR, "#call-tree circle.tree-node")  # type: ignore[attr-defined]
+    edges = driver.find_elements(By.CSS_SELECTOR, "#call-tree path.tree-edge")  # type: ignore[attr-defined]
+    assert len(nodes) == 5 and len(edges) == 3
+    assert all(e.size["height"] > 0 for e in edges)  # drawn, not just present
+    assert len(driver.find_elements(By.CSS_SELECTOR, "#call-tree circle.tree-node.fork")) == 1  # type: ignore[attr-defined]
+    labels = [t.text for t in driver.find_elements(By.CSS_SELECTOR, "#call-tree text.tree-label")]  # type: ignore[attr-defined]
+    assert labels[1] == "turn 1 · new root: new_root" and labels[3] == "turn 3 · fork of turn 0"
+    driver.find_elements(By.CSS_SELECTOR, "#call-tree text.tree-label")[3].click()  # type: ignore[attr-defined]
+    wait.until(lambda d: d.execute_script("return location.hash") == "#turn-3-0")
+    assert _shoot(driver, tmp_path, "tree").stat().st_size > 10_000

@@ -25,7 +25,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -72,6 +72,8 @@ class DemoOptions:
     # The run's max_staleness: versions the policy sampling a group may trail the trained one (0 = synchronous
     # on-policy); the gateway's admission holds new groups to it, the agent does not pace itself.
     ahead: int = 1
+    admission: str = "wait"  # the run's admission mode (gateway/run_config.py)
+    fleet: int = 0  # episodes kept in flight without rounds (examples/harness.py --fleet); 0 = rounds
     learning_rate: float = 3e-4
     loss: str = "cispo"
     max_tokens: int | None = None  # the task's
@@ -99,6 +101,9 @@ class DemoResult:
     # after) and how the gateway saw the run's multi-turn calls (GET /v1/runs/{run} `merge`).
     agent_stats: dict[str, dict[str, float]]
     merge: dict[str, Any]
+    # The run's admission at the end (GET /v1/runs/{run} `admission`): groups dropped as stale, the staleness of what
+    # was trained, and who waited for whom (the trainer for data, the agents for admission).
+    admission: dict[str, Any] = field(default_factory=dict)
 
 
 class Child:
@@ -204,6 +209,7 @@ def run_config(options: DemoOptions) -> dict[str, Any]:
         "learning_rate": options.learning_rate,
         "loss": options.loss,
         "max_staleness": options.ahead,
+        "admission": options.admission,
         "sampling": {"temperature": 1.0, "max_tokens": options.max_tokens or TASKS[options.task].max_tokens},
     }
     token_mode = options.token_mode or TASKS[options.task].token_mode
@@ -467,7 +473,7 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         t = phase("eval_before", t)
         say(f"training: {options.steps} steps of {options.groups_per_step} groups x {options.group_size} answers")
         rounds = [*agent, "train", "--steps", str(options.steps), "--groups-per-round", str(options.groups_per_step),
-                  "--group-size", str(options.group_size)]  # fmt: skip
+                  "--group-size", str(options.group_size), "--fleet", str(options.fleet)]  # fmt: skip
         # The trainer may finish first: the agent's last round can start before the last step and be admitted
         # only once that step frees room, after which it plays on the last adapter and stops.
         if start("agent", rounds, 10).wait([gateway], may_finish=[trainer]) != 0:
@@ -483,7 +489,8 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         after = evaluate("after")
         phase("eval_after", t)
         steps = _http("GET", f"{gateway_url}/v1/runs/{RUN}/steps")["data"]
-        merge = _http("GET", f"{gateway_url}/v1/runs/{RUN}")["merge"]
+        progress = _http("GET", f"{gateway_url}/v1/runs/{RUN}")
+        merge, admission = progress["merge"], progress["admission"]
 
     change = paired_change(before, after, options.seed)
     title = (f"trajgate demo ({options.task}): {served}, {len(steps)} steps of {options.groups_per_step} groups x {options.group_size}\n"
@@ -502,6 +509,7 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         plot=str(plot),
         agent_stats={"before": before.get("stats", {}), "after": after.get("stats", {})},
         merge=merge,
+        admission=admission,
     )
     (workdir / "summary.json").write_text(json.dumps(asdict(result), indent=1))
     return result
@@ -521,9 +529,31 @@ def report(result: DemoResult) -> str:
             f"wall time {result.wall_seconds / 60:.1f} min ({phases});"
             f" swap latency (step committed -> adapter answering) median {median_swap:.2f}s",
             *_tool_lines(result),
+            *_admission_lines(result),
             f"reward curve: {result.plot}; everything measured: {Path(result.plot).with_name('summary.json')}",
         ]
     )
+
+
+def _admission_lines(result: DemoResult) -> list[str]:
+    """Whether the agents outran the trainer: what went stale, how off-policy the trained groups were, who waited."""
+    a = result.admission
+    if not a:
+        return []
+
+    def share(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.0%}"
+
+    def number(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    return [
+        f"admission {a.get('mode')}: {a.get('groups_dropped_stale', 0)} groups dropped as stale; trained groups' "
+        f"staleness mean {number(a.get('staleness_mean'))} max {a.get('staleness_max')}; trainer idle "
+        f"{share(a.get('trainer_idle_share'))}, agents waiting for admission {share(a.get('agent_wait_share'))} "
+        f"({a.get('admitted_groups', 0)} groups admitted, {a.get('rejected', 0)} rejected, {a.get('timed_out', 0)} "
+        "timed out)"
+    ]
 
 
 def _tool_lines(result: DemoResult) -> list[str]:

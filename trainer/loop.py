@@ -46,7 +46,7 @@ from gateway.store.training import (
     renew_run_lease,
     run_lease,
 )
-from trainer.backends import LoraSpec, TrainerBackend, make_backend
+from trainer.backends import LoraSpec, TrainerBackend, make_backend, resolve_backend_name
 from trainer.checkpoint import (
     checkpoint_dir,
     discard_after,
@@ -55,6 +55,7 @@ from trainer.checkpoint import (
     run_dir,
     save_checkpoint,
 )
+from trainer.distributed import DataParallel, ReplicaSpec
 from trainer.loss import LossConfig
 from trainer.publish import Publisher, vllm_admin
 from trainer.samples import CallData, GroupData, SampleBatch, TrajectoryData, build_samples
@@ -215,8 +216,12 @@ class Trainer:
         *,
         engine: Engine | None = None,
         echo: Callable[[str], None] = print,
+        data_parallel: DataParallel | None = None,
     ) -> None:
+        """``data_parallel``: this is rank 0 of a torchrun job (``trainer.distributed``); the other ranks
+        build the same replica, train their share of every step and are kept equal to this one."""
         self.settings = settings
+        self.data_parallel = data_parallel
         self.options = options
         self.engine = engine or db.make_engine(settings.database_url)
         self.echo = echo
@@ -239,8 +244,12 @@ class Trainer:
         self.idle_s = 0.0
         self.lease = self._take_run()
         try:
+            if data_parallel is not None:
+                data_parallel.setup(self._replica_spec())  # the followers load their weights meanwhile
             self.backend: TrainerBackend = self._load_backend()
             self.step = self._resume()
+            if data_parallel is not None:
+                data_parallel.sync(self.backend)
             self.listener = ReadyListener(self.engine, self.spec.name)
             self.publisher = self._publisher() if options.publish else None
         except BaseException:
@@ -320,17 +329,29 @@ class Trainer:
             )
         return weights
 
+    def _backend_args(self) -> dict[str, Any]:
+        """``make_backend``'s arguments but the backend's name and the device (every rank has its own)."""
+        return {
+            "base_weights": self._base_weights(),
+            "lora": LoraSpec(
+                rank=self.config.lora_rank, alpha=self.config.lora_alpha, targets=self.config.lora_targets
+            ),
+            "learning_rate": self.config.learning_rate,
+            "dtype": self.options.dtype,
+            "seed": self.options.seed,
+            "grad_clip": self.config.max_grad_norm,
+        }
+
     def _load_backend(self) -> TrainerBackend:
-        return make_backend(
-            self.options.backend,
-            base_weights=self._base_weights(),
-            lora=LoraSpec(rank=self.config.lora_rank, alpha=self.config.lora_alpha, targets=self.config.lora_targets),
-            learning_rate=self.config.learning_rate,
-            device=self.options.device,
-            dtype=self.options.dtype,
-            seed=self.options.seed,
-            grad_clip=self.config.max_grad_norm,
-        )
+        if self.data_parallel is not None:
+            return self.data_parallel.build_backend(self._replica_spec())
+        return make_backend(self.options.backend, device=self.options.device, **self._backend_args())
+
+    def _replica_spec(self) -> ReplicaSpec:
+        """What every rank builds: rank 0 resolves ``auto`` so that all ranks run the same backend."""
+        assert self.data_parallel is not None
+        backend = resolve_backend_name(self.options.backend, str(self.data_parallel.device))  # type: ignore[arg-type]
+        return ReplicaSpec(backend, self._backend_args(), self.loss, self.config.micro_batch_tokens)
 
     def _publisher(self) -> Publisher:
         key = self.settings.upstream_api_key
@@ -481,15 +502,27 @@ class Trainer:
                 bar.refresh()
 
             try:
-                trained = self.backend.train_step(batch.rows, self.loss, self.config.micro_batch_tokens, progress)
+                if self.data_parallel is None:
+                    trained = self.backend.train_step(batch.rows, self.loss, self.config.micro_batch_tokens, progress)
+                else:
+                    trained = self.backend.train_step(
+                        self.data_parallel.step(batch.rows),
+                        self.loss,
+                        self.config.micro_batch_tokens,
+                        progress,
+                        data_parallel=self.data_parallel,
+                    )
             except Exception:
-                self._roll_back(f"step {step} failed while training")
+                # Data-parallel, every rank failed alike (or one died, and torchrun stops the job): the other
+                # ranks are not told to roll back, the step is simply never committed.
+                self._roll_back(f"step {step} failed while training", followers=False)
                 raise
         # The sample stats count tokens of the rows (all / trained); the backend's own counts are per micro-batch.
         return {**trained, **batch.stats, "policy_version": current_policy_version(self.engine, self.spec.name)}
 
-    def _roll_back(self, why: str) -> None:
-        """Put the model back to the last committed step: the in-memory update was never committed."""
+    def _roll_back(self, why: str, followers: bool = True) -> None:
+        """Put the model back to the last committed step: the in-memory update was never committed.
+        Data-parallel, the other ranks take this rank's restored replica unless ``followers`` is off."""
         self.echo(f"{why}; rolling back to step {self.step}")
         discard_after(self.checkpoints, self.spec.name, self.step)
         if self.step == 0:
@@ -498,6 +531,8 @@ class Trainer:
             latest = latest_checkpoint(self.checkpoints, self.spec.name)
             assert latest is not None and latest[0] == self.step
             load_checkpoint(self.backend, latest[1])
+        if followers and self.data_parallel is not None:
+            self.data_parallel.sync(self.backend)
 
     def finish_publishing(self, stop: threading.Event, timeout_s: float) -> bool:
         """Wait (retrying with backoff) until the last committed step is served; False if it still is not after

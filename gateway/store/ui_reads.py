@@ -254,14 +254,15 @@ def group_page(engine: Engine, group_id: str) -> dict[str, Any] | None:
 
 
 def trajectory_page(engine: Engine, trajectory_id: str) -> dict[str, Any] | None:
-    """The read API's trajectory view plus, per call, its completion ids and logprobs and the turn it continues
-    (its predecessor in the token lineage), and the step that trained the trajectory. None if unknown."""
+    """The read API's trajectory view plus, per call, its completion ids and logprobs, the turn and choice of its
+    tree parent (gateway.store.tree) and whether it forks there (its parent's branch goes on in another call), and
+    the step that trained the trajectory. None if unknown."""
     view = trajectory_view(engine, trajectory_id)
     if view is None:
         return None
     with engine.connect() as conn:
         rows = conn.execute(
-            select(Call.id, Call.completion_token_ids, Call.completion_logprobs, Call.parent_seq, Call.segment_reason)
+            select(Call.id, Call.completion_token_ids, Call.completion_logprobs, Call.segment_reason)
             .where(Call.trajectory_id == trajectory_id)
         ).all()
         trained_step = conn.execute(
@@ -269,11 +270,16 @@ def trajectory_page(engine: Engine, trajectory_id: str) -> dict[str, Any] | None
         ).scalar()
     by_id = {row.id: row for row in rows}
     turn_of_seq = {call["seq"]: call["turn"] for call in view["calls"]}
+    branch_of = {(call["seq"], call["choice_index"]): call["branch"] for call in view["calls"]}
     for call in view["calls"]:
         row = by_id[call["id"]]
+        parent = call["parent"]
+        parent_key = (parent["seq"], parent["choice_index"]) if parent else None
         call["completion_token_ids"] = decode_ids(row.completion_token_ids) or []
         call["completion_logprobs"] = decode_logprobs(row.completion_logprobs) or []
-        call["parent_turn"] = turn_of_seq.get(row.parent_seq) if row.parent_seq is not None else None
+        call["parent_turn"] = turn_of_seq.get(parent_key[0]) if parent_key else None
+        call["parent_choice"] = parent_key[1] if parent_key else None
+        call["fork"] = parent_key is not None and branch_of.get(parent_key) != call["branch"]
         call["segment_reason"] = row.segment_reason
     view["trained_step"] = trained_step
     return view

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from gateway.store.reads import trajectory_view
 from gateway.store.runs import run_view
 from tests.waiting import OutputLines
 
+# The line the demo prints for the web UI (README "The web UI").
+UI_URL = r"watch it in the browser: http://127\.0\.0\.1:\d+/ui/run\?name=demo$"
 SMALL = ["--steps", "2", "--groups-per-step", "2", "--group-size", "4", "--eval-samples", "2", "--eval-limit", "6",
          "--max-tokens", "16"]  # fmt: skip
 
@@ -78,6 +81,7 @@ def test_demo_trains_publishes_and_draws_the_curve(tmp_path: Path) -> None:
     assert (tmp_path / "demo" / "reward_curve.png").read_bytes().startswith(b"\x89PNG")
     for expected in ("step    1 |", "published demo@2", "agent: round", "held-out reward: base", "swap latency"):
         assert expected in output, expected
+    assert re.search(UI_URL, output, re.M), "the demo prints the web UI's address"
 
     engine = db.make_engine(f"sqlite:///{tmp_path / 'demo' / 'trajgate.db'}")
     try:

@@ -16,16 +16,13 @@ import anthropic
 import httpx
 import pytest
 
-from gateway.config import load_settings
-from gateway.store import db
 from gateway.store.lineage import EXTENDS
-from gateway.store.runs import steps_after
+from tests.e2e.one_step import reward_and_train_one_step
 from tests.e2e.test_gateway_e2e import tool_call_in
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.messages_agent import tool_loop, tool_uses
 from tests.stored import stored_calls
 from tests.token_in_agent import continues_exactly, teach_end_token
-from trainer.loop import Trainer, TrainerOptions
 from trainer.vllm_cpu import ensure_smollm2
 
 TOKEN_RUN = "messages-token-in"
@@ -108,19 +105,7 @@ def test_a_group_of_anthropic_agents_trains_one_step(
             if continues_exactly(before, end):  # else (a cut or unparseable tool call) a new segment is right
                 assert after["merge_reason"] == EXTENDS
         tokens += sum(len(c["completion_token_ids"]) for c in calls)
-    for reward, trajectory in enumerate(trajectories):
-        response = httpx.post(f"{gw.url}/v1/trajectories/{trajectory}/reward", json={"reward": float(reward)})
-        assert response.status_code == 200, response.text
-    settings = load_settings(
-        _env_file=None, database_url=url, checkpoint_dir=tmp_path / "ckpt", upstream_url=vllm_base_url
-    )
-    options = TrainerOptions(run=TOKEN_RUN, backend="hf", device="cpu", poll_s=0.2, max_steps=1)
-    with Trainer(settings, options) as trainer:
-        assert trainer.run() == 1
-    engine = db.make_engine(url)
-    try:
-        (step,) = steps_after(engine, TOKEN_RUN)
-    finally:
-        engine.dispose()
-    assert step["metrics"]["trainable_tokens"] == tokens
-    assert step["metrics"]["publish_error"] is None
+    rewards = [(trajectory, float(reward)) for reward, trajectory in enumerate(trajectories)]
+    metrics = reward_and_train_one_step(gw.url, url, vllm_base_url, TOKEN_RUN, rewards, tmp_path)
+    assert metrics["trainable_tokens"] == tokens
+    assert metrics["publish_error"] is None

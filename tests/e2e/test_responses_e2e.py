@@ -34,16 +34,13 @@ from agents import (
 )
 from openai import AsyncOpenAI
 
-from gateway.config import load_settings
-from gateway.store import db
 from gateway.store.lineage import EXTENDS
-from gateway.store.runs import steps_after
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
+from tests.e2e.one_step import reward_and_train_one_step
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.responses_agent import TOOL_ITEMS
 from tests.stored import stored_calls, tree_rows
 from tests.token_in_agent import continues_exactly, teach_end_token
-from trainer.loop import Trainer, TrainerOptions
 from trainer.vllm_cpu import ensure_smollm2
 
 RUN = "agents-sdk"
@@ -164,21 +161,8 @@ def test_agents_sdk_agent_is_recorded_and_trains(
         tool_calls = sum(item.type == "function_call" for r in agent_saw.responses for item in r.output)
         print(f"{trajectory}: {len(calls)} Responses calls, {tool_calls} function calls")
 
-    for reward, trajectory in enumerate(seen):
-        response = httpx.post(f"{gw.url}/v1/trajectories/{trajectory}/reward", json={"reward": float(reward)})
-        assert response.status_code == 200, response.text
-    settings = load_settings(
-        _env_file=None, database_url=url, checkpoint_dir=tmp_path / "ckpt", upstream_url=vllm_base_url
-    )
-    options = TrainerOptions(run=RUN, backend="hf", device="cpu", poll_s=0.2, max_steps=1)
-    with Trainer(settings, options) as trainer:
-        assert trainer.run() == 1
-    engine = db.make_engine(url)
-    try:
-        (step,) = steps_after(engine, RUN)
-    finally:
-        engine.dispose()
-    metrics = step["metrics"]
+    rewards = [(trajectory, float(reward)) for reward, trajectory in enumerate(seen)]
+    metrics = reward_and_train_one_step(gw.url, url, vllm_base_url, RUN, rewards, tmp_path)
     calls = [c for trajectory in seen for c in stored_calls(url, trajectory)]
     # one token sequence per root of each trajectory's call tree, plus one per fork
     assert metrics["rows"] == sum(tree_rows(stored_calls(url, trajectory)) for trajectory in seen)

@@ -26,16 +26,13 @@ from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.errors import GraphRecursionError
 from langgraph.prebuilt import create_react_agent
 
-from gateway.config import load_settings
-from gateway.store import db
 from gateway.store.lineage import EXTENDS, HISTORY_EDITED, TRUNCATED
-from gateway.store.runs import steps_after
 from gateway.token_in import NO_MATCH
 from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESULT
+from tests.e2e.one_step import reward_and_train_one_step
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import stored_calls, tree_rows
 from tests.token_in_agent import continues_exactly, teach_end_token
-from trainer.loop import Trainer, TrainerOptions
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 from trainer.vllm_cpu import ensure_smollm2
 
@@ -217,21 +214,8 @@ def test_langgraph_agent_trajectories_are_one_sequence_each_and_train(
     stats = batch.stats
     print(f"token_in LangGraph merge ratio {stats['merge_ratio']:.2f} over {stats['merge_candidates']} turns")
 
-    for reward, trajectory in enumerate(runs):
-        response = httpx.post(f"{gw.url}/v1/trajectories/{trajectory}/reward", json={"reward": float(reward)})
-        assert response.status_code == 200, response.text
-    settings = load_settings(
-        _env_file=None, database_url=url, checkpoint_dir=tmp_path / "ckpt", upstream_url=vllm_base_url
-    )
-    options = TrainerOptions(run=TOKEN_RUN, backend="hf", device="cpu", poll_s=0.2, max_steps=1)
-    with Trainer(settings, options) as trainer:
-        assert trainer.run() == 1
-    engine = db.make_engine(url)
-    try:
-        (step,) = steps_after(engine, TOKEN_RUN)
-    finally:
-        engine.dispose()
-    metrics = step["metrics"]
+    rewards = [(trajectory, float(reward)) for reward, trajectory in enumerate(runs)]
+    metrics = reward_and_train_one_step(gw.url, url, vllm_base_url, TOKEN_RUN, rewards, tmp_path)
     turns = sum(len(t.calls) for t in data)
     assert (metrics["rows"], metrics["merged_calls"]) == (segments, turns - segments)
     if len(whole) == len(data):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from trainer.lora import ALL_LINEAR, VLLM_LORA_RANKS
 from trainer.loss import LossConfig
 from trainer.samples import Row, collate, micro_batches
-from trainer.step import Progress, train_step
+from trainer.step import Collective, Progress, train_step
 
 __all__ = ["LoraSpec", "Progress", "TrainerBackend", "resolve_device", "resolve_dtype"]
 
@@ -156,8 +156,11 @@ class TrainerBackend(ABC):
         loss_config: LossConfig,
         micro_batch_tokens: int,
         progress: Progress | None = None,
+        *,
+        data_parallel: Collective | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over all ``rows`` (``trainer.step.train_step``).
+        """One optimizer step over all ``rows`` (``trainer.step.train_step``); with ``data_parallel``,
+        over this rank's share of the step, taking the whole step's update (``trainer.distributed``).
 
         Rows are split with ``trainer.samples.micro_batches`` (padded size ≤ ``micro_batch_tokens``);
         the loss of each micro-batch is normalised by totals of the *whole* step, so the accumulated
@@ -173,7 +176,7 @@ class TrainerBackend(ABC):
         over micro-batches: what the model computed, padding included), ``micro_batches``,
         ``seconds``, ``tokens_per_s`` (``input_tokens / seconds``), ``learning_rate``, ``step``.
         """
-        return train_step(self, rows, loss_config, micro_batch_tokens, progress)
+        return train_step(self, rows, loss_config, micro_batch_tokens, progress, data_parallel=data_parallel)
 
     @torch.no_grad()
     def token_logprobs(self, rows: list[Row], micro_batch_tokens: int = 8192) -> list[list[float]]:

@@ -24,6 +24,7 @@ from trainer.step import make_optimizer
 
 if TYPE_CHECKING:
     from peft import PeftModel
+    from torch.distributed.device_mesh import DeviceMesh
     from transformers import PreTrainedModel
 
 OPTIMIZER_FILE = "optimizer.pt"
@@ -81,6 +82,14 @@ class HFBackend(TrainerBackend):
 
     ``share_prefix``: a micro-batch's common leading tokens go through the decoder once
     (``_final_hidden``); off only to compare against.
+
+    ``fsdp_mesh``: shard the frozen base weights of every decoder layer across the mesh's ranks
+    (FSDP2 ``fully_shard``), for a model too large for one device; the LoRA weights stay whole on
+    every rank (``ignored_params``: they are small, and ``trainer.distributed`` sums their gradients
+    as it does without FSDP, so saving, loading and the optimizer are unchanged). The base loads on
+    the CPU and only each rank's shard moves to its device. Every rank must then run the decoder
+    equally often (each layer all-gathers its weights), so prefix sharing, which runs it twice for
+    some micro-batches, is off.
     """
 
     name = "hf"
@@ -100,6 +109,7 @@ class HFBackend(TrainerBackend):
         gradient_checkpointing: bool = False,
         logprob_dtype: str | None = "float32",
         share_prefix: bool = True,
+        fsdp_mesh: DeviceMesh | None = None,
     ) -> None:
         super().__init__(
             base_weights,
@@ -113,7 +123,8 @@ class HFBackend(TrainerBackend):
             logprob_chunk=logprob_chunk,
         )
         self.gradient_checkpointing = gradient_checkpointing
-        self.share_prefix = share_prefix
+        self.fsdp_mesh = fsdp_mesh
+        self.share_prefix = share_prefix and fsdp_mesh is None
         self.logprob_dtype = None if logprob_dtype is None else resolve_dtype(logprob_dtype, self.device)
         # The LoRA A matrices are initialised from the global RNG (and dropout draws from it):
         # seeding here makes two backends built alike start identical.
@@ -140,7 +151,8 @@ class HFBackend(TrainerBackend):
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(self.base_weights, dtype=self.dtype, local_files_only=True)
-        base = base.to(self.device)  # type: ignore[arg-type]  # transformers' typing of .to is wrong
+        if self.fsdp_mesh is None:
+            base = base.to(self.device)  # type: ignore[arg-type]  # transformers' typing of .to is wrong
         base.config.use_cache = False
         if self.gradient_checkpointing:
             # Non-reentrant: works with frozen embeddings (no enable_input_require_grads hack). The
@@ -161,7 +173,28 @@ class HFBackend(TrainerBackend):
         )
         # autocast_adapter_dtype (default): LoRA weights stay fp32 under a bf16 base, so AdamW
         # updates fp32 master weights.
-        return get_peft_model(base, config), targets
+        model = get_peft_model(base, config)
+        if self.fsdp_mesh is not None:
+            self._shard(model, self.fsdp_mesh)
+        return model, targets
+
+    def _shard(self, model: PeftModel, mesh: DeviceMesh) -> None:
+        """FSDP2 over the decoder layers' frozen weights (see the class docstring); their shards move to
+        the mesh's device, everything else (embeddings, final norm, LoRA weights, buffers) is moved whole."""
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        lora = {p for p in model.parameters() if p.requires_grad}
+        decoder = cast("PreTrainedModel", model.get_base_model()).get_decoder()
+        for layer in cast(nn.ModuleList, decoder.layers):
+            fully_shard(layer, mesh=mesh, ignored_params=lora)
+        with torch.no_grad():
+            for param in model.parameters():
+                if not isinstance(param, DTensor):
+                    param.data = param.data.to(self.device)
+            for module in model.modules():
+                for name, buffer in module.named_buffers(recurse=False):
+                    module._buffers[name] = buffer.to(self.device)
 
     def _final_hidden(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """[B, T, H] hidden states after the final norm — the decoder body alone, no LM head.

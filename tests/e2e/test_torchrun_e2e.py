@@ -1,0 +1,162 @@
+"""`torchrun --nproc_per_node 2 -m gateway.cli -- train` with gloo on the tiny random Llama, against the same
+groups trained in one process: the same gradients (step metrics) and adapters, resuming from a one-process
+checkpoint and resumed from a two-rank one, with the model whole on each rank (DDP) or its base weights sharded
+(`--fsdp`); and a rank killed mid-step commits nothing.
+
+In the e2e tier (no vLLM here) because a torchrun launch loads torch and transformers in three processes: about
+20 s on an idle 2-core machine, over a minute on a busy one. The fast tier checks the same arithmetic with two
+spawned ranks (tests/test_distributed.py). The databases are SQLite files: only rank 0 touches the database, and
+the loop's store calls are the ones tests/test_trainer_loop.py runs on both backends.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.config import load_settings
+from gateway.store import db
+from gateway.store.runs import steps_after, upsert_run
+from gateway.store.training import group_states
+from tests.test_backends import build_tiny_llama
+from tests.test_trainer_loop import adapter, seed_groups
+from trainer.loop import Trainer, TrainerOptions
+
+GROUPS, PER_STEP = 8, 2
+# The adapters after steps 2-4 (step 1 is the same process on both sides). The gradients agree to ~1e-7
+# (float32 sums in another order), but AdamW divides by √v, which turns that noise in a near-zero coordinate
+# into up to ~1e-4 of a weight (weights ~0.13, lr 1e-2); a wrong gradient moves weights by ~lr = 1e-2.
+ADAPTER_ATOL = 2e-4
+# grad_norm is computed from the summed gradient, before AdamW: it shows a wrongly scaled gradient, which
+# AdamW's first step (invariant to the gradient's scale) would hide from the adapter comparison.
+METRIC_REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny")))
+
+
+def seeded(path: Path, tiny: str) -> str:
+    """A SQLite database with GROUPS ready groups of run 'loop', which trains PER_STEP groups per step."""
+    url = f"sqlite:///{path}"
+    db.upgrade(url)
+    seed_groups(url, tiny, groups=GROUPS)
+    engine = db.make_engine(url)
+    try:
+        upsert_run(engine, "loop", {"groups_per_step": PER_STEP, "learning_rate": 1e-2, "loss": "grpo"})
+    finally:
+        engine.dispose()
+    return url
+
+
+def trainer(url: str, directory: Path, tiny: str, steps: int) -> Trainer:
+    """The same trainer in this process (world size 1), checkpoints under ``directory/ckpt``."""
+    settings = load_settings(_env_file=None, database_url=url, checkpoint_dir=directory / "ckpt")
+    options = TrainerOptions(
+        run="loop", backend="hf", device="cpu", base_weights=tiny, poll_s=0.05, publish=False, max_steps=steps
+    )
+    return Trainer(settings, options, echo=lambda line: None)
+
+
+def torchrun(
+    url: str, checkpoints: Path, tiny: str, *args: str, module: str = "gateway.cli", **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Two gloo ranks on the CPU training run 'loop' (``--standalone``: a free port, so parallel jobs don't
+    collide). `--` keeps torchrun's parser off `--run` (its
+    `--run-path` would claim it as an abbreviation)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", module, "--",
+        "train", "--run", "loop", "--backend", "hf", "--device", "cpu", "--base-weights", tiny,
+        "--no-publish", "--poll-s", "0.05", *args,
+    ]  # fmt: skip
+    environment = {
+        **os.environ,
+        "TRAJGATE_DATABASE_URL": url,
+        "TRAJGATE_CHECKPOINT_DIR": str(checkpoints),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        **env,
+    }
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
+
+
+def steps(url: str) -> list[dict]:
+    engine = db.make_engine(url)
+    try:
+        return steps_after(engine, "loop")
+    finally:
+        engine.dispose()
+
+
+def states(url: str) -> list[str]:
+    engine = db.make_engine(url)
+    try:
+        return sorted(group_states(engine, "loop").values())
+    finally:
+        engine.dispose()
+
+
+def run_alone(url: str, directory: Path, tiny: str, steps: int) -> int:
+    """Train ``steps`` steps in this process; returns the step it resumed at."""
+    alone = trainer(url, directory, tiny, steps)
+    try:
+        resumed = alone.step
+        assert alone.run() == steps
+    finally:
+        alone.close()
+    return resumed
+
+
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_two_ranks_train_the_single_process_steps_and_resume_at_any_world_size(
+    tmp_path: Path, tiny: str, sharding: list[str]
+) -> None:
+    reference = seeded(tmp_path / "reference.db", tiny)
+    run_alone(reference, tmp_path / "alone", tiny, steps=4)
+
+    url = seeded(tmp_path / "ranks.db", tiny)
+    checkpoints = tmp_path / "ranks" / "ckpt"
+    run_alone(url, tmp_path / "ranks", tiny, steps=1)
+    # Rank 0 resumes from the one-process checkpoint and hands it to rank 1; then two data-parallel steps.
+    done = torchrun(url, checkpoints, tiny, "--steps", "2", *sharding)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "run 'loop' is at step 3" in done.stdout
+    assert run_alone(url, tmp_path / "ranks", tiny, steps=1) == 3  # one process resumes a two-rank checkpoint
+
+    got, want = steps(url), steps(reference)
+    assert [s["step"] for s in got] == [s["step"] for s in want] == [1, 2, 3, 4]
+    for mine, theirs in zip(got, want, strict=True):
+        for key in ("grad_norm", "loss", "tokens", "ratio_mean", "ratio_max", "clip_frac", "input_tokens"):
+            assert mine["metrics"][key] == pytest.approx(theirs["metrics"][key], rel=METRIC_REL, abs=1e-7), key
+        assert mine["metrics"]["groups_used"] == theirs["metrics"]["groups_used"] == PER_STEP
+    for step in (2, 3, 4):
+        a = adapter(checkpoints / "loop" / f"{step:05d}")
+        b = adapter(tmp_path / "alone" / "ckpt" / "loop" / f"{step:05d}")
+        assert a.keys() == b.keys()
+        for key in b:
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=ADAPTER_ATOL)
+    assert states(url) == ["trained"] * GROUPS
+
+
+def test_a_rank_that_dies_mid_step_leaves_nothing_committed(tmp_path: Path, tiny: str) -> None:
+    url = seeded(tmp_path / "ranks.db", tiny)
+    checkpoints = tmp_path / "ckpt"
+    died = torchrun(
+        url, checkpoints, tiny, "--steps", "1", "--lease-s", "1",
+        module="tests.torchrun_fault", TRAJGATE_TEST_KILL_RANK="1",
+    )  # fmt: skip
+    assert died.returncode != 0
+    assert "exitcode  : 3" in died.stderr  # rank 1 died as the fault hook made it; rank 0 then failed
+    assert steps(url) == []
+    assert not any(p.name.isdigit() for p in (checkpoints / "loop").glob("*"))
+    assert "trained" not in states(url)
+
+    time.sleep(1.1)  # the dead job's claims run out; the groups are first in line again
+    assert run_alone(url, tmp_path, tiny, steps=1) == 0
+    assert [s["step"] for s in steps(url)] == [1]
