@@ -1,0 +1,127 @@
+"""Several gateway processes on one Postgres, no sticky sessions: a reward, close or judge request reaching any
+gateway counts every call answered before it, whichever gateway answered it.
+
+A call's record reaches the database through its own gateway's asynchronous writer, so a reward posted to gateway A
+right after the episode's last call was answered by gateway B can overtake that call: it would find the trajectory
+unknown (404), or make the group ready without its last call. Waiting on B's writer needs B to say how far it got.
+
+Each gateway keeps a row in `gateway_peers` (gateway.store.peers) and beats every `TRAJGATE_PEER_POLL_S`: one
+statement that reads the database's clock `t` and publishes the previous beat's `t` as `flushed_through` once every
+record submitted before that beat is in the database. A record is submitted before its call is answered (the
+write-ahead log comes first), so when B publishes `flushed_through > T`, every call B answered before the database's
+time T is written. A request for rewards (or close, or judge) reads T when it arrives and waits, polling, until
+every other gateway seen in the last `TRAJGATE_PEER_ALIVE_S` has `flushed_through > T` (this gateway's own writer it
+flushes directly). One clock, the database's, orders everything, so gateways need not agree on theirs.
+
+The wait is bounded by `TRAJGATE_PEER_WAIT_S`: a writer behind by seconds (a burst, a slow disk) delays the reward by
+as much, and past the bound the request goes ahead with what is written (a trajectory still unknown then is a 404 the
+client can retry). A gateway that stops cleanly removes its row after its last write; one that dies stops beating
+and is no longer waited for after `TRAJGATE_PEER_ALIVE_S` (its answered calls are in its spool and replayed when it
+starts again). Postgres only: several gateways on one SQLite file do not wait for each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import time
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from gateway.metrics import GatewayMetrics
+from gateway.store import peers as store
+from gateway.writer import RecordWriter
+
+log = logging.getLogger("trajgate.peers")
+
+# Rows of gateways silent for this many alive-windows are deleted (one killed without removing its own).
+FORGET_AFTER_ALIVE = 100
+
+
+class Peers:
+    """This gateway's heartbeat on the database, and the wait for every other gateway's writer."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        writer: RecordWriter,
+        metrics: GatewayMetrics,
+        poll_s: float,
+        alive_s: float,
+        wait_s: float,
+    ) -> None:
+        self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"[-128:]
+        self.enabled = engine.dialect.name == "postgresql"
+        self._engine = engine
+        self._writer = writer
+        self._metrics = metrics
+        self._poll_s = poll_s
+        self._alive_s = alive_s
+        self._wait_s = wait_s
+        # The last beat's database time and the writer's mark taken right after it: published once reached.
+        self._pending: tuple[float, int] | None = None
+        self._failing = False
+
+    async def beat(self) -> None:
+        """One heartbeat; a database that is away is logged once and tried again at the next beat."""
+        pending = self._pending
+        writer = self._writer
+        published = pending[0] if pending is not None and writer.db_up and writer.reached(pending[1]) else None
+        try:
+            now = await asyncio.to_thread(
+                store.beat, self._engine, self.gateway_id, published, self._alive_s * FORGET_AFTER_ALIVE
+            )
+        except SQLAlchemyError as exc:
+            if not self._failing:
+                log.warning("cannot tell other gateways how far this one's writer got: %s", type(exc).__name__)
+            self._failing = True
+            return
+        self._failing = False
+        if pending is None or published is not None:
+            # Taken after the beat read `now`: every record submitted before `now` is counted in the mark.
+            self._pending = (now, self._writer.mark())
+
+    async def beat_forever(self) -> None:
+        while True:
+            await self.beat()
+            await asyncio.sleep(self._poll_s)
+
+    def leave(self) -> None:
+        """Called once this gateway's writer has closed: other gateways stop waiting for it."""
+        if not self.enabled:
+            return
+        try:
+            store.leave(self._engine, self.gateway_id)
+        except SQLAlchemyError as exc:
+            log.warning("cannot remove this gateway from gateway_peers (%s): others wait for it until it is "
+                        "silent for %.0f s", type(exc).__name__, self._alive_s)  # fmt: skip
+
+    async def settled(self, local_timeout_s: float) -> None:
+        """Wait until every call answered before now, by this gateway or any other live one, is in the database,
+        at most `local_timeout_s` for this gateway's writer and `TRAJGATE_PEER_WAIT_S` for the others'."""
+        await asyncio.gather(self._writer.settled(local_timeout_s), self._others_caught_up())
+
+    async def _others_caught_up(self) -> None:
+        if not self.enabled or self._wait_s <= 0:
+            return
+        started = time.monotonic()
+        try:
+            moment, behind = await asyncio.to_thread(store.behind, self._engine, self.gateway_id, None, self._alive_s)
+            while behind and time.monotonic() - started < self._wait_s:
+                await asyncio.sleep(self._poll_s / 2)
+                _, behind = await asyncio.to_thread(
+                    store.behind, self._engine, self.gateway_id, moment, self._alive_s
+                )
+        except SQLAlchemyError:
+            return  # the request's own statement meets the same database and answers 503
+        self._metrics.peer_wait.observe(time.monotonic() - started)
+        if behind:
+            self._metrics.peer_wait_timeouts.inc()
+            log.warning(
+                "went ahead after %.1f s without the calls gateway(s) %s had not yet written (TRAJGATE_PEER_WAIT_S)",
+                self._wait_s, ", ".join(behind),
+            )  # fmt: skip

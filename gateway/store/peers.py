@@ -1,0 +1,73 @@
+"""The statements behind gateway/peers.py: each gateway's heartbeat row in `gateway_peers`, and which other live
+gateways have not yet written every call they answered before a given moment.
+
+Every time is read from the database's clock (`clock_timestamp()` on Postgres, the SQLite host's clock), so that
+"answered before the reward arrived" means the same on every gateway whatever their own clocks say.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from sqlalchemy import ColumnElement, Connection, Engine, Float, Table, delete, func, select
+from sqlalchemy import cast as sql_cast
+from sqlalchemy.dialects import postgresql, sqlite
+
+from gateway.store.models import GatewayPeer
+
+_peers = cast(Table, GatewayPeer.__table__)
+
+
+def _clock(dialect: str) -> ColumnElement[float]:
+    """Seconds since the epoch, as the database sees them now (not at the start of the transaction)."""
+    if dialect == "postgresql":
+        return sql_cast(func.extract("epoch", func.clock_timestamp()), Float)
+    return (func.julianday("now") - 2440587.5) * 86400.0
+
+
+def clock(conn: Connection) -> float:
+    """The database's time now."""
+    return float(conn.execute(select(_clock(conn.dialect.name))).scalar_one())
+
+
+def beat(engine: Engine, gateway_id: str, flushed_through: float | None, forget_after_s: float) -> float:
+    """Say this gateway is alive and, if given, that every call it answered before `flushed_through` is written.
+    Returns the database's time of the beat. Rows of gateways silent for `forget_after_s` are deleted (a process
+    killed without a chance to remove its own)."""
+    with engine.begin() as conn:
+        now = clock(conn)
+        make_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+        insert = make_insert(_peers).values(
+            gateway_id=gateway_id, started_at=now, seen_at=now, flushed_through=flushed_through
+        )
+        updates: dict[str, Any] = {"seen_at": insert.excluded.seen_at}
+        if flushed_through is not None:
+            updates["flushed_through"] = insert.excluded.flushed_through
+        conn.execute(insert.on_conflict_do_update(index_elements=["gateway_id"], set_=updates))
+        conn.execute(delete(_peers).where(_peers.c.seen_at < now - forget_after_s))
+    return now
+
+
+def behind(engine: Engine, gateway_id: str, moment: float | None, alive_s: float) -> tuple[float, list[str]]:
+    """The other gateways seen in the last `alive_s` seconds whose writers have not yet caught up with `moment`
+    (None: the database's time now), and that moment. A gateway caught up with a moment when every call it answered
+    before it is in the database."""
+    with engine.connect() as conn:
+        now = clock(conn)
+        at = now if moment is None else moment
+        rows = conn.execute(
+            select(_peers.c.gateway_id)
+            .where(
+                _peers.c.gateway_id != gateway_id,
+                _peers.c.seen_at > now - alive_s,
+                func.coalesce(_peers.c.flushed_through, 0.0) <= at,
+            )
+            .order_by(_peers.c.gateway_id)
+        )
+        return at, list(rows.scalars())
+
+
+def leave(engine: Engine, gateway_id: str) -> None:
+    """Remove this gateway's row after its last records are written: no one waits for a gateway that stopped."""
+    with engine.begin() as conn:
+        conn.execute(delete(_peers).where(_peers.c.gateway_id == gateway_id))
