@@ -6,8 +6,9 @@ right after the episode's last call was answered by gateway B can overtake that 
 unknown (404), or make the group ready without its last call. Waiting on B's writer needs B to say how far it got.
 
 Each gateway keeps a row in `gateway_peers` (gateway.store.peers) and beats every `TRAJGATE_PEER_POLL_S`: one
-statement that reads the database's clock `t` and publishes the previous beat's `t` as `flushed_through` once every
-record submitted before that beat is in the database. A record is submitted before its call is answered (the
+transaction that reads the database's clock `t` and publishes, as `flushed_through`, `t` itself if every record
+submitted so far is in the database (an idle writer), else an earlier beat's `t` once every record submitted before
+that beat is. A record is submitted before its call is answered (the
 write-ahead log comes first), so when B publishes `flushed_through > T`, every call B answered before the database's
 time T is written. A request for rewards (or close, or judge) reads T when it arrives and waits, polling, until
 every other gateway seen in the last `TRAJGATE_PEER_ALIVE_S` has `flushed_through > T` (this gateway's own writer it
@@ -62,18 +63,15 @@ class Peers:
         self._poll_s = poll_s
         self._alive_s = alive_s
         self._wait_s = wait_s
-        # The last beat's database time and the writer's mark taken right after it: published once reached.
+        # A beat's database time and the writer's mark taken right after it: published once the mark is reached.
         self._pending: tuple[float, int] | None = None
         self._failing = False
 
     async def beat(self) -> None:
         """One heartbeat; a database that is away is logged once and tried again at the next beat."""
-        pending = self._pending
-        writer = self._writer
-        published = pending[0] if pending is not None and writer.db_up and writer.reached(pending[1]) else None
         try:
-            now = await asyncio.to_thread(
-                store.beat, self._engine, self.gateway_id, published, self._alive_s * FORGET_AFTER_ALIVE
+            await asyncio.to_thread(
+                store.beat, self._engine, self.gateway_id, self._flushed_through, self._alive_s * FORGET_AFTER_ALIVE
             )
         except SQLAlchemyError as exc:
             if not self._failing:
@@ -81,9 +79,24 @@ class Peers:
             self._failing = True
             return
         self._failing = False
+
+    def _flushed_through(self, now: float) -> float | None:
+        """Called by the beat right after it read the database's time `now`: the latest time this gateway can say
+        every call it answered before is written. A writer with nothing outstanding is caught up with `now` itself
+        (so an idle gateway holds a reward up for one beat at most); a busy one with the previous beat's time once
+        the records submitted before that beat are written."""
+        writer = self._writer
+        mark = writer.mark()  # taken after `now` was read: counts every record submitted before it
+        if not writer.db_up:
+            return None  # records in the log only are not in the database yet
+        if writer.reached(mark):
+            self._pending = None
+            return now
+        pending = self._pending
+        published = pending[0] if pending is not None and writer.reached(pending[1]) else None
         if pending is None or published is not None:
-            # Taken after the beat read `now`: every record submitted before `now` is counted in the mark.
-            self._pending = (now, self._writer.mark())
+            self._pending = (now, mark)
+        return published
 
     async def beat_forever(self) -> None:
         while True:

@@ -202,24 +202,25 @@ def test_many_episodes_across_two_gateways_one_of_them_slow(
 def test_who_is_waited_for(upstream: FakeUpstream, pg_url: str, tmp_path: Path) -> None:
     """A gateway silent past TRAJGATE_PEER_ALIVE_S is not waited for; a live one that never catches up is waited
     for TRAJGATE_PEER_WAIT_S, then the request goes ahead (a still unknown trajectory is then a 404); a gateway
-    that stops removes itself."""
+    that stops removes itself. The other gateways here are rows only, so nothing depends on how fast one beats."""
+    settings = {"database_url": pg_url, "upstream_url": upstream.base_url, "base_model": "smollm2"}
     engine = make_engine(pg_url)
     try:
-        with two_gateways(upstream, pg_url, tmp_path, peer_wait_s=0.5, peer_alive_s=5) as (a, b):
-            make_calls(a, upstream, ["p-0"], group="g-peers", size=1)
+        with running_gateway(**settings, spool_dir=tmp_path, peer_wait_s=0.5, peer_alive_s=5) as gw:
+            make_calls(gw, upstream, ["p-0"], group="g-peers", size=1)
             with engine.begin() as conn:
                 now = peer_store.clock(conn)
                 conn.execute(insert(GatewayPeer).values(gateway_id="dead", started_at=now - 60, seen_at=now - 6))
-            assert reward(b, "p-0", 1.0).json()["group_ready"] is True
-            assert _timeouts(b) == 0  # the dead gateway was not waited for
+            assert reward(gw, "p-0", 1.0).json()["group_ready"] is True
+            assert _timeouts(gw) == 0  # the dead gateway was not waited for
             with engine.begin() as conn:
                 conn.execute(insert(GatewayPeer).values(gateway_id="stuck", started_at=now, seen_at=now + 3600))
-            assert reward(b, "p-0", 0.5).status_code == 200  # waited 0.5 s for "stuck", then stored it anyway
-            assert_openai_error(reward(b, "nobody", 1.0), 404)
-            assert _timeouts(b) == 2
+            assert reward(gw, "p-0", 0.5).status_code == 200  # waited 0.5 s for "stuck", then stored it anyway
+            assert_openai_error(reward(gw, "nobody", 1.0), 404)
+            assert _timeouts(gw) == 2
             with engine.connect() as conn:
                 ids = set(conn.execute(select(GatewayPeer.gateway_id)).scalars())
-            assert ids == {a.app.state.peers.gateway_id, b.app.state.peers.gateway_id, "dead", "stuck"}
+            assert ids == {gw.app.state.peers.gateway_id, "dead", "stuck"}
         with engine.connect() as conn:
             assert set(conn.execute(select(GatewayPeer.gateway_id)).scalars()) == {"dead", "stuck"}
     finally:

@@ -7,6 +7,7 @@ Every time is read from the database's clock (`clock_timestamp()` on Postgres, t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 from sqlalchemy import ColumnElement, Connection, Engine, Float, Table, delete, func, select
@@ -30,22 +31,25 @@ def clock(conn: Connection) -> float:
     return float(conn.execute(select(_clock(conn.dialect.name))).scalar_one())
 
 
-def beat(engine: Engine, gateway_id: str, flushed_through: float | None, forget_after_s: float) -> float:
-    """Say this gateway is alive and, if given, that every call it answered before `flushed_through` is written.
-    Returns the database's time of the beat. Rows of gateways silent for `forget_after_s` are deleted (a process
-    killed without a chance to remove its own)."""
+def beat(
+    engine: Engine, gateway_id: str, flushed_through: Callable[[float], float | None], forget_after_s: float
+) -> None:
+    """Say this gateway is alive and how far its writer got: `flushed_through(now)`, called with the database's time
+    of the beat just after reading it, returns a time before which every call this gateway answered is written (or
+    None: no news). Rows of gateways silent for `forget_after_s` are deleted (a process killed without a chance to
+    remove its own)."""
     with engine.begin() as conn:
         now = clock(conn)
+        flushed = flushed_through(now)
         make_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
         insert = make_insert(_peers).values(
-            gateway_id=gateway_id, started_at=now, seen_at=now, flushed_through=flushed_through
+            gateway_id=gateway_id, started_at=now, seen_at=now, flushed_through=flushed
         )
         updates: dict[str, Any] = {"seen_at": insert.excluded.seen_at}
-        if flushed_through is not None:
+        if flushed is not None:
             updates["flushed_through"] = insert.excluded.flushed_through
         conn.execute(insert.on_conflict_do_update(index_elements=["gateway_id"], set_=updates))
         conn.execute(delete(_peers).where(_peers.c.seen_at < now - forget_after_s))
-    return now
 
 
 def behind(engine: Engine, gateway_id: str, moment: float | None, alive_s: float) -> tuple[float, list[str]]:
