@@ -122,19 +122,29 @@ class Peers:
         if not self.enabled or self._wait_s <= 0:
             return
         started = time.monotonic()
-        try:
-            moment, behind = await asyncio.to_thread(store.behind, self._engine, self.gateway_id, None, self._alive_s)
-            while behind and time.monotonic() - started < self._wait_s:
-                await asyncio.sleep(self._poll_s / 2)
-                _, behind = await asyncio.to_thread(
-                    store.behind, self._engine, self.gateway_id, moment, self._alive_s
-                )
-        except SQLAlchemyError:
-            return  # the request's own statement meets the same database and answers 503
+        behind = await others_caught_up(self._engine, self.gateway_id, self._poll_s, self._alive_s, self._wait_s)
         self._metrics.peer_wait.observe(time.monotonic() - started)
         if behind:
             self._metrics.peer_wait_timeouts.inc()
-            log.warning(
-                "went ahead after %.1f s without the calls gateway(s) %s had not yet written (TRAJGATE_PEER_WAIT_S)",
-                self._wait_s, ", ".join(behind),
-            )  # fmt: skip
+
+
+async def others_caught_up(engine: Engine, own_id: str, poll_s: float, alive_s: float, wait_s: float) -> list[str]:
+    """Wait until every gateway but `own_id` seen in the last `alive_s` seconds has written every call it answered
+    before now (the database's time), at most `wait_s`. Returns the gateways still behind then (logged), [] when all
+    caught up or the database cannot say (the caller's own statements meet the same database and fail there)."""
+    if engine.dialect.name != "postgresql" or wait_s <= 0:
+        return []
+    started = time.monotonic()
+    try:
+        moment, behind = await asyncio.to_thread(store.behind, engine, own_id, None, alive_s)
+        while behind and time.monotonic() - started < wait_s:
+            await asyncio.sleep(poll_s / 2)
+            _, behind = await asyncio.to_thread(store.behind, engine, own_id, moment, alive_s)
+    except SQLAlchemyError:
+        return []
+    if behind:
+        log.warning(
+            "went ahead after %.1f s without the calls gateway(s) %s had not yet written (TRAJGATE_PEER_WAIT_S)",
+            wait_s, ", ".join(behind),
+        )  # fmt: skip
+    return behind

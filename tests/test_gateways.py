@@ -9,6 +9,8 @@ ready without its last call.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import threading
 import time
@@ -25,6 +27,8 @@ from sqlalchemy import insert, select
 
 from gateway.store import peers as peer_store
 from gateway.store.db import READY_CHANNEL, make_engine
+from gateway.config import load_settings
+from gateway.judge.worker import JudgeWorker
 from gateway.store.models import GatewayPeer
 from gateway.writer import RecordWriter
 from tests.fake_judge import FakeJudge
@@ -166,6 +170,32 @@ def test_close_and_judge_on_the_other_gateway(
         assert judged.status_code == 200, judged.text
         assert sorted(item["trajectory_id"] for item in judged.json()["data"]) == ["j-a", "j-b"]
         assert judged.json()["group_state"] == "ready"
+
+
+def test_judge_worker_waits_for_every_gateway(
+    upstream: FakeUpstream, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_judge: FakeJudge
+) -> None:
+    """`trajgate judge` judges a group once it reaches its size; a trajectory's last call still in B's writer must
+    be in what the judge reads."""
+    with two_gateways(upstream, pg_url, tmp_path) as (a, b):
+        judge = judge_block(fake_judge, settle_s=0)  # judge a group as soon as it has its size
+        created = httpx.post(f"{a.base_url}/runs", json={"name": "my-agent", "config": {"judge": judge}})
+        assert created.status_code in (200, 201), created.text
+        fake_judge.reset(auto=True)
+        gate = hold_writes(b, monkeypatch)
+        make_calls(a, upstream, ["jw-a", "jw-b"], group="g-worker", size=2)
+        make_calls(b, upstream, ["jw-b"], group="g-worker", size=2)  # jw-b's second, last call
+        a.flush()
+        threading.Timer(0.5, gate.set).start()
+        worker = JudgeWorker(load_settings(_env_file=None, database_url=pg_url), "my-agent")
+        try:
+            assert asyncio.run(worker.judge_pending()).judged == 1
+        finally:
+            worker.close()
+        (request,) = fake_judge.received
+        prompt = json.dumps(request["messages"])
+        assert 'Trajectory \\"jw-b\\" (2 model calls)' in prompt, prompt
+        assert group(a, "g-worker")["state"] == "ready"
 
 
 def test_many_episodes_across_two_gateways_one_of_them_slow(
