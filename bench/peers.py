@@ -32,7 +32,9 @@ from tests.pgcluster import PgCluster, create_database  # noqa: E402
 from tests.test_gateway_capture import client_body  # noqa: E402
 
 
-def episodes(call_to: RunningGateway, reward_to: RunningGateway, body: dict[str, object], count: int, tag: str) -> list[float]:
+def episodes(
+    call_to: RunningGateway, reward_to: RunningGateway, body: dict[str, object], count: int, tag: str
+) -> list[float]:
     """Reward latencies in ms, one episode (a call, then its reward) at a time."""
     latencies = []
     with httpx.Client(timeout=60) as client:

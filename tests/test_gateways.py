@@ -147,7 +147,8 @@ def test_close_and_judge_on_the_other_gateway(
     upstream: FakeUpstream, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_judge: FakeJudge
 ) -> None:
     with two_gateways(upstream, pg_url, tmp_path) as (a, b):
-        created = httpx.post(f"{a.base_url}/runs", json={"name": "my-agent", "config": {"judge": judge_block(fake_judge)}})
+        judge = judge_block(fake_judge)
+        created = httpx.post(f"{a.base_url}/runs", json={"name": "my-agent", "config": {"judge": judge}})
         assert created.status_code in (200, 201), created.text
         fake_judge.reset(auto=True)
         gate = hold_writes(b, monkeypatch)

@@ -4,8 +4,8 @@ runs (or once, with `--once`).
 Every poll it reads the run's `judge` config (so changes apply without a restart) and the groups waiting for a
 judge (`gateway.store.judging.judgeable_groups`), waits until every gateway has written the calls it answered before
 then (gateway.peers: several gateways on one Postgres), and judges them one at a time. A group someone else has
-rewarded (even partly) is left to them. A group the judge fails on stays unrewarded and is tried again later with growing
-delays; the error is logged. One worker per run: two would judge the same groups twice (harmless, but wasted).
+rewarded (even partly) is left to them. A group the judge fails on stays unrewarded and is tried again later with
+growing delays; the error is logged. One worker per run: two would judge the same groups twice (harmless, but wasted).
 """
 
 from __future__ import annotations
