@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from gateway.store.models import GatewayPeer
 from gateway.writer import RecordWriter
 from tests.fake_judge import FakeJudge
 from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
+from tests.gateway_harness import RunningGateway, running_gateway, start_serve
 from tests.stored import stored_calls
 from tests.test_gateway_faults import assert_openai_error
 from tests.test_gateway_capture import client_body
@@ -260,3 +261,37 @@ def test_who_is_waited_for(upstream: FakeUpstream, pg_url: str, tmp_path: Path) 
 
 def _timeouts(gw: RunningGateway) -> float:
     return gw.app.state.metrics.peer_wait_timeouts._value.get()
+
+
+def test_two_serve_processes(upstream: FakeUpstream, pg_url: str, tmp_path: Path) -> None:
+    """`trajgate serve` twice, as users run it: each episode's call answered by one process and its reward posted to
+    the other at once (its record is still in the first one's writer batch), then SIGTERM: both leave gateway_peers."""
+    processes = [start_serve(upstream.base_url, pg_url, tmp_path / name) for name in ("a", "b")]
+    body = client_body(upstream.fixture("chat"))
+    try:
+        urls = [f"http://127.0.0.1:{port}/v1" for _, _, port in processes]
+        engine = make_engine(pg_url)
+        try:
+            with engine.connect() as conn:
+                assert len(conn.execute(select(GatewayPeer.gateway_id)).all()) == 2  # each beat before serving
+        finally:
+            engine.dispose()
+        responses = []
+        with httpx.Client(timeout=60) as client:
+            for i in range(8):
+                headers = {"X-Trajectory-Id": f"s-{i}", "X-Group-Id": f"g-serve-{i // 2}", "X-Group-Size": "2"}
+                answered = client.post(f"{urls[i % 2]}/chat/completions", json=body, headers=headers)
+                assert answered.status_code == 200, answered.text
+                responses.append(client.post(f"{urls[1 - i % 2]}/trajectories/s-{i}/reward", json={"reward": i % 2}))
+        assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses]
+        assert [r.json()["group_ready"] for r in responses] == [False, True] * 4
+    finally:
+        for process, output, _ in processes:
+            process.terminate()
+            assert process.wait(60) in (0, -signal.SIGTERM), output.finish()  # uvicorn re-raises it when done
+    engine = make_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(select(GatewayPeer.gateway_id)).all() == []  # a clean stop removes the row
+    finally:
+        engine.dispose()
