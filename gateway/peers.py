@@ -8,11 +8,11 @@ unknown (404), or make the group ready without its last call. Waiting on B's wri
 Each gateway keeps a row in `gateway_peers` (gateway.store.peers) and beats every `TRAJGATE_PEER_POLL_S`: one
 transaction that reads the database's clock `t` and publishes, as `flushed_through`, `t` itself if every record
 submitted so far is in the database (an idle writer), else an earlier beat's `t` once every record submitted before
-that beat is. A record is submitted before its call is answered (the
-write-ahead log comes first), so when B publishes `flushed_through > T`, every call B answered before the database's
-time T is written. A request for rewards (or close, or judge) reads T when it arrives and waits, polling, until
-every other gateway seen in the last `TRAJGATE_PEER_ALIVE_S` has `flushed_through > T` (this gateway's own writer it
-flushes directly). One clock, the database's, orders everything, so gateways need not agree on theirs.
+that beat is. A record is submitted before its call is answered (the write-ahead log comes first), so when B
+publishes `flushed_through > T`, every call B answered before the database's time T is written. A request for
+rewards (or close, or judge) reads T when it arrives and waits, polling, until every other gateway seen in the last
+`TRAJGATE_PEER_ALIVE_S` has `flushed_through > T` (this gateway's own writer it flushes directly). One clock, the
+database's, orders everything, so gateways need not agree on theirs.
 
 The wait is bounded by `TRAJGATE_PEER_WAIT_S`: a writer behind by seconds (a burst, a slow disk) delays the reward by
 as much, and past the bound the request goes ahead with what is written (a trajectory still unknown then is a 404 the
