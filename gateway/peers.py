@@ -6,13 +6,14 @@ right after the episode's last call was answered by gateway B can overtake that 
 unknown (404), or make the group ready without its last call. Waiting on B's writer needs B to say how far it got.
 
 Each gateway keeps a row in `gateway_peers` (gateway.store.peers) and beats every `TRAJGATE_PEER_POLL_S`: one
-transaction that reads the database's clock `t` and publishes, as `flushed_through`, `t` itself if every record
-submitted so far is in the database (an idle writer), else an earlier beat's `t` once every record submitted before
-that beat is. A record is submitted before its call is answered (the write-ahead log comes first), so when B
-publishes `flushed_through > T`, every call B answered before the database's time T is written. A request for
-rewards (or close, or judge) reads T when it arrives and waits, polling, until every other gateway seen in the last
-`TRAJGATE_PEER_ALIVE_S` has `flushed_through > T` (this gateway's own writer it flushes directly). One clock, the
-database's, orders everything, so gateways need not agree on theirs.
+transaction that takes a moment `t` (the next value of a Postgres sequence: a moment taken later is always larger)
+and publishes, as `flushed_through`, `t` itself if every record submitted so far is in the database (an idle
+writer), else an earlier beat's `t` once every record submitted before that beat is. A record is submitted before
+its call is answered (the write-ahead log comes first), so when B publishes `flushed_through > T`, every call B
+answered before moment T was taken is written. A request for rewards (or close, or judge) takes a moment T when it
+arrives and waits, polling, until every other gateway seen in the last `TRAJGATE_PEER_ALIVE_S` has
+`flushed_through > T` (this gateway's own writer it flushes directly). One sequence orders everything, so gateways
+need not agree on a clock, and none can be stepped back.
 
 The wait is bounded by `TRAJGATE_PEER_WAIT_S`: a writer behind by seconds (a burst, a slow disk) delays the reward by
 as much, and past the bound the request goes ahead with what is written (a trajectory still unknown then is a 404 the
@@ -63,8 +64,8 @@ class Peers:
         self._poll_s = poll_s
         self._alive_s = alive_s
         self._wait_s = wait_s
-        # A beat's database time and the writer's mark taken right after it: published once the mark is reached.
-        self._pending: tuple[float, int] | None = None
+        # A beat's moment and the writer's mark taken right after it: published once the mark is reached.
+        self._pending: tuple[int, int] | None = None
         self._failing = False
 
     async def beat(self) -> None:
@@ -80,13 +81,13 @@ class Peers:
             return
         self._failing = False
 
-    def _flushed_through(self, now: float) -> float | None:
-        """Called by the beat right after it read the database's time `now`: the latest time this gateway can say
-        every call it answered before is written. A writer with nothing outstanding is caught up with `now` itself
-        (so an idle gateway holds a reward up for one beat at most); a busy one with the previous beat's time once
-        the records submitted before that beat are written."""
+    def _flushed_through(self, now: int) -> int | None:
+        """Called by the beat right after it took the moment `now`: the latest moment before which this gateway can
+        say every call it answered is written. A writer with nothing outstanding is caught up with `now` itself (so
+        an idle gateway holds a reward up for one beat at most); a busy one with an earlier beat's moment once the
+        records submitted before that beat are written."""
         writer = self._writer
-        mark = writer.mark()  # taken after `now` was read: counts every record submitted before it
+        mark = writer.mark()  # taken after `now`: counts every record submitted before it
         if not writer.db_up:
             return None  # records in the log only are not in the database yet
         if writer.reached(mark):
@@ -130,8 +131,9 @@ class Peers:
 
 async def others_caught_up(engine: Engine, own_id: str, poll_s: float, alive_s: float, wait_s: float) -> list[str]:
     """Wait until every gateway but `own_id` seen in the last `alive_s` seconds has written every call it answered
-    before now (the database's time), at most `wait_s`. Returns the gateways still behind then (logged), [] when all
-    caught up or the database cannot say (the caller's own statements meet the same database and fail there)."""
+    before now (a moment taken on the database), at most `wait_s`. Returns the gateways still behind then (logged),
+    [] when all caught up or the database cannot say (the caller's own statements meet the same database and fail
+    there)."""
     if engine.dialect.name != "postgresql" or wait_s <= 0:
         return []
     started = time.monotonic()
