@@ -93,7 +93,7 @@ class Settings(BaseSettings):
         ge=0,
         le=600,
         description="Longest a reward, close or judge request waits for other gateways to write the calls they "
-        "answered before it arrived; 0 does not wait for them.",
+        "answered before it arrived (then a 503, nothing stored); 0 does not wait for them.",
     )
     db_threads: int = Field(
         32,

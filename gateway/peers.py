@@ -16,8 +16,9 @@ arrives and waits, polling, until every other gateway seen in the last `TRAJGATE
 need not agree on a clock, and none can be stepped back.
 
 The wait is bounded by `TRAJGATE_PEER_WAIT_S`: a writer behind by seconds (a burst, a slow disk) delays the reward by
-as much, and past the bound the request goes ahead with what is written (a trajectory still unknown then is a 404 the
-client can retry). A gateway that stops cleanly removes its row after its last write; one that dies stops beating
+as much, and past the bound the request is refused with a 503 the client retries, having stored nothing: a group is
+never made ready on one gateway's word while another live one may still hold its last call. A gateway that stops
+cleanly removes its row after its last write; one that dies stops beating
 and is no longer waited for after `TRAJGATE_PEER_ALIVE_S` (its answered calls are in its spool and replayed when it
 starts again). Postgres only: several gateways on one SQLite file do not wait for each other.
 """
@@ -34,6 +35,7 @@ import time
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.store import peers as store
 from gateway.writer import RecordWriter
@@ -116,7 +118,8 @@ class Peers:
 
     async def settled(self, local_timeout_s: float) -> None:
         """Wait until every call answered before now, by this gateway or any other live one, is in the database,
-        at most `local_timeout_s` for this gateway's writer and `TRAJGATE_PEER_WAIT_S` for the others'."""
+        at most `local_timeout_s` for this gateway's writer and `TRAJGATE_PEER_WAIT_S` for the others'. Raises a
+        503 GatewayError when another live gateway has not caught up by then."""
         await asyncio.gather(self._writer.settled(local_timeout_s), self._others_caught_up())
 
     async def _others_caught_up(self) -> None:
@@ -127,13 +130,18 @@ class Peers:
         self._metrics.peer_wait.observe(time.monotonic() - started)
         if behind:
             self._metrics.peer_wait_timeouts.inc()
+            message = (
+                f"gateway(s) {', '.join(behind)} have not yet written the calls they answered before this request "
+                f"({self._wait_s:g} s, TRAJGATE_PEER_WAIT_S): nothing was stored; retry later"
+            )
+            raise GatewayError(503, message, "server_error", "gateways_behind")
 
 
 async def others_caught_up(engine: Engine, own_id: str, poll_s: float, alive_s: float, wait_s: float) -> list[str]:
     """Wait until every gateway but `own_id` seen in the last `alive_s` seconds has written every call it answered
     before now (a moment taken on the database), at most `wait_s`. Returns the gateways still behind then (logged),
     [] when all caught up or the database cannot say (the caller's own statements meet the same database and fail
-    there)."""
+    there: a 503 of their own)."""
     if engine.dialect.name != "postgresql" or wait_s <= 0:
         return []
     started = time.monotonic()
@@ -146,7 +154,7 @@ async def others_caught_up(engine: Engine, own_id: str, poll_s: float, alive_s: 
         return []
     if behind:
         log.warning(
-            "went ahead after %.1f s without the calls gateway(s) %s had not yet written (TRAJGATE_PEER_WAIT_S)",
+            "gave up after %.1f s waiting for gateway(s) %s to write the calls they answered (TRAJGATE_PEER_WAIT_S)",
             wait_s, ", ".join(behind),
         )  # fmt: skip
     return behind

@@ -233,8 +233,8 @@ def test_many_episodes_across_two_gateways_one_of_them_slow(
 
 def test_who_is_waited_for(upstream: FakeUpstream, pg_url: str, tmp_path: Path) -> None:
     """A gateway silent past TRAJGATE_PEER_ALIVE_S is not waited for; a live one that never catches up is waited
-    for TRAJGATE_PEER_WAIT_S, then the request goes ahead (a still unknown trajectory is then a 404); a gateway
-    that stops removes itself. The other gateways here are rows only, so nothing depends on how fast one beats."""
+    for TRAJGATE_PEER_WAIT_S, then the request is a 503 and nothing is stored; a gateway that stops removes itself.
+    The other gateways here are rows only, so nothing depends on how fast one beats."""
     settings = {"database_url": pg_url, "upstream_url": upstream.base_url, "base_model": "smollm2"}
     engine = make_engine(pg_url)
     try:
@@ -247,8 +247,11 @@ def test_who_is_waited_for(upstream: FakeUpstream, pg_url: str, tmp_path: Path) 
             assert _timeouts(gw) == 0  # the dead gateway was not waited for
             with engine.begin() as conn:
                 conn.execute(insert(GatewayPeer).values(gateway_id="stuck", started_at=now, seen_at=now + 3600))
-            assert reward(gw, "p-0", 0.5).status_code == 200  # waited 0.5 s for "stuck", then stored it anyway
-            assert_openai_error(reward(gw, "nobody", 1.0), 404)
+            refused = assert_openai_error(reward(gw, "p-0", 0.5), 503)  # waited 0.5 s for "stuck", then refused
+            assert refused["code"] == "gateways_behind" and "stuck" in refused["message"]
+            assert group(gw, "g-peers")["trajectories"][0]["reward"] == 1.0  # nothing stored
+            closed = httpx.post(f"{gw.base_url}/groups/g-peers/close", timeout=30)
+            assert_openai_error(closed, 503)
             assert _timeouts(gw) == 2
             with engine.connect() as conn:
                 ids = set(conn.execute(select(GatewayPeer.gateway_id)).scalars())

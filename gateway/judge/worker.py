@@ -100,9 +100,11 @@ class JudgeWorker:
             limit=self.batch,
             exclude=waiting,
         )
-        if groups:  # their last calls may still wait in some gateway's writer: judge only once those are written
-            await others_caught_up(self.engine, "", *self._peers)
         result = PassResult()
+        # Their last calls may still wait in some gateway's writer: judge only once those are written, else next pass.
+        if groups and await others_caught_up(self.engine, "", *self._peers):
+            result.skipped = len(groups)
+            return result
         for group_id in groups:
             try:
                 outcome = await judge_group(self.engine, group_id, config, keep_human_rewards=True)
