@@ -27,6 +27,7 @@ from gateway.auth import Auth
 from gateway.config import Settings
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
+from gateway.peers import Peers
 from gateway.proxy import ENDPOINTS, Proxy, send_json
 from gateway.routes import install_error_handlers, router
 from gateway.routing import PolicyRouter
@@ -51,6 +52,7 @@ class GatewayState:
     proxy: Proxy
     responses: ResponsesAPI
     messages: MessagesApi
+    peers: Peers
     # Set when the server begins a graceful shutdown, so endless responses (the event stream) end and let it finish.
     stopping: threading.Event = field(default_factory=threading.Event)
     # The trajectory page's token strings per call id (gateway.token_text).
@@ -104,7 +106,8 @@ def build_state(settings: Settings) -> GatewayState:
     metrics.watch_replicas(lambda: [(r.url, r.healthy, r.in_flight) for r in proxy.replicas.all])
     responses = ResponsesAPI(proxy, engine, settings.token_state_wait_s, settings.responses_kept)
     messages = MessagesApi(proxy)
-    return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy, responses, messages)
+    peers = Peers(engine, writer, metrics, settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s)
+    return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy, responses, messages, peers)
 
 
 class Gateway:
@@ -138,6 +141,11 @@ class Gateway:
         await self._refresh_routes()
         refresher = asyncio.create_task(self._refresh_routes_forever())
         prober = self._probe_replicas()
+        peers = self.state.peers
+        heartbeat = None
+        if peers.enabled:
+            await peers.beat()  # other gateways wait for this one before it answers its first call
+            heartbeat = asyncio.create_task(peers.beat_forever())
         log.info("gateway ready: upstream %s", self.state.settings.upstream_url)
         try:
             yield
@@ -146,8 +154,11 @@ class Gateway:
             refresher.cancel()
             if prober is not None:
                 prober.cancel()
+            if heartbeat is not None:
+                heartbeat.cancel()
             await self.state.proxy.close()
             self.state.writer.close()
+            peers.leave()
             self.state.engine.dispose()
 
     async def _refresh_routes(self) -> None:

@@ -75,6 +75,26 @@ class Settings(BaseSettings):
         description="token_in runs: how long a call whose history holds an assistant message no record matches yet "
         "waits for another gateway's record of it to be written before it starts a new token segment.",
     )
+    peer_poll_s: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="Several gateways on one Postgres: how often each tells the others how far its record writer got "
+        "(and how often a reward waiting for another gateway's calls looks again).",
+    )
+    peer_alive_s: float = Field(
+        10.0,
+        ge=1,
+        le=600,
+        description="A gateway silent this long (killed, or cut off from the database) is no longer waited for.",
+    )
+    peer_wait_s: float = Field(
+        30.0,
+        ge=0,
+        le=600,
+        description="Longest a reward, close or judge request waits for other gateways to write the calls they "
+        "answered before it arrived (then a 503, nothing stored); 0 does not wait for them.",
+    )
     db_threads: int = Field(
         32,
         ge=1,

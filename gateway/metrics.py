@@ -129,6 +129,20 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        # Several gateways on one database (gateway/peers.py): how long rewards, closes and judge requests waited
+        # for the other gateways' writers, and how often that wait ran out.
+        self.peer_wait = Histogram(
+            "trajgate_peer_wait_seconds",
+            "How long a reward, close or judge request waited for other gateways to write the calls they answered",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.peer_wait_timeouts = Counter(
+            "trajgate_peer_wait_timeouts",
+            "Reward, close or judge requests that went ahead before some other gateway had caught up",
+            registry=self.registry,
+        )
+
     def watch_replicas(self, replicas: Callable[[], list[tuple[str, bool, int]]]) -> None:
         """(url, healthy, calls in flight) per vLLM replica, read at scrape time."""
         self.registry.register(_ReplicaCollector(replicas))

@@ -1,8 +1,9 @@
 """Posting rewards and closing groups: what an agent does when an episode ends (agent key or admin key).
 
-Before touching the database, each handler flushes this process's record writer: the agent's last call may still
-be in the writer's queue when its reward arrives, and the reward must find every call this gateway answered
-before it, or it would be refused (unknown trajectory) or make a group ready without its last call.
+Before touching the database, each handler waits until every call answered before the request arrived is written,
+by this process's record writer and by every other live gateway's (gateway.peers): the agent's last call may still
+be in some writer's queue when its reward arrives, and the reward must find every call answered before it, or it
+would be refused (unknown trajectory) or make a group ready without its last call.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ if TYPE_CHECKING:
 
 router = APIRouter(dependencies=[Depends(require_agent)])
 
-# Longest a reward waits for this gateway's queued records to reach the database before it goes ahead anyway.
+# Longest a reward waits for this gateway's queued records to reach the database before it goes ahead anyway
+# (other gateways' writers: TRAJGATE_PEER_WAIT_S).
 FLUSH_TIMEOUT_S = 5.0
 _STATUS = {"not_found": 404, "conflict": 409}
 
@@ -69,7 +71,7 @@ def _result(result: RewardResult) -> dict[str, Any]:
 
 
 async def _store(gw: GatewayState, items: Sequence[RewardItem]) -> list[RewardResult]:
-    await gw.writer.settled(FLUSH_TIMEOUT_S)
+    await gw.peers.settled(FLUSH_TIMEOUT_S)
     return await asyncio.to_thread(store_rewards, gw.engine, items)
 
 
@@ -137,7 +139,7 @@ async def close(group_id: str, request: Request) -> dict[str, Any]:
     """Declare the group complete: ready once every trajectory it has is rewarded, whatever its expected size."""
     check_id(group_id, "group id")
     gw = gateway_state(request)
-    await gw.writer.settled(FLUSH_TIMEOUT_S)
+    await gw.peers.settled(FLUSH_TIMEOUT_S)
     state = await asyncio.to_thread(close_group, gw.engine, group_id)
     if state is None:
         message = f"no group {group_id!r}: no call of this group has been recorded"

@@ -572,6 +572,17 @@ class RecordWriter:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
+    def mark(self) -> int:
+        """A point in the stream of submitted records, for `reached`: every record submitted before this call."""
+        with self._cond:
+            return self._submitted
+
+    def reached(self, mark: int) -> bool:
+        """Whether every record submitted before `mark` was taken is in the database (or safely in the log while
+        the database is down): `flush` without waiting, for a caller that polls anyway (gateway/peers.py)."""
+        with self._cond:
+            return self._flushed_locked(mark)
+
     def _flushed_locked(self, target: int) -> bool:
         return self._settled >= target and not self._held and not (self.db_up and self._spool.pending)
 

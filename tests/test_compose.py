@@ -29,6 +29,8 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERFILE_VLLM_CPU = ROOT / "Dockerfile.vllm-cpu"
 DOCKERIGNORE = ROOT / ".dockerignore"
+GATEWAYS_FILE = ROOT / "docker-compose.gateways.yml"
+HAPROXY_CFG = ROOT / "deploy" / "haproxy.cfg"
 
 # The shape of the stack, stated once: a rename or a service that moves between profiles must be deliberate.
 ALWAYS = {"postgres", "volumes-init", "migrate", "gateway"}
@@ -630,3 +632,111 @@ def test_docker_compose_config(env_example: dict[str, str]) -> None:
         timeout=60,
     )
     assert proc.returncode != 0 and "is missing a value" in proc.stderr
+
+
+# --------------------------------------------------------------------------------------------- two gateways
+
+
+def haproxy_sections(path: Path) -> dict[str, list[list[str]]]:
+    """'frontend agents' -> its directives, each split into words; comments and blank lines dropped."""
+    sections: dict[str, list[list[str]]] = {}
+    current: list[list[str]] | None = None
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        if not raw[0].isspace():
+            current = sections.setdefault(" ".join(words), [])
+        else:
+            assert current is not None, f"{path.name}: {raw!r} outside any section"
+            current.append(words)
+    return sections
+
+
+def directives(section: list[list[str]], keyword: str) -> list[list[str]]:
+    return [words[1:] for words in section if words[0] == keyword]
+
+
+def seconds(value: str) -> float:
+    match = re.fullmatch(r"(\d+)(ms|s|m|h)?", value)
+    assert match, f"not an HAProxy time: {value}"
+    return int(match[1]) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 0.001}[match[2]]
+
+
+@pytest.fixture(scope="module")
+def scaled(raw_services: dict[str, Any], env_example: dict[str, str]) -> dict[str, Any]:
+    """docker-compose.yml with docker-compose.gateways.yml laid over it (compose's -f -f; the override only adds
+    services), every variable resolved from .env.example."""
+    document = yaml.safe_load(GATEWAYS_FILE.read_text())
+    added = document["services"]
+    assert not set(added) & set(raw_services), "the override adds services; it must not redefine the stack's"
+    return resolve({**raw_services, **added}, env_example)
+
+
+def test_two_gateways_are_one_gateway_twice(scaled: dict[str, Any]) -> None:
+    first, second = scaled["gateway"], scaled["gateway-2"]
+    for key in ("image", "build", "command", "environment", "volumes", "depends_on", "healthcheck", "restart",
+                "stop_grace_period"):  # fmt: skip
+        assert second.get(key) == first.get(key), f"gateway-2 differs from gateway in {key}"
+    assert not second.get("ports"), "gateway-2 is reached through the load balancer only"
+    environment = env_of(second)
+    settings = Settings(_env_file=None, **{k[len(ENV_PREFIX) :].lower(): v for k, v in environment.items()})
+    # Gateways wait for each other's writers through Postgres (gateway/peers.py), not on a SQLite file.
+    assert settings.database_url.startswith("postgresql+psycopg://") and "@postgres:5432/" in settings.database_url
+    assert environment["TRAJGATE_SPOOL_DIR"] in {target for _, target, _ in volume_mounts(second)}
+
+
+def test_load_balancer_is_a_registry_image_in_front_of_both(scaled: dict[str, Any]) -> None:
+    lb = scaled["lb"]
+    assert "build" not in lb and re.fullmatch(r"haproxy:\d+\.\d+[\w.-]*", lb["image"]), lb.get("image")
+    assert depends_on(lb) == {name: {"condition": "service_healthy"} for name in ("gateway", "gateway-2")}
+    mounts = {target: (source, read_only) for source, target, read_only in volume_mounts(lb)}
+    assert mounts["/usr/local/etc/haproxy/haproxy.cfg"] == ("./deploy/haproxy.cfg", True)
+    (published,) = lb["ports"]
+    host_port, container_port = str(published).rsplit(":", 1)
+    assert host_port != str(scaled["gateway"]["ports"][0]).rsplit(":", 1)[0], "the LB needs a host port of its own"
+    sections = haproxy_sections(HAPROXY_CFG)
+    (frontend,) = [body for name, body in sections.items() if name.startswith("frontend ")]
+    assert [[f":{container_port}"]] == directives(frontend, "bind")
+    (backend_name,) = directives(frontend, "default_backend")
+    backend = sections[f"backend {backend_name[0]}"]
+    servers = {words[0]: words[1] for words in directives(backend, "server")}
+    assert servers == {"gateway": "gateway:8000", "gateway-2": "gateway-2:8000"}
+    # No sticky sessions: nothing pins a client to a gateway, which is what the peer wait makes unnecessary.
+    assert directives(backend, "balance") in ([["roundrobin"]], [["leastconn"]])
+    assert not any(words[0] in ("stick", "stick-table", "cookie", "hash-type") for words in backend)
+    assert ["httpchk", "GET", "/health"] in directives(backend, "option")
+    assert "check" in directives(backend, "default-server")[0]
+
+
+def test_load_balancer_outwaits_the_gateway() -> None:
+    defaults = haproxy_sections(HAPROXY_CFG)["defaults"]
+    timeouts = {words[0]: seconds(words[1]) for words in directives(defaults, "timeout")}
+    settings = Settings(_env_file=None)
+    # A generation may be silent for up to upstream_timeout_s; the LB must not cut it before the gateway answers.
+    assert timeouts["server"] > settings.upstream_timeout_s and timeouts["client"] > settings.upstream_timeout_s
+    # The LB drops an idle connection before the gateway would, so it never sends on one the gateway closed.
+    assert timeouts["http-keep-alive"] < settings.keep_alive_s
+    buffer = int(directives(haproxy_sections(HAPROXY_CFG)["global"], "tune.bufsize")[0][0])
+    assert buffer > settings.max_header_bytes, "request heads the gateway accepts must fit HAProxy's buffer"
+
+
+def test_gateways_file_variables(env_example: dict[str, str]) -> None:
+    used = variables_used(yaml.safe_load(GATEWAYS_FILE.read_text()))
+    missing = sorted(name for name, ops in used.items() if not ops <= {":-", "-"} and name not in env_example)
+    assert not missing, f"used without a default and not in .env.example: {missing}"
+
+
+def test_docker_compose_config_with_two_gateways(env_example: dict[str, str]) -> None:
+    argv = _compose_v2()
+    if argv is None:
+        pytest.skip("no Docker Compose >= 2.20 (docker compose plugin or docker-compose v2) on this machine")
+    env = {key: value for key, value in os.environ.items() if key not in env_example and not key.startswith("COMPOSE_")}
+    proc = subprocess.run(
+        [*argv, "-f", str(COMPOSE_FILE), "-f", str(GATEWAYS_FILE), "--env-file", str(ENV_EXAMPLE),
+         "--project-directory", str(ROOT), "config", "--services"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert set(proc.stdout.split()) == ALWAYS | PROFILES["gpu"] | {"gateway-2", "lb"}

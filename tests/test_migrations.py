@@ -15,9 +15,9 @@ from gateway.store.models import Base
 
 TABLES = {
     "runs", "policy_versions", "groups", "trajectories", "calls", "train_steps", "trainer_leases", "admissions",
-    "admission_refusals",
+    "admission_refusals", "gateway_peers",
 }
-HEAD = "0009"
+HEAD = "0010"
 
 
 def _tables(url: str) -> set[str]:

@@ -2,9 +2,10 @@
 runs (or once, with `--once`).
 
 Every poll it reads the run's `judge` config (so changes apply without a restart) and the groups waiting for a
-judge (`gateway.store.judging.judgeable_groups`), and judges them one at a time. A group someone else has rewarded
-(even partly) is left to them. A group the judge fails on stays unrewarded and is tried again later with growing
-delays; the error is logged. One worker per run: two would judge the same groups twice (harmless, but wasted).
+judge (`gateway.store.judging.judgeable_groups`), waits until every gateway has written the calls it answered before
+then (gateway.peers: several gateways on one Postgres), and judges them one at a time. A group someone else has
+rewarded (even partly) is left to them. A group the judge fails on stays unrewarded and is tried again later with
+growing delays; the error is logged. One worker per run: two would judge the same groups twice (harmless, but wasted).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.config import Settings
 from gateway.judge.core import GroupFrozen, GroupNotFound, JudgeFailed, judge_group
 from gateway.judge.prompt import PromptTooLong
+from gateway.peers import others_caught_up
 from gateway.run_config import JudgeConfig
 from gateway.store.db import make_engine
 from gateway.store.judging import judgeable_groups, run_judge_block
@@ -56,6 +58,7 @@ class JudgeWorker:
         self.poll_s = poll_s
         self.batch = batch
         self.engine = make_engine(settings.database_url)
+        self._peers = (settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s)
         self._later: dict[str, Backoff] = {}
         self.judged = 0
         self.failed = 0
@@ -98,6 +101,10 @@ class JudgeWorker:
             exclude=waiting,
         )
         result = PassResult()
+        # Their last calls may still wait in some gateway's writer: judge only once those are written, else next pass.
+        if groups and await others_caught_up(self.engine, "", *self._peers):
+            result.skipped = len(groups)
+            return result
         for group_id in groups:
             try:
                 outcome = await judge_group(self.engine, group_id, config, keep_human_rewards=True)

@@ -235,3 +235,20 @@ class TrainStep(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     metrics: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class GatewayPeer(Base):
+    """A live gateway process and how far its record writer has caught up (gateway/peers.py): rewards, closes and
+    judge requests on any gateway wait for every other one's calls answered before they arrived.
+
+    `started_at` and `seen_at` are seconds since the epoch on the database's clock (gateways need not agree on theirs);
+    `flushed_through` is a moment, a value of the Postgres sequence `gateway_peers_moment` (gateway.store.peers).
+    """
+
+    __tablename__ = "gateway_peers"
+
+    gateway_id: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    started_at: Mapped[float] = mapped_column(Float)
+    seen_at: Mapped[float] = mapped_column(Float)
+    # Every call this gateway answered before this time is in the database; null until its first flush.
+    flushed_through: Mapped[int | None] = mapped_column(BigInteger, nullable=True)

@@ -1,0 +1,92 @@
+"""The statements behind gateway/peers.py: each gateway's heartbeat row in `gateway_peers`, and which other live
+gateways have not yet written every call they answered before a given moment.
+
+A moment is a value of the Postgres sequence `gateway_peers_moment`: one taken after another is larger, whichever
+session took it, so "answered before the reward arrived" means the same on every gateway, with no clock to agree
+on (a wall clock can be stepped back; a sequence cannot). Liveness (`seen_at`) is the database's clock, in
+seconds.
+On SQLite (one host; gateways there do not wait for each other) a moment is that host's clock in microseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+from sqlalchemy import BigInteger, ColumnElement, Connection, Engine, Float, Table, delete, func, select
+from sqlalchemy import cast as sql_cast
+from sqlalchemy.dialects import postgresql, sqlite
+
+from gateway.store.models import GatewayPeer
+
+_peers = cast(Table, GatewayPeer.__table__)
+MOMENTS = "gateway_peers_moment"
+
+
+def _clock(dialect: str) -> ColumnElement[float]:
+    """Seconds since the epoch, as the database sees them now (not at the start of the transaction)."""
+    if dialect == "postgresql":
+        return sql_cast(func.extract("epoch", func.clock_timestamp()), Float)
+    return (func.julianday("now") - 2440587.5) * 86400.0
+
+
+def _moment(dialect: str) -> ColumnElement[int]:
+    if dialect == "postgresql":
+        return func.nextval(MOMENTS)
+    return sql_cast((func.julianday("now") - 2440587.5) * 86_400_000_000, BigInteger)
+
+
+def clock(conn: Connection) -> float:
+    """The database's time now, in seconds since the epoch."""
+    return float(conn.execute(select(_clock(conn.dialect.name))).scalar_one())
+
+
+def moment(conn: Connection) -> int:
+    """A new moment: larger than every moment taken before this call began, on any connection."""
+    return int(conn.execute(select(_moment(conn.dialect.name))).scalar_one())
+
+
+def beat(
+    engine: Engine, gateway_id: str, flushed_through: Callable[[int], int | None], forget_after_s: float
+) -> None:
+    """Say this gateway is alive and how far its writer got: `flushed_through(moment)`, called with a moment taken
+    at the beat, returns a moment before which every call this gateway answered is written (or None: no news). Rows
+    of gateways silent for `forget_after_s` are deleted (a process killed without a chance to remove its own)."""
+    with engine.begin() as conn:
+        now = clock(conn)
+        flushed = flushed_through(moment(conn))
+        make_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+        insert = make_insert(_peers).values(
+            gateway_id=gateway_id, started_at=now, seen_at=now, flushed_through=flushed
+        )
+        updates: dict[str, Any] = {"seen_at": insert.excluded.seen_at}
+        if flushed is not None:
+            updates["flushed_through"] = insert.excluded.flushed_through
+        conn.execute(insert.on_conflict_do_update(index_elements=["gateway_id"], set_=updates))
+        conn.execute(delete(_peers).where(_peers.c.seen_at < now - forget_after_s))
+
+
+def behind(engine: Engine, gateway_id: str, at: int | None, alive_s: float) -> tuple[int, list[str]]:
+    """The other gateways seen in the last `alive_s` seconds whose writers have not yet caught up with the moment
+    `at` (None: a new moment), and that moment. A gateway has caught up with a moment when every call it answered
+    before it is in the database."""
+    with engine.connect() as conn:
+        now = clock(conn)
+        if at is None:
+            at = moment(conn)
+        rows = conn.execute(
+            select(_peers.c.gateway_id)
+            .where(
+                _peers.c.gateway_id != gateway_id,
+                _peers.c.seen_at > now - alive_s,
+                func.coalesce(_peers.c.flushed_through, 0) <= at,
+            )
+            .order_by(_peers.c.gateway_id)
+        )
+        return at, list(rows.scalars())
+
+
+def leave(engine: Engine, gateway_id: str) -> None:
+    """Remove this gateway's row after its last records are written: no one waits for a gateway that stopped."""
+    with engine.begin() as conn:
+        conn.execute(delete(_peers).where(_peers.c.gateway_id == gateway_id))
