@@ -740,3 +740,91 @@ def test_docker_compose_config_with_two_gateways(env_example: dict[str, str]) ->
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert set(proc.stdout.split()) == ALWAYS | PROFILES["gpu"] | {"gateway-2", "lb"}
+
+
+# --------------------------------------------------------------------------------------------- replicas, data parallel
+
+REPLICAS_FILE = ROOT / "docker-compose.replicas.yml"
+DATA_PARALLEL_FILE = ROOT / "docker-compose.data-parallel.yml"
+# Compose's merge rules (compose-file "Merge"): mappings merge key by key, sequences append, except these, which the
+# override replaces.
+REPLACED = {("command",), ("entrypoint",), ("healthcheck", "test")}
+
+
+def merged(base: Any, override: Any, path: tuple[str, ...] = ()) -> Any:
+    """`override` laid over `base` as `docker compose -f base -f override` does (within one service)."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            out[key] = merged(base[key], value, (*path, key)) if key in base else value
+        return out
+    if isinstance(base, list) and isinstance(override, list) and path[-2:] not in REPLACED and path[-1:] not in REPLACED:
+        return [*base, *override]
+    return override
+
+
+def layered(raw_services: dict[str, Any], path: Path, env: dict[str, str]) -> dict[str, Any]:
+    overlay = yaml.safe_load(path.read_text())["services"]
+    stack = dict(raw_services)
+    for name, service in overlay.items():
+        stack[name] = merged(stack[name], service) if name in stack else service
+    return resolve(stack, env)
+
+
+def test_merge_follows_compose_rules() -> None:
+    base = {"command": ["a"], "dns": ["1.1.1.1"], "environment": {"A": "1", "B": "2"}, "healthcheck": {"test": ["x"]}}
+    over = {"command": ["b"], "dns": ["8.8.8.8"], "environment": {"B": "3"}, "healthcheck": {"test": ["y"]}}
+    assert merged(base, over) == {
+        "command": ["b"], "dns": ["1.1.1.1", "8.8.8.8"], "environment": {"A": "1", "B": "3"}, "healthcheck": {"test": ["y"]}
+    }  # fmt: skip
+
+
+def test_two_replicas_are_one_vllm_twice(raw_services: dict[str, Any], env_example: dict[str, str]) -> None:
+    stack = layered(raw_services, REPLICAS_FILE, env_example)
+    first, second = stack["vllm"], stack["vllm-2"]
+    for key in ("image", "command", "environment", "volumes", "shm_size", "healthcheck", "restart", "profiles"):
+        assert second.get(key) == first.get(key), f"vllm-2 differs from vllm in {key}"
+    assert not second.get("ports") and not second.get("networks"), "vllm-2 answers to its own name only, unpublished"
+    (gpu_1,), (gpu_2,) = [device["device_ids"] for device in gpu_devices(first)], [
+        device["device_ids"] for device in gpu_devices(second)
+    ]
+    assert gpu_1 != gpu_2, "each replica on its own GPU"
+    replicas = [f"http://{name}:{flag(as_args(stack[name]['command']), '--port')}/v1" for name in ("vllm", "vllm-2")]
+    for name in ("gateway", "trainer"):  # the gateway routes to every replica, the trainer publishes to every one
+        url = env_of(stack[name])["TRAJGATE_UPSTREAM_URL"]
+        assert Settings(_env_file=None, upstream_url=url).upstream_urls == replicas, name
+    assert depends_on(stack["gateway"])["vllm-2"] == {"condition": "service_healthy", "required": False}
+
+
+def test_data_parallel_is_one_vllm_on_two_gpus(raw_services: dict[str, Any], env_example: dict[str, str]) -> None:
+    plain, stack = resolve(raw_services, env_example), layered(raw_services, DATA_PARALLEL_FILE, env_example)
+    args = as_args(stack["vllm"]["command"])
+    size = flag(args, "--data-parallel-size")
+    at = args.index("--data-parallel-size")
+    assert args[:at] + args[at + 2 :] == as_args(plain["vllm"]["command"]), "the stack's command plus the flag only"
+    ids = [i for device in gpu_devices(stack["vllm"]) for i in device["device_ids"]]
+    assert len(set(ids)) == len(ids) == int(size), f"{size} engines need as many GPUs: {ids}"
+    assert env_of(stack["gateway"])["TRAJGATE_UPSTREAM_URL"] == "http://vllm:8000/v1", "one URL: vLLM balances itself"
+
+
+def test_replica_files_variables(env_example: dict[str, str]) -> None:
+    for path in (REPLICAS_FILE, DATA_PARALLEL_FILE):
+        used = variables_used(yaml.safe_load(path.read_text()))
+        missing = sorted(name for name, ops in used.items() if not ops <= {":-", "-"} and name not in env_example)
+        assert not missing, f"{path.name}: used without a default and not in .env.example: {missing}"
+
+
+@pytest.mark.parametrize("path", [REPLICAS_FILE, DATA_PARALLEL_FILE], ids=lambda p: p.name)
+def test_docker_compose_config_with_replicas(path: Path, env_example: dict[str, str]) -> None:
+    argv = _compose_v2()
+    if argv is None:
+        pytest.skip("no Docker Compose >= 2.20 (docker compose plugin or docker-compose v2) on this machine")
+    env = {key: value for key, value in os.environ.items() if key not in env_example and not key.startswith("COMPOSE_")}
+    proc = subprocess.run(
+        [*argv, "-f", str(COMPOSE_FILE), "-f", str(path), "--env-file", str(ENV_EXAMPLE), "--project-directory",
+         str(ROOT), "config"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    resolved = yaml.safe_load(proc.stdout)["services"]
+    assert len(gpu_devices(resolved["vllm"])) == (2 if path == DATA_PARALLEL_FILE else 1)
