@@ -51,6 +51,7 @@ log = logging.getLogger("trajgate.writer")
 _FIELDS = tuple(f.name for f in fields(CallRecord))
 _SEGMENT_PREFIX = "spool-"
 _SEGMENT_SUFFIX = ".jsonl"
+_DRAINS_PER_FLUSH = 10  # how often per flush interval the writer looks for more records once a batch has begun
 
 
 # Token arrays travel as base64 of the store's packed bytes: JSON (orjson) turns a -inf logprob into null, and
@@ -678,21 +679,20 @@ class RecordWriter:
             batch = [self._queue.get(timeout=self._flush_interval_s)]
         except queue.Empty:
             return []
+        # The rest of the batch is gathered by draining the queue a few times per flush interval, not by waking up
+        # for each record: every wake-up takes the GIL from the event loop for a moment (two context switches when
+        # both share a core), and under load that happened once per answered call.
         deadline = time.monotonic() + self._flush_interval_s
-        while len(batch) < self._batch_size:
-            try:
-                batch.append(self._queue.get_nowait())
-                continue
-            except queue.Empty:
-                pass
+        while True:
+            while len(batch) < self._batch_size:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self._stopping.is_set():
-                break
-            try:
-                batch.append(self._queue.get(timeout=remaining))
-            except queue.Empty:
-                break
-        return batch
+            if len(batch) >= self._batch_size or remaining <= 0 or self._stopping.is_set():
+                return batch
+            self._stopping.wait(min(remaining, self._flush_interval_s / _DRAINS_PER_FLUSH))
 
     def _take_held(self, limit: int) -> list[CallRecord]:
         records = []

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from sqlalchemy import Engine, select
 
-from gateway.store import db
+from gateway.store import db, records
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.models import Call, Group, Run, Trajectory
 from gateway.store.records import count_calls, ping, write_calls
@@ -45,6 +46,42 @@ def test_creates_parents_and_stores_arrays_exactly(engine: Engine) -> None:
     assert logprobs == record.completion_logprobs and logprobs[0] == -math.inf
     assert row["request"] == record.request and row["usage"] == record.usage
     assert row["created_at"].replace(tzinfo=None).isoformat() == "2023-11-14T22:13:20.250000"
+
+
+def _stored_as(engine: Engine, trajectory_id: str, group_id: str) -> list[dict]:
+    """Write one varied batch under `trajectory_id` and return its stored rows without the columns that name it
+    (request_hash covers the trajectory id too)."""
+    batch = [
+        make_record(
+            trajectory_id, 0, seed=2, group_id=group_id, stream=True, ttft_ms=3.25, created_at=1_700_000_000.5
+        ),
+        make_record(
+            trajectory_id, 1, seed=3, group_id=group_id, created_at=1_700_000_001.0, prompt_token_ids=None,
+            completion_token_ids=None, completion_logprobs=None, response=None, usage=None, status_code=502,
+            error="boom \u00e9", trainable=False, untrainable_reason="upstream status 502", idempotency_key="k-1",
+            retry_count=2,
+        ),
+        make_record(
+            trajectory_id, 2, seed=4, group_id=group_id, created_at=1_700_000_002.0, choice_index=1,
+            finish_reason="length",
+            request={"model": "run-a", "messages": [{"role": "user", "content": "hi \u2603", "extra": [1, None]}]},
+            response={"choices": [{"index": 0}, {"index": 1, "message": {"content": "x"}}]},
+        ),
+    ]
+    write_calls(engine, batch)
+    return [{k: v for k, v in row.items() if k not in ("id", "trajectory_id", "request_hash")} for row in _calls(engine, trajectory_id)]
+
+
+def test_calls_are_stored_as_sqlalchemys_own_upsert_stores_them(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_calls binds the calls upsert's parameters itself (records._execute_many) to skip SQLAlchemy's per-row
+    work; every column must still be stored exactly as `conn.execute(statement, rows)` stores it, on both backends:
+    JSON nulls, booleans, datetimes, bytes and text."""
+    direct = _stored_as(engine, "traj-direct", "group-direct")
+    monkeypatch.setattr(records, "_execute_many", lambda conn, statement, rows: conn.execute(statement, rows))
+    generic = _stored_as(engine, "traj-generic", "group-generic")
+    assert len(direct) == 3 and direct == generic
 
 
 def test_missing_arrays_stay_null(engine: Engine) -> None:
