@@ -165,6 +165,25 @@ def run_exists(engine: Engine, name: str) -> bool:
         return conn.execute(select(Run.name).where(Run.name == name)).first() is not None
 
 
+def trajectory_counts(conn: Connection, run: str) -> dict[str, dict[str, int]]:
+    """Per mode (train, eval): the run's trajectories, how many have a reward, how many hold an untrainable call."""
+    rows = conn.execute(
+        select(
+            Trajectory.mode,
+            func.count(),
+            func.count(Trajectory.reward),
+            func.sum(case((Trajectory.untrainable_calls > 0, 1), else_=0)),
+        )
+        .where(Trajectory.run == run)
+        .group_by(Trajectory.mode)
+    ).all()
+    counts = {
+        mode: {"total": total, "rewarded": rewarded, "untrainable": int(untrainable or 0)}
+        for mode, total, rewarded, untrainable in rows
+    }
+    return {mode: counts.get(mode, {"total": 0, "rewarded": 0, "untrainable": 0}) for mode in ("train", "eval")}
+
+
 def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
     """The run summary plus its progress: groups by state, trajectory counts, the last step, admission, the eval
     curve."""
@@ -183,16 +202,7 @@ def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
         groups = conn.execute(
             select(Group.mode, Group.state, func.count()).where(Group.run == name).group_by(Group.mode, Group.state)
         ).all()
-        trajectories = conn.execute(
-            select(
-                Trajectory.mode,
-                func.count(),
-                func.count(Trajectory.reward),
-                func.sum(case((Trajectory.untrainable_calls > 0, 1), else_=0)),
-            )
-            .where(Trajectory.run == name)
-            .group_by(Trajectory.mode)
-        ).all()
+        trajectories = trajectory_counts(conn, name)
         last = conn.execute(
             select(TrainStep.step, TrainStep.metrics, TrainStep.created_at)
             .where(TrainStep.run == name)
@@ -215,16 +225,12 @@ def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
     by_mode: dict[str, dict[str, int]] = {"train": {}, "eval": {}}
     for mode, state, count in groups:
         by_mode.setdefault(mode, {})[state] = count
-    counts = {
-        mode: {"total": total, "rewarded": rewarded, "untrainable": int(untrainable or 0)}
-        for mode, total, rewarded, untrainable in trajectories
-    }
     return {
         **_run_summary(row),
         "merge": _merge_summary({reason: count for reason, count in reasons}),
         "groups": by_mode["train"],
         "eval_groups": by_mode["eval"],
-        "trajectories": {mode: counts.get(mode, {"total": 0, "rewarded": 0, "untrainable": 0}) for mode in by_mode},
+        "trajectories": trajectories,
         "last_step": None if last is None else _step(last),
         # The bound on groups in flight and what it cost each side (gateway.store.admission).
         "admission": admission_view(engine, name, row.config or {}),

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Engine, and_, case, func, or_, select
+from sqlalchemy import Engine, and_, func, or_, select
 
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.run_config import merged_config
 from gateway.store.models import Call, Group, Run, TrainStep, Trajectory
 from gateway.store.reads import completion_of, iso, trajectory_view
-from gateway.store.runs import list_runs
+from gateway.store.runs import list_runs, trajectory_counts
 
 # z for a two-sided 95% normal interval: the eval curve's error bars.
 Z95 = 1.959964
@@ -120,16 +120,7 @@ def run_page(engine: Engine, run: str) -> dict[str, Any] | None:
         return None
     groups = _groups_by_state(engine, [run]).get(run, {})
     with engine.connect() as conn:
-        trajectories = conn.execute(
-            select(
-                Trajectory.mode,
-                func.count(),
-                func.count(Trajectory.reward),
-                func.sum(case((Trajectory.untrainable_calls > 0, 1), else_=0)),
-            )
-            .where(Trajectory.run == run)
-            .group_by(Trajectory.mode)
-        ).all()
+        trajectories = trajectory_counts(conn, run)
         dropped = conn.execute(
             select(Group.drop_reason, func.count())
             .where(Group.run == run, Group.state == "dropped")
@@ -142,15 +133,11 @@ def run_page(engine: Engine, run: str) -> dict[str, Any] | None:
             .order_by(TrainStep.step.desc())
             .limit(MAX_STEPS_SHOWN)
         ).all()
-    counts = {
-        mode: {"total": total, "rewarded": rewarded, "untrainable": int(untrainable or 0)}
-        for mode, total, rewarded, untrainable in trajectories
-    }
     return {
         **summary,
         "groups": groups.get("train", {}),
         "eval_groups": groups.get("eval", {}),
-        "trajectories": {mode: counts.get(mode, {"total": 0, "rewarded": 0, "untrainable": 0}) for mode in ("train", "eval")},
+        "trajectories": trajectories,
         "drop_reasons": [{"reason": reason or "(none given)", "groups": count} for reason, count in dropped],
         "steps": [
             {"step": row.step, "metrics": row.metrics or {}, "created_at": iso(row.created_at)} for row in reversed(steps)
