@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +33,13 @@ import openai
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from tests.examples import load_example  # noqa: E402
 from tests.gateway_harness import RunningGateway, running_gateway  # noqa: E402
-from tests.stored import stored_calls  # noqa: E402
+from tests.stored import as_trajectory_data, stored_calls  # noqa: E402
 from tests.token_in_agent import teach_end_token  # noqa: E402
-from trainer.samples import CallData, GroupData, TrajectoryData, build_samples  # noqa: E402
+from trainer.samples import GroupData, build_samples  # noqa: E402
 from trainer.vllm_cpu import smollm2_server  # noqa: E402
 
-EXAMPLES = REPO_ROOT / "examples"
 AGENTS = {
     "supervisor": "supervisor_langgraph",
     "parallel": "parallel_branches_langgraph",
@@ -49,19 +47,8 @@ AGENTS = {
     "handoff": "agents_sdk_handoff",
 }
 MODES = ("chat", "token_in")
-CALL_FIELDS = [f.name for f in fields(CallData)]
 SHOWN_STATS = ("calls", "roots", "forks", "rows", "rows_per_trajectory", "tokens", "trainable_tokens",
                "shared_prefix_tokens", "tokens_trained_twice", "merge_breaks", "untrainable_calls")  # fmt: skip
-
-
-def load_example(name: str) -> Any:
-    """The examples are scripts, not a package: loaded by path (each finds harness.py beside itself)."""
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @contextlib.contextmanager
@@ -90,8 +77,7 @@ def group_data(db_url: str, group: str, trajectories: list[str]) -> GroupData:
     """The group as the trainer loads it, rewards alternating 0 and 1."""
     data = []
     for i, trajectory in enumerate(trajectories):
-        calls = [CallData(**{f: c[f] for f in CALL_FIELDS}) for c in stored_calls(db_url, trajectory)]
-        data.append(TrajectoryData(trajectory, float(i % 2), calls))
+        data.append(as_trajectory_data(trajectory, float(i % 2), stored_calls(db_url, trajectory)))
     return GroupData(group, data)
 
 

@@ -6,29 +6,17 @@ re-record gives the same tokens and the replay sends vLLM exactly the recorded r
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 from agents import ModelSettings, RunConfig
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agents_sdk_handoff.py"
+from tests.examples import load_example
+
 RUNS = {"chat": "handoff-chat", "token_in": "handoff-tokenin"}
 GREEDY = RunConfig(model_settings=ModelSettings(temperature=0), tracing_disabled=True)
 
 
-def load_example(path: Path = EXAMPLE) -> Any:
-    """An example is a script, not a package: loaded by path (it finds harness.py beside itself)."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-handoff = load_example()
+handoff = load_example("agents_sdk_handoff")
 QUESTION = handoff.TRAIN[0][0]
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, MetaData, func, select
 
@@ -10,6 +11,9 @@ from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.db import make_engine
 from gateway.store.lineage import Rebuilder
 from gateway.store.models import Call, Group, Trajectory
+
+if TYPE_CHECKING:
+    from trainer.samples import TrajectoryData
 
 
 def stored_calls(db_url: str, trajectory_id: str) -> list[dict[str, Any]]:
@@ -107,3 +111,11 @@ def tree_rows(calls: list[dict[str, Any]]) -> int:
         rows += parent in continued
         continued.add(parent)
     return rows
+
+
+def as_trajectory_data(trajectory_id: str, reward: float, calls: list[dict[str, Any]]) -> TrajectoryData:
+    """Stored calls (stored_calls) as the trainer's input, trainer.samples.TrajectoryData, to lay them out as rows."""
+    from trainer.samples import CallData, TrajectoryData  # torch: only for the tests that build samples
+
+    names = [f.name for f in fields(CallData)]
+    return TrajectoryData(trajectory_id, reward, [CallData(**{name: call[name] for name in names}) for call in calls])

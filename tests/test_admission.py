@@ -34,11 +34,11 @@ from gateway.store.training import (
     load_groups,
     publish_version,
 )
+from tests.examples import load_example
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.test_gateway_capture import sdk_kwargs
 from tests.test_gateway_faults import assert_openai_error
-from tests.test_tool_agent import load_example
 from tests.waiting import wait_until
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 

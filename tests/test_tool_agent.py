@@ -5,32 +5,17 @@ parser). The agent learning through the gateway runs against real vLLM in tests/
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
+from tests.examples import load_example
 from tests.fake_upstream import load_fixtures
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def load_example(name: str) -> Any:
-    """The examples are scripts, not a package: load one by path (it finds harness.py beside itself)."""
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
 
 agent = load_example("tool_agent")
 FIXTURES = load_fixtures()

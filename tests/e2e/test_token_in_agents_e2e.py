@@ -11,7 +11,6 @@ at a few tool rounds. The merge ratios in both modes are printed (`-s`) for the 
 from __future__ import annotations
 
 import uuid
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +30,13 @@ from gateway.token_in import NO_MATCH
 from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESULT
 from tests.e2e.one_step import reward_and_train_one_step
 from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import stored_calls, tree_rows
+from tests.stored import as_trajectory_data, stored_calls, tree_rows
 from tests.token_in_agent import continues_exactly, teach_end_token
-from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
+from trainer.samples import GroupData, build_samples
 from trainer.vllm_cpu import ensure_smollm2
 
 TOKEN_RUN = "graph-token-in"
 CHAT_RUN = "graph-chat"
-CALL_FIELDS = [f.name for f in fields(CallData)]
 FOLLOW_UP = "Thanks! And what should I wear?"
 # Agent -> tools -> agent ... : at most 4 model calls per invoke.
 RECURSION_LIMIT = 7
@@ -153,10 +151,6 @@ def assert_client_saw_the_recorded_answers(
         assert [(c["name"], c["args"]) for c in message.invalid_tool_calls] == invalid
 
 
-def as_trajectory(trajectory: str, reward: float, calls: list[dict[str, Any]]) -> TrajectoryData:
-    return TrajectoryData(trajectory, reward, [CallData(**{f: c[f] for f in CALL_FIELDS}) for c in calls])
-
-
 @pytest.fixture
 def gateway(vllm_base_url: str, tmp_path: Path) -> Any:
     url = f"sqlite:///{tmp_path}/trajgate.db"
@@ -200,7 +194,7 @@ def test_langgraph_agent_trajectories_are_one_sequence_each_and_train(
         segments += tree_rows(calls)
         if all(after["tree_parent_seq"] == before["seq"] for before, after in zip(calls, calls[1:])):
             whole.append(trajectory)
-        data.append(as_trajectory(trajectory, float(reward), calls))
+        data.append(as_trajectory_data(trajectory, float(reward), calls))
 
     batch = build_samples([GroupData(group, data)])
     for recorded in data:
@@ -241,7 +235,7 @@ def test_chat_mode_agent_is_unchanged_and_breaks_at_tool_calls(gateway: tuple[Ru
                 # a second child of an earlier call whose ids it still extends (gateway.store.tree).
                 assert after["tree_parent_seq"] != before["seq"]
                 assert after["merge_reason"] in ("template_dropped_tool_call", EXTENDS)
-        data.append(as_trajectory(trajectory, 0.0, calls))
+        data.append(as_trajectory_data(trajectory, 0.0, calls))
     stats = build_samples([GroupData(group, data)], drop_zero_variance=False).stats
     print(f"chat LangGraph merge ratio {stats['merge_ratio']:.2f} over {stats['merge_candidates']} turns, "
           f"{tool_calls} tool calls, breaks {stats['merge_breaks']}")  # fmt: skip
@@ -275,6 +269,6 @@ def test_an_edited_history_starts_a_new_segment(gateway: tuple[RunningGateway, s
     for b, a in zip(calls[before:], calls[before + 1 :]):
         if continues_exactly(b, end):  # else LangChain hands a cut tool call back re-serialised: a new segment
             assert a["merge_reason"] == EXTENDS
-    edited = as_trajectory(trajectory, 0.0, calls)
+    edited = as_trajectory_data(trajectory, 0.0, calls)
     stats = build_samples([GroupData("g", [edited])], drop_zero_variance=False).stats
     assert stats["rows"] == tree_rows(calls) and stats["merge_breaks"].get(edit["merge_reason"], 0) >= 1

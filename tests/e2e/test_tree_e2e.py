@@ -13,10 +13,7 @@ README quotes (calls, roots, forks, rows per trajectory, tokens trained) are pri
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import uuid
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -28,26 +25,15 @@ from gateway.config import load_settings
 from gateway.store import db
 from gateway.store.lineage import COMPACTED, EXTENDS, FIRST_CALL, NEW_ROOT
 from gateway.store.runs import steps_after
+from tests.examples import load_example
 from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import stored_calls
+from tests.stored import as_trajectory_data, stored_calls
 from tests.token_in_agent import teach_end_token
 from trainer.loop import Trainer, TrainerOptions
-from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
+from trainer.samples import GroupData, build_samples
 from trainer.vllm_cpu import ensure_smollm2
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-CALL_FIELDS = [f.name for f in fields(CallData)]
 MODES = ("chat", "token_in")
-
-
-def load_example(name: str) -> Any:
-    """The examples are scripts, not a package: load one by path (it finds harness.py beside itself)."""
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 supervisor = load_example("supervisor_langgraph")
@@ -146,10 +132,6 @@ CHECKS = {"supervisor": check_supervisor, "compacting": check_compacting, "paral
 TOKEN_IN_TREES = {"supervisor": (2, 0), "compacting": (2, 0), "parallel": (1, 2)}
 
 
-def as_trajectory(trajectory: str, reward: float, calls: list[dict[str, Any]]) -> TrajectoryData:
-    return TrajectoryData(trajectory, reward, [CallData(**{f: c[f] for f in CALL_FIELDS}) for c in calls])
-
-
 @pytest.fixture
 def gateway(vllm_base_url: str, tmp_path: Path) -> Any:
     url = f"sqlite:///{tmp_path}/trajgate.db"
@@ -185,7 +167,7 @@ def test_supervisor_and_compacting_agents_are_trees_and_train(
                 assert len(calls) == 4 and all(c["trainable"] for c in calls), [c["untrainable_reason"] for c in calls]
                 check_tree_invariants(calls)
                 CHECKS[agent](calls, mode)
-                data.append((agent, as_trajectory(trajectory, float(reward), calls)))
+                data.append((agent, as_trajectory_data(trajectory, float(reward), calls)))
         for agent in CHECKS:
             mine = [t for a, t in data if a == agent]
             stats = build_samples([GroupData(agent, mine)]).stats
@@ -239,7 +221,7 @@ def test_agents_sdk_handoff_is_a_new_root(gateway: tuple[RunningGateway, str]) -
             assert len(specialist) == (1 if handed_off else 0)
             for call in specialist:  # the geographer: its own system prompt, so a new root of the same trajectory
                 assert call["merge_reason"] == NEW_ROOT and parent_of(call) is None
-            data.append(as_trajectory(trajectory, float(reward), calls))
+            data.append(as_trajectory_data(trajectory, float(reward), calls))
         stats = build_samples([GroupData("handoff", data)]).stats
         assert stats["tokens_trained_twice"] == 0 and stats["rows"] == stats["roots"] == stats["calls"]
         print(f"{mode} handoff: calls {stats['calls']}, roots {stats['roots']}, forks {stats['forks']}, "
