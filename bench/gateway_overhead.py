@@ -159,15 +159,23 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None
 
 
 def process_ticks(pid: int) -> dict[str, int]:
-    """CPU clock ticks (user+system) per thread of a process: `main` and `thread <tid>` (writer, executor...)."""
+    """CPU clock ticks (user+system) per thread of a process: `main`, else the thread's OS name (the gateway names
+    its threads: trajgate-writer, trajgate-wal-sync, trajgate-db_N summed as trajgate-db) or `thread <tid>`."""
     ticks: dict[str, int] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat = (task / "stat").read_text()
+            comm = (task / "comm").read_text().strip()
         except OSError:
             continue
         fields_ = stat.rsplit(")", 1)[1].split()
-        ticks["main" if int(task.name) == pid else f"thread {task.name}"] = int(fields_[11]) + int(fields_[12])
+        if int(task.name) == pid:
+            name = "main"
+        elif comm.startswith("trajgate-"):
+            name = re.sub(r"_\d+$", "", comm)
+        else:
+            name = f"thread {task.name}"
+        ticks[name] = ticks.get(name, 0) + int(fields_[11]) + int(fields_[12])
     return ticks
 
 
@@ -764,8 +772,10 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
                       "gateway": 1e6 * gw_cpu_total / max(gw64.requests, 1)},
                      {name: 1e6 * s64_cpu_s[name] / max(s64[name].requests, 1) for name in ("thin", "gateway")})
     print()
-    others = sum(seconds for name, seconds in gw_cpu.items() if name != "main")
-    threads = f"event-loop thread {gw_cpu.get('main', 0):.2f}s, other threads (the DB writer) {others:.2f}s"
+    per_request = {name: 1e6 * seconds / max(gw64.requests, 1) for name, seconds in gw_cpu.items()}
+    threads = ", ".join(f"{'event loop' if name == 'main' else name} {us:.0f}"
+                        for name, us in sorted(per_request.items(), key=lambda item: -item[1]))
+    threads = f"us per request by thread: {threads}"
     print(f"gateway CPU during the c={args.connections} gateway run: {gw_cpu_total:.2f} s over {gw64.seconds:.1f} s "
           f"({100 * gw_cpu_total / gw64.seconds:.0f}% of a core, {1e6 * gw_cpu_total / max(gw64.requests, 1):.0f} us "
           f"per request; {threads}); upstream {up_cpu_total:.2f}s; the thin proxy used {thin_cpu_total:.2f} s "

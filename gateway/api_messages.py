@@ -694,7 +694,7 @@ class MessagesApi:
             chat = _serialise(to_chat(parse_request(data, MessagesRequest)))
         except (GatewayError, UpstreamFailure) as exc:
             error = exc.error if isinstance(exc, UpstreamFailure) else exc
-            self.proxy.metrics.requests.labels(ENDPOINT, str(error.status)).inc()
+            self.proxy.metrics.count_request(ENDPOINT, error.status)
             await _send_error(send, error.status, error.message)
             return
         await self.proxy.handle(

@@ -459,7 +459,7 @@ class ResponsesAPI:
             chat = chat_request(request, previous)
             chat_body = _serialise(chat)
         except GatewayError as exc:
-            self.proxy.metrics.requests.labels(ENDPOINT, str(exc.status)).inc()
+            self.proxy.metrics.count_request(ENDPOINT, exc.status)
             await _send_json(send, exc.status, exc.body())
             return
         chat_headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]

@@ -32,6 +32,7 @@ from gateway.proxy import ENDPOINTS, Proxy, send_json
 from gateway.routes import install_error_handlers, router
 from gateway.routing import PolicyRouter
 from gateway.store.db import make_engine
+from gateway.threads import name_os_thread
 from gateway.token_text import TokenTextCache
 from gateway.writer import RecordWriter
 
@@ -135,7 +136,9 @@ class Gateway:
         self.state.stopping.clear()
         self.state.writer.start()
         asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(self.state.settings.db_threads, thread_name_prefix="trajgate-db")
+            ThreadPoolExecutor(
+                self.state.settings.db_threads, thread_name_prefix="trajgate-db", initializer=name_os_thread
+            )
         )
         await self.state.proxy.start()
         await self._refresh_routes()

@@ -8,10 +8,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import orjson
 
 from gateway.errors import UpstreamFailure
+from gateway.upstream_client import UpstreamError
 
 log = logging.getLogger("trajgate.proxy")
 
@@ -51,9 +51,9 @@ async def relay_until_done(
             pass
         except UpstreamFailure as failure:
             error = told = failure.error.message
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             error, told = f"vLLM stream broke: {type(exc).__name__}: {exc}", "vLLM stream ended unexpectedly"
-        except OSError:  # a write to a client that already left (aiohttp's own OSErrors are caught above)
+        except OSError:  # a write to a client that already left
             if not done():
                 error = "client disconnected mid-stream"
         except Exception as exc:

@@ -7,6 +7,7 @@ without us. Streams are assembled on the side into the equivalent non-stream res
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +51,7 @@ def vllm_bool(value: Any) -> bool:
 
 
 def prepare_upstream(
-    body: dict[str, Any], endpoint: str, served_model: str, *, overrides: dict[str, Any] | None = None
+    body: dict[str, Any], endpoint: str, served_model: str, *, overrides: Mapping[str, Any] | None = None
 ) -> tuple[dict[str, Any], ClientAsks]:
     """The body vLLM receives: the client's, with `model` routed, `overrides` applied (the sampling values the
     gateway chose for the call: they win over the client's) and capture fields injected."""

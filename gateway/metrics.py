@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -142,6 +143,31 @@ class GatewayMetrics:
             "Reward, close or judge requests that went ahead before some other gateway had caught up",
             registry=self.registry,
         )
+
+        # Label children per label values: `labels()` takes a lock and validates its arguments on every call, three
+        # times per model call on the hot path; the children themselves never change.
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def count_request(self, endpoint: str, status: int | str) -> None:
+        key = ("requests", endpoint, status)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(endpoint, str(status))
+        child.inc()
+
+    def observe_upstream(self, endpoint: str, replica: str, seconds: float) -> None:
+        key = ("upstream", endpoint, replica)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.upstream_latency.labels(endpoint, replica)
+        child.observe(seconds)
+
+    def observe_added(self, endpoint: str, seconds: float) -> None:
+        key = ("added", endpoint)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.added_latency.labels(endpoint)
+        child.observe(seconds)
 
     def watch_replicas(self, replicas: Callable[[], list[tuple[str, bool, int]]]) -> None:
         """(url, healthy, calls in flight) per vLLM replica, read at scrape time."""

@@ -7,8 +7,9 @@ every model call; everything it records goes to the writer's queue and it never 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from gateway.replicas import Lease, Replica, Replicas, fetch_models
 from gateway.routing import PolicyRouter, Route
 from gateway.token_in import TokenIn
 from gateway.turns import SeqClock
+from gateway.upstream_client import UpstreamError, UpstreamPool, UpstreamResponse
 from gateway.writer import RecordWriter
 
 
@@ -92,11 +94,15 @@ class Proxy:
         self.writer = writer
         self.metrics = metrics
         self.seq_clock = SeqClock()
+        # Request ids: 64 random bits per process and a counter, as unique as a uuid4 and without a system call.
+        self._id_base = os.urandom(8).hex()
+        self._ids = itertools.count()
         self.upstream_headers = {"content-type": "application/json"}
         if upstream_api_key:
             self.upstream_headers["authorization"] = f"Bearer {upstream_api_key}"
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=upstream_timeout_s)
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # the control plane: /models, token text
+        self.upstream = UpstreamPool(self.upstream_headers, connect_timeout_s=10, read_timeout_s=upstream_timeout_s)
         self.token_in = TokenIn(self, engine, token_state_wait_s)
         self.admission = Admission(engine, router, metrics, admission_poll_s)
 
@@ -105,6 +111,7 @@ class Proxy:
         self.session = aiohttp.ClientSession(connector=connector, timeout=self._timeout, auto_decompress=True)
 
     async def close(self) -> None:
+        self.upstream.close()
         if self.session is not None:
             await self.session.close()
 
@@ -132,7 +139,7 @@ class Proxy:
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
         received = time.perf_counter()
         created_at = time.time()
-        request_id = "req-" + uuid.uuid4().hex
+        request_id = f"req-{self._id_base}{next(self._ids):016x}"
         path = prefix.rest if prefix else scope["path"]
         endpoint = ENDPOINTS[path]
         # An API translated at the edge (gateway/api_messages.py) reaches here as a chat call under its own label.
@@ -155,7 +162,7 @@ class Proxy:
             )
             upstream_payload = _serialise(upstream_body)
         except GatewayError as exc:
-            self.metrics.requests.labels(label, str(exc.status)).inc()
+            self.metrics.count_request(label, exc.status)
             headers = [(b"x-request-id", request_id.encode())]
             if isinstance(exc, Refused):
                 headers.append((b"retry-after", str(exc.retry_after_s).encode()))
@@ -204,14 +211,14 @@ class Proxy:
         out_headers: list[tuple[bytes, bytes]],
     ) -> None:
         """Chat and completions calls: vLLM's own endpoint, answered as it arrives."""
-        assert self.session is not None and call.lease is not None
+        assert call.lease is not None
         call.upstream_started = time.perf_counter()
         try:
-            upstream = await call.lease.post(self.session, path.removeprefix("/v1"), payload, self.upstream_headers)
-        except asyncio.TimeoutError:
+            upstream = await call.lease.post(self.upstream, path.removeprefix("/v1"), payload)
+        except TimeoutError:
             await self.fail(send, call, out_headers, GatewayError(504, "vLLM timed out", "upstream_error", "timeout"))
             return
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             message = f"vLLM unreachable: {type(exc).__name__}: {exc}"
             await self.fail(send, call, out_headers, GatewayError(502, message, "upstream_error", "upstream_error"))
             return
@@ -228,7 +235,7 @@ class Proxy:
 
     async def _relay_whole(
         self,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         call: Call,
         asks: capture.ClientAsks,
         send: Any,
@@ -237,8 +244,8 @@ class Proxy:
         """Non-stream responses, and any upstream error: read the body, record, answer."""
         try:
             raw = await upstream.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            status, message = (504, "vLLM timed out") if isinstance(exc, asyncio.TimeoutError) else (502, str(exc))
+        except (UpstreamError, TimeoutError) as exc:
+            status, message = (504, "vLLM timed out") if isinstance(exc, TimeoutError) else (502, str(exc))
             await self.fail(send, call, out_headers, GatewayError(status, message, "upstream_error"))
             return
         call.finished = time.perf_counter()
@@ -273,17 +280,13 @@ class Proxy:
         """Send a whole (non-stream) answer and count it, with the latency the gateway added around vLLM's time."""
         await _send_bytes(send, status, body, [(b"content-type", content_type), *out_headers])
         done = time.perf_counter()
-        self.metrics.requests.labels(call.endpoint, str(status)).inc()
-        self.metrics.upstream_latency.labels(call.endpoint, call.replica_label).observe(
-            call.finished - call.upstream_started
-        )
-        self.metrics.added_latency.labels(call.endpoint).observe(
-            (call.upstream_started - call.received) + (done - call.finished)
-        )
+        self.metrics.count_request(call.endpoint, status)
+        self.metrics.observe_upstream(call.endpoint, call.replica_label, call.finished - call.upstream_started)
+        self.metrics.observe_added(call.endpoint, (call.upstream_started - call.received) + (done - call.finished))
 
     async def _relay_stream(
         self,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         call: Call,
         asks: capture.ClientAsks,
         receive: Any,
@@ -353,11 +356,10 @@ class Proxy:
                 out.clear()
 
         async def pump() -> None:
-            # Lines are framed here, not by aiohttp's line reader: vLLM sends all of a prompt's token ids in the
-            # first event, and the reader refuses a line over its limit (128 KiB on aiohttp 3.10) with a ValueError.
+            # Lines are framed here, with no length limit: vLLM sends all of a prompt's token ids in the first event.
             partial: list[bytes] = []  # an unfinished line, kept in pieces so a long one costs one join
             out: list[bytes] = []  # what this read gives the client
-            async for data in upstream.content.iter_any():
+            async for data in upstream.iter_chunks():
                 if b"\n" not in data:
                     partial.append(data)
                     continue
@@ -384,10 +386,10 @@ class Proxy:
             if not state["done"]:
                 upstream.close()  # drop the connection so vLLM sees the hang-up and stops generating
             record()
-            self.metrics.requests.labels(call.endpoint, "200").inc()
+            self.metrics.count_request(call.endpoint, 200)
             if call.first_chunk is not None:
-                self.metrics.upstream_latency.labels(call.endpoint, call.replica_label).observe(
-                    call.first_chunk - call.upstream_started
+                self.metrics.observe_upstream(
+                    call.endpoint, call.replica_label, call.first_chunk - call.upstream_started
                 )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -398,7 +400,7 @@ class Proxy:
         call.status = error.status
         call.error = error.message
         self.submit(call, None)
-        self.metrics.requests.labels(call.endpoint, str(error.status)).inc()
+        self.metrics.count_request(call.endpoint, error.status)
         await send_json(send, error.status, error.body(), out_headers)
 
     def submit(self, call: Call, response: dict[str, Any] | None) -> None:

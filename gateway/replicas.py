@@ -19,6 +19,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.upstream_client import ConnectFailed, UpstreamPool, UpstreamResponse
+
 log = logging.getLogger("trajgate.replicas")
 
 # Trajectories whose replica is remembered; the least recently used are forgotten first (a forgotten trajectory is
@@ -138,17 +140,15 @@ class Lease:
     def __post_init__(self) -> None:
         self.replica.in_flight += 1
 
-    async def post(
-        self, session: aiohttp.ClientSession, url_path: str, data: bytes, headers: dict[str, str], root: bool = False
-    ) -> aiohttp.ClientResponse:
+    async def post(self, pool: UpstreamPool, url_path: str, data: bytes, root: bool = False) -> UpstreamResponse:
         """POST to the leased replica (`root`: under vLLM's root rather than its /v1 base). A refused connection
         marks the replica down and tries one other usable replica; the second failure is the caller's to report."""
         while True:
             base = self.replica.root_url if root else self.replica.url
             try:
-                return await session.post(base + url_path, data=data, headers=headers)
-            except aiohttp.ClientConnectorError as exc:
-                self.replicas.mark_down(self.replica, f"connect failed ({type(exc).__name__})")
+                return await pool.post(base + url_path, data)
+            except ConnectFailed as exc:
+                self.replicas.mark_down(self.replica, f"connect failed ({exc})")
                 if self.moved or not self._move():
                     raise
 

@@ -7,6 +7,7 @@ between non-empty parts; a part may not be `.` or `..`, which URLs and file syst
 
 from __future__ import annotations
 
+import functools
 import re
 
 _CHARS_RE = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
@@ -14,8 +15,15 @@ RULE = "1-128 characters from [A-Za-z0-9._:/-], '/' only between parts, no part 
 
 
 def run_name_problem(name: object) -> str | None:
-    """Why `name` cannot be a run's name, or None if it can."""
-    if not isinstance(name, str) or not _CHARS_RE.match(name):
+    """Why `name` cannot be a run's name, or None if it can. Every model call asks, mostly about the same few names."""
+    if not isinstance(name, str) or len(name) > 128:  # (never cache a long string a client sent)
+        return f"use {RULE}"
+    return _string_problem(name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _string_problem(name: str) -> str | None:
+    if not _CHARS_RE.match(name):
         return f"use {RULE}"
     if any(part in ("", ".", "..") for part in name.split("/")):
         return f"use {RULE}"

@@ -11,8 +11,11 @@ agent as deployed: it keeps the client's values.
 
 from __future__ import annotations
 
+import functools
 import math
+from types import MappingProxyType
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 # The values under which vLLM samples from exactly the distribution its raw logprobs describe.
@@ -34,7 +37,7 @@ class SamplingPlan:
     """`upstream`: keys to set in the upstream body (they replace the client's). `off_policy`: why the trainer must
     not learn from the call, or None."""
 
-    upstream: dict[str, Any]
+    upstream: Mapping[str, Any]  # shared between calls: read, never changed
     off_policy: str | None
 
 
@@ -44,11 +47,22 @@ def plan(request: dict[str, Any], mode: str, overrides: dict[str, Any], on_polic
     if mode != "train":
         return SamplingPlan(dict(overrides), None)
     if on_policy:
-        base = dict(NEUTRAL)
+        try:
+            return _on_policy_plan(tuple(overrides.items()))
+        except TypeError:  # an unhashable override value (a list): worked out afresh
+            base = dict(NEUTRAL)
     else:
         base = {key: request[key] if request.get(key) is not None else value for key, value in NEUTRAL.items()}
     upstream = {**base, **overrides}
     return SamplingPlan(upstream, off_policy_reason(upstream))
+
+
+@functools.lru_cache(maxsize=1024)
+def _on_policy_plan(overrides: tuple[tuple[str, Any], ...]) -> SamplingPlan:
+    """The plan of every on-policy train call of a run, which depends on the run's overrides alone: worked out once
+    per set of overrides rather than per call (the sampling keys' checks were a few percent of the hot path)."""
+    upstream = {**NEUTRAL, **dict(overrides)}
+    return SamplingPlan(MappingProxyType(upstream), off_policy_reason(upstream))
 
 
 def off_policy_reason(values: dict[str, Any]) -> str | None:

@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -41,6 +40,7 @@ from gateway.asgi_io import relay_until_done
 from gateway.errors import GatewayError, UpstreamFailure
 from gateway.replicas import Lease
 from gateway.store.token_state import RecordedTurn, recorded_turns
+from gateway.upstream_client import UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
     from gateway.proxy import Call, Proxy
@@ -335,19 +335,18 @@ class TokenIn:
 
     async def _post(self, path: str, body: dict[str, Any], lease: Lease | None) -> dict[str, Any]:
         """One scale-out step on the call's replica (all of a call's steps go to the replica it was leased)."""
-        session = self.proxy.session
-        assert session is not None and lease is not None
+        assert lease is not None
         try:
-            response = await lease.post(session, path, orjson.dumps(body), self.proxy.upstream_headers, root=True)
+            response = await lease.post(self.proxy.upstream, path, orjson.dumps(body), root=True)
             try:
                 raw = await response.read()
                 status = response.status
             finally:
                 response.release()
             lease.answered(status)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise UpstreamFailure(GatewayError(504, f"vLLM timed out on {path}", "upstream_error", "timeout")) from None
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             message = f"vLLM unreachable on {path}: {type(exc).__name__}: {exc}"
             raise UpstreamFailure(GatewayError(502, message, "upstream_error", "upstream_error")) from None
         if status != 200:
@@ -486,17 +485,16 @@ class TokenIn:
         Generate chunks that arrive while a derender is in flight are coalesced into the next derender, so the HTTP
         round-trips stay bounded by what the client can be sent, not by the number of tokens. The record is written
         whatever happens to the client (the OpenAI SDK hangs up on `[DONE]`)."""
-        session = self.proxy.session
-        assert session is not None and call.lease is not None
+        assert call.lease is not None
         prompt = generate_body["token_ids"]
         try:
             payload = orjson.dumps({**generate_body, "stream": True})
-            upstream = await call.lease.post(session, GENERATE, payload, self.proxy.upstream_headers, root=True)
-        except asyncio.TimeoutError:
+            upstream = await call.lease.post(self.proxy.upstream, GENERATE, payload, root=True)
+        except TimeoutError:
             error = GatewayError(504, f"vLLM timed out on {GENERATE}", "upstream_error", "timeout")
             await self.proxy.fail(send, call, out_headers, error)
             return
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             error = GatewayError(502, f"vLLM unreachable on {GENERATE}: {exc}", "upstream_error", "upstream_error")
             await self.proxy.fail(send, call, out_headers, error)
             return
@@ -523,7 +521,7 @@ class TokenIn:
                 if not relay.done:
                     upstream.close()  # drop the connection so vLLM sees the hang-up and stops generating
                 relay.record()
-                self.proxy.metrics.requests.labels(call.endpoint, "200").inc()
+                self.proxy.metrics.count_request(call.endpoint, 200)
             with contextlib.suppress(OSError):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
@@ -537,7 +535,7 @@ class StreamRelay:
         self,
         owner: TokenIn,
         call: Call,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         chat_request: dict[str, Any],
         asks: capture.ClientAsks,
         prompt: list[int],
@@ -592,7 +590,7 @@ class StreamRelay:
     async def _read(self) -> None:
         partial: list[bytes] = []
         try:
-            async for data in self.upstream.content.iter_any():
+            async for data in self.upstream.iter_chunks():
                 partial.append(data)
                 if b"\n" not in data:
                     continue

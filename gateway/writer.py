@@ -45,6 +45,7 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyErro
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, decode_logprobs, encode_ids, encode_logprobs
 from gateway.store.records import ping, write_calls
+from gateway.threads import name_os_thread
 
 log = logging.getLogger("trajgate.writer")
 
@@ -424,6 +425,7 @@ class _Syncer:
         self._thread.start()
 
     def run(self) -> None:
+        name_os_thread()
         while not self._wait(self.interval_s):
             self._tick()
         self._tick()
@@ -648,6 +650,7 @@ class RecordWriter:
     # --- the writer thread --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_os_thread()
         self._replay_spool()
         while True:
             try:
