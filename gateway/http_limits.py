@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import error_body
+from gateway.write_coalescing import CoalescingTransport
 
 log = logging.getLogger("trajgate.http")
 
@@ -67,7 +68,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
         self._over_capacity = len(self.connections) > self.limits.max_connections
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
