@@ -162,55 +162,88 @@ class StreamAssembler:
 
     Ids and logprobs are taken from every chunk, including those whose `delta` is empty (vLLM sends tool-call
     markup and the final EOS that way).
+
+    `feed` runs for every SSE event the gateway relays, so it is written for the common chunk (one choice, a
+    content delta, one logprob entry, one token id): keys usually absent are tested with `in` rather than fetched,
+    and a delta holding only `content` skips the role, reasoning and tool-call lookups.
+
+    Given `strip` (what the client asked), `feed` also does `strip_for_client(chunk, strip)` in the same pass over
+    the choices, for a relay that sends each chunk on once it is read. The chunks must then be freshly parsed: a
+    choice object listed twice would be read the second time already stripped.
     """
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, strip: ClientAsks | None = None) -> None:
         self.endpoint = endpoint
         self.head: dict[str, Any] = {}
         self.prompt_token_ids: list[int] | None = None
         self.usage: dict[str, Any] | None = None
         self.chunks = 0
         self._choices: dict[int, _ChoiceParts] = {}
+        self._chat = endpoint == CHAT
+        self._logprobs_key = "content" if self._chat else "token_logprobs"
+        self._strip_ids = strip is not None and not strip.token_ids
+        self._strip_logprobs = strip is not None and not strip.logprobs
 
     def feed(self, chunk: dict[str, Any]) -> None:
+        """Take one chunk into the assembly (and strip it for the client if the assembler was given `strip`)."""
         self.chunks += 1
         if not self.head:
-            self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
-        if chunk.get("system_fingerprint") is not None:
+            self.head = {"id": chunk.get("id"), "created": chunk.get("created"), "model": chunk.get("model")}
+        # Fetched first: for a chunk that is not a JSON object this is the call that fails, as `.get` always did.
+        choices = chunk.get("choices")
+        strip_ids = self._strip_ids
+        if "system_fingerprint" in chunk and chunk["system_fingerprint"] is not None:
             self.head["system_fingerprint"] = chunk["system_fingerprint"]
-        if chunk.get("prompt_token_ids") is not None:
-            self.prompt_token_ids = chunk["prompt_token_ids"]
-        if chunk.get("usage") is not None:
+        if "prompt_token_ids" in chunk:
+            if chunk["prompt_token_ids"] is not None:
+                self.prompt_token_ids = chunk["prompt_token_ids"]
+            if strip_ids:
+                chunk["prompt_token_ids"] = None
+        if "usage" in chunk and chunk["usage"] is not None:
             self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or ():
+        for choice in choices or ():
             index = choice.get("index", 0)
             parts = self._choices.get(index)
             if parts is None:  # not setdefault, which built a throwaway _ChoiceParts for every chunk
                 parts = self._choices[index] = _ChoiceParts()
-            if choice.get("prompt_token_ids") is not None:
-                parts.prompt_token_ids = choice["prompt_token_ids"]
-            if choice.get("token_ids"):
-                parts.token_ids.extend(choice["token_ids"])
+            if "prompt_token_ids" in choice:  # completions only
+                if choice["prompt_token_ids"] is not None:
+                    parts.prompt_token_ids = choice["prompt_token_ids"]
+                if strip_ids:
+                    choice["prompt_token_ids"] = None
+            token_ids = choice.get("token_ids")
+            if token_ids is not None:
+                if token_ids:
+                    parts.token_ids.extend(token_ids)
+                if strip_ids:
+                    choice["token_ids"] = None
             logprobs = choice.get("logprobs")
-            if logprobs:
-                parts.has_logprobs = True
-                key = "content" if self.endpoint == CHAT else "token_logprobs"
-                parts.logprob_entries.extend(logprobs.get(key) or ())
+            if logprobs is not None:
+                if logprobs:
+                    parts.has_logprobs = True
+                    parts.logprob_entries.extend(logprobs.get(self._logprobs_key) or ())
+                if self._strip_logprobs:
+                    choice["logprobs"] = None
             if choice.get("finish_reason") is not None:
                 parts.finish_reason = choice["finish_reason"]
-            if choice.get("stop_reason") is not None:
+            if "stop_reason" in choice and choice["stop_reason"] is not None:
                 parts.stop_reason = choice["stop_reason"]
-            if self.endpoint == CHAT:
-                self._feed_delta(parts, choice.get("delta") or {})
+            if self._chat:
+                delta = choice.get("delta")
+                if delta:
+                    content = delta.get("content")
+                    if content:
+                        parts.text.append(content)
+                    if content is None or len(delta) > 1:  # anything besides content to read
+                        self._feed_delta(parts, delta)
             elif choice.get("text"):
                 parts.text.append(choice["text"])
 
     @staticmethod
     def _feed_delta(parts: _ChoiceParts, delta: dict[str, Any]) -> None:
+        """The rest of a chat delta once its `content` is taken: role, reasoning, tool-call fragments."""
         if delta.get("role"):
             parts.role = delta["role"]
-        if delta.get("content"):
-            parts.text.append(delta["content"])
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
         if reasoning:
             parts.reasoning.append(reasoning)

@@ -301,7 +301,7 @@ class Proxy:
         reads `data: [DONE]`, and a client that leaves early still leaves a partial call worth recording.
         """
         call.status = 200
-        assembler = capture.StreamAssembler(call.capture)
+        assembler = capture.StreamAssembler(call.capture, strip=asks)  # also strips each chunk for the client
         state = {"done": False, "recorded": False}
 
         def record() -> None:
@@ -346,7 +346,6 @@ class Proxy:
                 call.error = orjson.dumps(chunk["error"]).decode()
             else:
                 assembler.feed(chunk)
-                capture.strip_for_client(chunk, asks)
                 payload = orjson.dumps(chunk)
             out += (b"data: ", payload, b"\n\n")
 
