@@ -1,7 +1,7 @@
 """Drive the real `Proxy._relay_stream` in-process: no sockets, no aiohttp, no database.
 
-Only the ends are stubbed — the upstream response (`content.iter_any()` and `close()`, the part of aiohttp's
-response the relay reads), the ASGI `send`/`receive`, and the writer (records are kept in a list) — so what comes
+Only the ends are stubbed — the upstream response (`iter_chunks()` and `close()`, the part of
+gateway.upstream_client's response the relay reads), the ASGI `send`/`receive`, and the writer (records are kept in a list) — so what comes
 out is exactly what a client would receive and what would be written. Shared by the relay's equivalence tests
 (tests/test_stream_relay.py) and its CPU benchmark (bench/sse_relay.py).
 """
@@ -23,21 +23,16 @@ from gateway.routing import Route
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-class _Content:
-    def __init__(self, reads: list[bytes]) -> None:
-        self._reads = reads
-
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        for data in self._reads:
-            yield data
-
-
 class ReadsUpstream:
     """An upstream response whose body arrives as the given reads."""
 
     def __init__(self, reads: list[bytes]) -> None:
-        self.content = _Content(reads)
+        self._reads = reads
         self.closed = False
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        for data in self._reads:
+            yield data
 
     def close(self) -> None:
         self.closed = True
