@@ -20,7 +20,22 @@ from datetime import UTC, datetime
 from functools import cache, partial
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Connection, Dialect, Engine, Executable, Table, bindparam, delete, func, select, text, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Dialect,
+    Engine,
+    Executable,
+    String,
+    Table,
+    any_,
+    bindparam,
+    delete,
+    func,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -54,6 +69,17 @@ class _Statements(NamedTuple):
     calls: Executable
     untrainable: Executable
     reopen: Executable
+    lock: Executable  # the batch's trajectories FOR UPDATE (Postgres only)
+    stored: Executable  # what _lineages reads of the batch's stored calls
+
+
+def _one_of(column: Any, name: str, dialect: str) -> ColumnElement[bool]:
+    """`column` is one of the list bound as `name`. On Postgres `= ANY(array)`: one SQL text whatever the list's
+    length, so neither SQLAlchemy nor psycopg renders and parses an IN list of a placeholder per id for every batch
+    (which was a tenth of the writer's CPU at batches of 64). SQLite has no arrays and keeps the expanding IN."""
+    if dialect == "postgresql":
+        return column == any_(bindparam(name, type_=postgresql.ARRAY(String)))
+    return column.in_(bindparam(name, expanding=True))
 
 
 @cache
@@ -87,7 +113,7 @@ def _statements(dialect: str) -> _Statements:
     untrainable = (
         update(_trajectories)
         .where(
-            _trajectories.c.trajectory_id.in_(bindparam("ids", expanding=True)),
+            _one_of(_trajectories.c.trajectory_id, "ids", dialect),
             # Skip rows whose count is unchanged: on Postgres every UPDATE leaves a dead tuple behind.
             _trajectories.c.untrainable_calls != untrainable_count,
         )
@@ -105,12 +131,36 @@ def _statements(dialect: str) -> _Statements:
     reopen = (
         update(_groups)
         .where(
-            _groups.c.group_id.in_(bindparam("group_ids", expanding=True)),
+            _one_of(_groups.c.group_id, "group_ids", dialect),
             _groups.c.state.in_(("ready", "trained", "dropped")),
             unrewarded,
         )
         .values(state="open", ready_at=None)
     )
+    lock = (
+        select(_trajectories.c.trajectory_id)
+        .where(_one_of(_trajectories.c.trajectory_id, "ids", dialect))
+        .order_by(_trajectories.c.trajectory_id)
+        .with_for_update()
+    )
+    stored = select(
+        _calls.c.trajectory_id,
+        _calls.c.seq,
+        _calls.c.choice_index,
+        _calls.c.id,
+        _calls.c.created_at,
+        _calls.c.parent_seq,
+        _calls.c.messages_parent_seq,
+        _calls.c.retry_count,
+        _calls.c.idempotency_key,
+        _calls.c.request_hash,
+        _calls.c.first_seq,
+        _calls.c.first_retry_count,
+        _calls.c.tree_parent_seq,
+        _calls.c.tree_parent_choice,
+        _calls.c.tokens_len,
+        _calls.c.tokens_key,
+    ).where(_one_of(_calls.c.trajectory_id, "ids", dialect))
     return _Statements(
         runs=insert(_runs).on_conflict_do_nothing(index_elements=["name"]),
         groups=groups,
@@ -118,6 +168,8 @@ def _statements(dialect: str) -> _Statements:
         calls=calls,
         untrainable=untrainable,
         reopen=reopen,
+        lock=lock,
+        stored=stored,
     )
 
 
@@ -232,15 +284,10 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
             # One writer at a time per trajectory, so two gateways never derive a call's stored prefix from a
             # predecessor the other is replacing, and each settles retries against the other's committed attempts
             # (gateway.store.attempts). The untrainable update below locks these rows anyway.
-            conn.execute(
-                select(_trajectories.c.trajectory_id)
-                .where(_trajectories.c.trajectory_id.in_(sorted(trajectories)))
-                .order_by(_trajectories.c.trajectory_id)
-                .with_for_update()
-            )
-        # Unprepared: their IN lists vary in length, so each size would be a prepared statement of its own.
+            conn.execute(statements.lock, {"ids": sorted(trajectories)})
+        # Unprepared: they join the batch against tables that grow (see make_engine).
         digests: dict[str, bytes | None] = {}
-        calls, lineages, firsts = _lineages(conn, calls, hashes, digests)
+        calls, lineages, firsts = _lineages(conn, statements, calls, hashes, digests)
         with _prepared(conn):
             if calls:
                 rows = []
@@ -468,7 +515,11 @@ def rebuild_calls(conn: Connection, trajectory_id: str, requests: bool = True) -
 
 
 def _lineages(
-    conn: Connection, calls: list[CallRecord], hashes: dict[_Seq, bytes | None], digests: dict[str, bytes | None]
+    conn: Connection,
+    statements: _Statements,
+    calls: list[CallRecord],
+    hashes: dict[_Seq, bytes | None],
+    digests: dict[str, bytes | None],
 ) -> tuple[list[CallRecord], list[Lineage], dict[_Seq, tuple[int, int]]]:
     """Each record's merge diagnostics and storage prefixes (ids and messages) against its predecessor, in the same
     transaction, and the earliest attempt (first_seq, first_retry_count) each written row stands for; `digests` gets
@@ -484,26 +535,7 @@ def _lineages(
     key_order = keeps_key_order(conn.dialect.name)
     trajectory_ids = sorted({record.trajectory_id for record in calls})
     stored: dict[str, dict[tuple[int, int], Any]] = {t: {} for t in trajectory_ids}
-    for row in conn.execute(
-        select(
-            _calls.c.trajectory_id,
-            _calls.c.seq,
-            _calls.c.choice_index,
-            _calls.c.id,
-            _calls.c.created_at,
-            _calls.c.parent_seq,
-            _calls.c.messages_parent_seq,
-            _calls.c.retry_count,
-            _calls.c.idempotency_key,
-            _calls.c.request_hash,
-            _calls.c.first_seq,
-            _calls.c.first_retry_count,
-            _calls.c.tree_parent_seq,
-            _calls.c.tree_parent_choice,
-            _calls.c.tokens_len,
-            _calls.c.tokens_key,
-        ).where(_calls.c.trajectory_id.in_(trajectory_ids))
-    ):
+    for row in conn.execute(statements.stored, {"ids": trajectory_ids}):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
 
     by_trajectory: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
