@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, text
+from sqlalchemy.exc import DataError
 
 from gateway.store import db, records
 from gateway.store.arrays import decode_ids, decode_logprobs
@@ -49,11 +50,13 @@ def test_creates_parents_and_stores_arrays_exactly(engine: Engine) -> None:
 
 
 def _stored_as(engine: Engine, trajectory_id: str, group_id: str) -> list[dict]:
-    """Write one varied batch under `trajectory_id` and return its stored rows without the columns that name it
-    (request_hash covers the trajectory id too)."""
+    """Write one varied batch under `trajectory_id` and return its stored rows (calls, then its group and
+    trajectory) without the columns that name them (request_hash covers the trajectory id too) or that hold the
+    time of writing, with which JSON columns hold SQL NULL (the JSON null reads back as None too)."""
     batch = [
         make_record(
-            trajectory_id, 0, seed=2, group_id=group_id, stream=True, ttft_ms=3.25, created_at=1_700_000_000.5
+            trajectory_id, 0, seed=2, group_id=group_id, stream=True, ttft_ms=3.25, created_at=1_700_000_000.5,
+            latency_ms=7, group_size=3,
         ),
         make_record(
             trajectory_id, 1, seed=3, group_id=group_id, created_at=1_700_000_001.0, prompt_token_ids=None,
@@ -69,19 +72,37 @@ def _stored_as(engine: Engine, trajectory_id: str, group_id: str) -> list[dict]:
         ),
     ]
     write_calls(engine, batch)
-    return [{k: v for k, v in row.items() if k not in ("id", "trajectory_id", "request_hash")} for row in _calls(engine, trajectory_id)]
+    calls = [
+        {k: v for k, v in row.items() if k not in ("id", "trajectory_id", "request_hash")}
+        for row in _calls(engine, trajectory_id)
+    ]
+    with engine.connect() as conn:
+        nulls = conn.execute(
+            text(
+                "SELECT request IS NULL, response IS NULL, usage IS NULL FROM calls WHERE trajectory_id = :t "
+                "ORDER BY seq"
+            ),
+            {"t": trajectory_id},
+        ).all()
+    group = {k: v for k, v in _one(engine, Group, group_id).items() if k not in ("group_id", "created_at")}
+    trajectory = _one(engine, Trajectory, trajectory_id)
+    trajectory = {k: v for k, v in trajectory.items() if k not in ("trajectory_id", "group_id")}
+    return [*calls, [tuple(row) for row in nulls], group, trajectory]
 
 
 def test_calls_are_stored_as_sqlalchemys_own_upsert_stores_them(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """write_calls binds the calls upsert's parameters itself (records._execute_many) to skip SQLAlchemy's per-row
-    work; every column must still be stored exactly as `conn.execute(statement, rows)` stores it, on both backends:
-    JSON nulls, booleans, datetimes, bytes and text."""
+    """write_calls binds the calls upsert's parameters itself (records._execute_many on SQLite) and sends groups,
+    trajectories and calls as one statement of arrays each on Postgres (records._insert_rows), to skip per-row work
+    in SQLAlchemy and psycopg; every column must still be stored exactly as SQLAlchemy's own `conn.execute(upsert,
+    rows)` stores it, on both backends: JSON nulls, booleans, datetimes, bytes, text, ints among floats, the
+    columns the models default."""
     direct = _stored_as(engine, "traj-direct", "group-direct")
     monkeypatch.setattr(records, "_execute_many", lambda conn, statement, rows: conn.execute(statement, rows))
+    monkeypatch.setattr(records, "_insert_rows", lambda conn, bulk, rows: conn.execute(bulk.rowwise, rows))
     generic = _stored_as(engine, "traj-generic", "group-generic")
-    assert len(direct) == 3 and direct == generic
+    assert len(direct) == 6 and direct == generic
 
 
 def test_missing_arrays_stay_null(engine: Engine) -> None:
@@ -198,5 +219,19 @@ def count_calls_url(url: str) -> int:
     engine = db.make_engine(url)
     try:
         return count_calls(engine)
+    finally:
+        engine.dispose()
+
+
+def test_a_value_longer_than_its_column_is_refused_not_cut(pg_url: str) -> None:
+    """Postgres writes a batch through arrays of unbounded text (records._bulk): the column's own length must still
+    refuse a longer value, as a row-by-row insert does (the writer then sets the record aside), never cut it."""
+    engine = db.make_engine(pg_url)
+    try:
+        db.upgrade(pg_url)
+        with pytest.raises(DataError):
+            write_calls(engine, [make_record(finish_reason="x" * 40)])
+        write_calls(engine, [make_record(finish_reason="x" * 32)])
+        assert _calls(engine, "traj-1")[0]["finish_reason"] == "x" * 32
     finally:
         engine.dispose()

@@ -26,6 +26,7 @@ from sqlalchemy import (
     Dialect,
     Engine,
     Executable,
+    Float,
     String,
     Table,
     any_,
@@ -62,11 +63,84 @@ _CALL_KEY = ("trajectory_id", "seq", "choice_index")
 _Seq = tuple[str, int]  # (trajectory_id, seq): one attempt of a call, all its choices
 
 
+_GROUP_KEYS = ("group_id", "run", "mode", "expected_size")
+_TRAJECTORY_KEYS = ("trajectory_id", "run", "group_id", "mode", "created_at")
+
+
+class _Bulk(NamedTuple):
+    """A batch's rows into one table as one statement. On Postgres `INSERT ... SELECT * FROM unnest(one array per
+    column)`: psycopg's executemany pays a round of Python per row (its parameters reordered and dumped, the
+    prepared-statement bookkeeping, a pipeline send and result), which was a third of the writer's CPU at batches of
+    64 (bench/writer_cpu.py); one execution with arrays pays that once. Rows go in in the order given, so locks are
+    still taken in key order. On SQLite (no arrays) the plain insert, executed once per row."""
+
+    statement: Executable
+    rowwise: Executable  # the same upsert as INSERT ... VALUES, executed once per row
+    keys: tuple[str, ...]  # what each row gives
+    # Columns the rows leave out whose model default is Python-side: SQLAlchemy fills those in for an INSERT ...
+    # VALUES but not for INSERT ... SELECT, so they get an array of their own, the default evaluated per row.
+    defaults: tuple[tuple[str, Callable[[], Any]], ...]
+    floats: tuple[str, ...]  # float columns: psycopg refuses a list that mixes int and float
+
+
+def _bulk(table: Table, keys: tuple[str, ...], dialect: str, on_conflict: Callable[[Any], Executable]) -> _Bulk:
+    insert: Callable[..., Any] = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    rowwise = on_conflict(insert(table))
+    if dialect != "postgresql":
+        return _Bulk(rowwise, rowwise, keys, (), ())
+    defaults = tuple(
+        (c.name, partial(_default_value, c.default))
+        for c in table.columns
+        if c.name not in keys and c.default is not None and not getattr(c.default, "is_sequence", False)
+    )
+    names = (*keys, *(name for name, _ in defaults))
+    # Arrays of unbounded strings: a cast to varchar(n) would silently cut a longer value, where the insert's own
+    # assignment to the column refuses it (the record is then set aside, as with a row-by-row insert).
+    types = [String() if isinstance(table.c[name].type, String) else table.c[name].type for name in names]
+    arrays = [bindparam(name, type_=postgresql.ARRAY(type_)) for name, type_ in zip(names, types)]
+    source = func.unnest(*arrays).table_valued(*names).render_derived()
+    floats = tuple(name for name in names if isinstance(table.c[name].type, Float))
+    return _Bulk(on_conflict(insert(table).from_select(names, select(*source.c))), rowwise, keys, defaults, floats)
+
+
+def _default_value(default: Any) -> Any:
+    return default.arg(None) if default.is_callable else default.arg
+
+
+def _insert_rows(conn: Connection, bulk: _Bulk, rows: list[dict[str, Any]]) -> None:
+    """Execute `bulk` for `rows`, whose keys must be its `keys`."""
+    if not rows:
+        return
+    if set(rows[0]) != set(bulk.keys):
+        raise ValueError(f"rows with keys {sorted(rows[0])} do not bind {sorted(bulk.keys)}")
+    if conn.dialect.name != "postgresql":
+        conn.execute(bulk.rowwise, rows)
+        return
+    arrays = {name: [row[name] for row in rows] for name in bulk.keys}
+    for name, default in bulk.defaults:
+        arrays[name] = [default() for _ in rows]
+    for name in bulk.floats:
+        arrays[name] = [float(v) if type(v) is int else v for v in arrays[name]]
+    compiled = _compile(conn.dialect, bulk.statement, tuple(arrays))
+    for name, processor in compiled.processors:
+        arrays[name] = processor(arrays[name])
+    conn.exec_driver_sql(_binary_arrays(compiled.sql, tuple(arrays)), cast(Any, arrays))
+
+
+@cache
+def _binary_arrays(sql: str, names: tuple[str, ...]) -> str:
+    """The statement with its arrays sent in psycopg's binary format (`%(name)b`): as text (what `%(name)s` picks
+    for strings) psycopg escapes every element with a regular expression, which cost more than the rows saved."""
+    for name in names:
+        sql = sql.replace(f"%({name})s", f"%({name})b")
+    return sql
+
+
 class _Statements(NamedTuple):
     runs: Executable
-    groups: Executable
-    trajectories: Executable
-    calls: Executable
+    groups: _Bulk
+    trajectories: _Bulk
+    calls: _Bulk
     untrainable: Executable
     reopen: Executable
     lock: Executable  # the batch's trajectories FOR UPDATE (Postgres only)
@@ -88,21 +162,27 @@ def _statements(dialect: str) -> _Statements:
     than the tiny batches the writer sends when traffic is light."""
     insert: Callable[..., Any] = postgresql.insert if dialect == "postgresql" else sqlite.insert
 
-    groups = insert(_groups)
-    # A later call may be the first to carry the group size; never overwrite a size already known.
-    groups = groups.on_conflict_do_update(
-        index_elements=["group_id"],
-        set_={"expected_size": groups.excluded.expected_size},
-        where=_groups.c.expected_size.is_(None) & groups.excluded.expected_size.is_not(None),
-    )
+    def groups_conflict(groups: Any) -> Executable:
+        # A later call may be the first to carry the group size; never overwrite a size already known.
+        return cast(
+            Executable,
+            groups.on_conflict_do_update(
+                index_elements=["group_id"],
+                set_={"expected_size": groups.excluded.expected_size},
+                where=_groups.c.expected_size.is_(None) & groups.excluded.expected_size.is_not(None),
+            ),
+        )
 
-    calls = insert(_calls)
-    calls = calls.on_conflict_do_update(
-        index_elements=list(_CALL_KEY),
-        set_={c.name: calls.excluded[c.name] for c in _calls.columns if c.name not in _CALL_KEY},
-        # A record replayed late from the spool must not roll back a newer attempt already written directly.
-        where=_calls.c.created_at <= calls.excluded.created_at,
-    )
+    def calls_conflict(calls: Any) -> Executable:
+        return cast(
+            Executable,
+            calls.on_conflict_do_update(
+                index_elements=list(_CALL_KEY),
+                set_={c.name: calls.excluded[c.name] for c in _calls.columns if c.name not in _CALL_KEY},
+                # A record replayed late from the spool must not roll back a newer attempt already written directly.
+                where=_calls.c.created_at <= calls.excluded.created_at,
+            ),
+        )
 
     untrainable_count = (
         select(func.count())
@@ -163,9 +243,14 @@ def _statements(dialect: str) -> _Statements:
     ).where(_one_of(_calls.c.trajectory_id, "ids", dialect))
     return _Statements(
         runs=insert(_runs).on_conflict_do_nothing(index_elements=["name"]),
-        groups=groups,
-        trajectories=insert(_trajectories).on_conflict_do_nothing(index_elements=["trajectory_id"]),
-        calls=calls,
+        groups=_bulk(_groups, _GROUP_KEYS, dialect, groups_conflict),
+        trajectories=_bulk(
+            _trajectories,
+            _TRAJECTORY_KEYS,
+            dialect,
+            lambda trajectories: trajectories.on_conflict_do_nothing(index_elements=["trajectory_id"]),
+        ),
+        calls=_bulk(_calls, tuple(c.name for c in _calls.columns), dialect, calls_conflict),
         untrainable=untrainable,
         reopen=reopen,
         lock=lock,
@@ -272,8 +357,9 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
     with engine.begin() as conn:
         with _prepared(conn):
             conn.execute(statements.runs, [runs[k] for k in sorted(runs)])
-            conn.execute(statements.groups, [groups[k] for k in sorted(groups)])
-            conn.execute(
+            _insert_rows(conn, statements.groups, [groups[k] for k in sorted(groups)])
+            _insert_rows(
+                conn,
                 statements.trajectories,
                 [
                     {**row, "created_at": datetime.fromtimestamp(row["created_at"], UTC)}
@@ -294,7 +380,10 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
                 for record, lineage in zip(calls, lineages):
                     key = (record.trajectory_id, record.seq)
                     rows.append(_call_row(record, lineage, hashes[key], firsts[key]))
-                _execute_many(conn, statements.calls, rows)
+                if conn.dialect.name == "postgresql":
+                    _insert_rows(conn, statements.calls, rows)
+                else:
+                    _execute_many(conn, statements.calls.rowwise, rows)
         conn.execute(statements.reopen, {"group_ids": sorted(groups)})
         conn.execute(statements.untrainable, {"ids": sorted(trajectories)})
     cache = _cache_for(engine)
