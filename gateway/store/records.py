@@ -632,18 +632,18 @@ def _lineages(
         by_trajectory[record.trajectory_id].append(record)
     settlements = {t: _settle(stored[t], by_trajectory[t], hashes) for t in trajectory_ids}
     firsts = {(t, seq): first for t, settlement in settlements.items() for seq, first in settlement.first.items()}
-    kept: list[CallRecord] = []
+    kept: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
     for record in calls:
         if record.seq in settlements[record.trajectory_id].dropped:
             continue
         row = stored[record.trajectory_id].get((record.seq, record.choice_index))
         if row is None or _aware(row.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
-            kept.append(record)
+            kept[record.trajectory_id].append(record)
             digests[record.id] = message_digests(record.request, key_order)
 
     lineages: list[Lineage] = []
     for trajectory_id in trajectory_ids:
-        records = [r for r in kept if r.trajectory_id == trajectory_id]
+        records = kept[trajectory_id]
         removed = settlements[trajectory_id].removed
         rows = stored[trajectory_id]
         replaced = removed | {
@@ -776,7 +776,7 @@ def _lineages(
         _reparent_late(
             conn, trajectory_id, rows, records, candidates, replaced, full_calls, previous_of, same_agent_before
         )
-    ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
+    ordered = [r for t in trajectory_ids for r in kept[t]]
     return ordered, lineages, firsts
 
 
@@ -803,21 +803,32 @@ def _in_tree(
     """The lineage with the call's tree parent (gateway.store.tree) and tree keys; the call then joins `candidates`
     (records come in (seq, choice) order, so every earlier one of the batch is there). A call that extends the
     predecessor it names (token_in) keeps it; any other is looked up among the trajectory's earlier calls by its
-    prompt's ids. A root gets its reason from `_root_reason`."""
+    prompt's ids. A root gets its reason from `_root_reason`. The Lineage is built once, not through
+    dataclasses.replace, which cost more than the placing itself for every record."""
     earlier = (c for c in candidates if c.seq < record.seq)
     parent, tokens = place(record.prompt_token_ids, record.completion_token_ids, earlier)
     if tokens is not None:
         candidates.append(Candidate(record.seq, record.choice_index, *tokens))
-    lineage = replace(lineage, tokens=tokens)
+    reason, divergence, tree_parent = lineage.reason, lineage.divergence, lineage.tree_parent
     if lineage.reason == EXTENDS and named is not None:
-        return replace(lineage, tree_parent=named)
-    if parent is not None:
-        return replace(lineage, reason=EXTENDS, divergence=None, tree_parent=(parent.seq, parent.choice_index))
-    if lineage.reason == EXTENDS and compared is not None:
+        tree_parent = named
+    elif parent is not None:
+        reason, divergence, tree_parent = EXTENDS, None, (parent.seq, parent.choice_index)
+    elif lineage.reason == EXTENDS and compared is not None:
         # It extends a call written before calls kept tree keys (revision 0009), which no lookup can find.
-        return replace(lineage, tree_parent=(compared.seq, 0))
-    reason, divergence = _root_reason(record.prompt_token_ids, own, compared, lineage, same_agent)
-    return replace(lineage, reason=reason, divergence=divergence)
+        tree_parent = (compared.seq, 0)
+    else:
+        reason, divergence = _root_reason(record.prompt_token_ids, own, compared, lineage, same_agent)
+    return Lineage(
+        reason=reason,
+        divergence=divergence,
+        parent_seq=lineage.parent_seq,
+        prefix_len=lineage.prefix_len,
+        messages_parent_seq=lineage.messages_parent_seq,
+        messages_prefix_len=lineage.messages_prefix_len,
+        tree_parent=tree_parent,
+        tokens=tokens,
+    )
 
 
 def _root_reason(
