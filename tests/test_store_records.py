@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import random
+from datetime import UTC, datetime
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import Engine, select, text
@@ -235,3 +238,42 @@ def test_a_value_longer_than_its_column_is_refused_not_cut(pg_url: str) -> None:
         assert _calls(engine, "traj-1")[0]["finish_reason"] == "x" * 32
     finally:
         engine.dispose()
+
+
+def test_unrelated_attempts_settle_as_the_full_matching_settles_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """records._settle skips matching each incoming attempt against every stored call when none can match
+    (records._unrelated); over generated stored rows and batches (shared bodies, retries, several choices a seq,
+    equal timestamps, rows from before first_seq was kept) it must give what the full matching gives."""
+    rng = random.Random(7)
+    unrelated = records._unrelated
+    taken: list[bool] = []
+    for _ in range(3000):
+        bodies = [b"a", b"b", b"c", b"d", b"e", b"f", None]
+        rows = {}
+        for seq in rng.sample(range(12), rng.randint(0, 6)):
+            first = rng.choice([None, (seq, 0), (max(seq - 1, 0), 0)])
+            for choice in range(rng.choice([1, 1, 2])):
+                rows[(seq, choice)] = SimpleNamespace(
+                    created_at=datetime.fromtimestamp(1_700_000_000 + rng.choice([seq, 20]), UTC),
+                    request_hash=rng.choice(bodies),
+                    retry_count=rng.randint(0, 2),
+                    idempotency_key=rng.choice([None, None, "k"]),
+                    first_seq=None if first is None else first[0],
+                    first_retry_count=None if first is None else first[1],
+                )
+        batch = [
+            make_record("t", seq, choice_index=choice, retry_count=rng.randint(0, 2), created_at=1_700_000_000 + seq)
+            for seq in rng.sample(range(16), rng.randint(1, 4))
+            for choice in range(rng.choice([1, 1, 2]))
+        ]
+        hashes = {("t", r.seq): rng.choice(bodies) for r in batch}
+        def counted(rows: dict, incoming: dict) -> bool:
+            taken.append(unrelated(rows, incoming))
+            return taken[-1]
+
+        monkeypatch.setattr(records, "_unrelated", counted)
+        quick = records._settle(rows, batch, hashes)
+        monkeypatch.setattr(records, "_unrelated", lambda rows, incoming: False)
+        full = records._settle(rows, batch, hashes)
+        assert (quick.dropped, quick.removed, quick.first) == (full.dropped, full.removed, full.first)
+    assert 300 < sum(taken) < len(taken)  # both ways were taken often enough to be compared

@@ -924,18 +924,50 @@ def _reparent_late(
 
 def _settle(rows: dict[tuple[int, int], Any], calls: list[CallRecord], hashes: dict[_Seq, bytes | None]) -> Settlement:
     """One trajectory's incoming records folded into its stored calls; each seq is seen through its newest row."""
-    stored: dict[int, Attempt] = {}
-    for (seq, _), row in sorted(rows.items(), key=lambda item: _aware(item[1].created_at)):
-        first = None if row.first_seq is None else (row.first_seq, row.first_retry_count)
-        created_at = _aware(row.created_at).timestamp()
-        stored[seq] = _attempt(seq, row.request_hash, row.retry_count, created_at, row.idempotency_key, first)
     incoming: dict[int, Attempt] = {}
     for record in calls:
         hash_ = hashes[(record.trajectory_id, record.seq)]
         attempt = _attempt(record.seq, hash_, record.retry_count, record.created_at, record.idempotency_key, None)
         if record.seq not in incoming or attempt.created_at > incoming[record.seq].created_at:
             incoming[record.seq] = attempt
+    if _unrelated(rows, incoming):
+        return _apart(rows, incoming)
+    stored: dict[int, Attempt] = {}
+    for (seq, _), row in sorted(rows.items(), key=lambda item: _aware(item[1].created_at)):
+        first = None if row.first_seq is None else (row.first_seq, row.first_retry_count)
+        created_at = _aware(row.created_at).timestamp()
+        stored[seq] = _attempt(seq, row.request_hash, row.retry_count, created_at, row.idempotency_key, first)
     return settle(stored.values(), incoming.values())
+
+
+def _unrelated(rows: dict[tuple[int, int], Any], incoming: dict[int, Attempt]) -> bool:
+    """Whether no incoming attempt can be an attempt of another call, stored or incoming: none is at a stored seq
+    and none shares its request hash with a stored row or another incoming attempt (gateway.store.attempts matches
+    attempts by hash only). The usual case: an agent's next turn, whose request differs from every earlier one."""
+    hashes = [attempt.request_hash for attempt in incoming.values() if attempt.request_hash is not None]
+    distinct = set(hashes)
+    if len(distinct) != len(hashes):
+        return False
+    if any(seq in incoming for seq, _ in rows):
+        return False
+    return not any(row.request_hash in distinct for row in rows.values())
+
+
+def _apart(rows: dict[tuple[int, int], Any], incoming: dict[int, Attempt]) -> Settlement:
+    """What `settle` gives for unrelated attempts (`_unrelated`), without matching each one against every stored
+    call of the trajectory: nothing dropped or removed, each incoming attempt its own first, each stored seq the
+    first its newest row holds (the last by created_at in stored order, as _settle's stable sort leaves it)."""
+    newest: dict[int, Any] = {}
+    for (seq, _), row in rows.items():
+        held = newest.get(seq)
+        if held is None or _aware(row.created_at) >= _aware(held.created_at):
+            newest[seq] = row
+    first = {
+        seq: (seq, row.retry_count) if row.first_seq is None else (row.first_seq, row.first_retry_count)
+        for seq, row in newest.items()
+    }
+    first.update((seq, (attempt.first_seq, attempt.first_retry_count)) for seq, attempt in incoming.items())
+    return Settlement(first=first)
 
 
 def _attempt(
