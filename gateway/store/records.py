@@ -428,7 +428,8 @@ def _compile(dialect: Dialect, statement: Executable, keys: tuple[str, ...]) -> 
 
 
 def _execute_many(conn: Connection, statement: Executable, rows: list[dict[str, Any]]) -> None:
-    """`conn.execute(statement, rows)` for the calls upsert, at a fraction of its cost per row.
+    """`conn.execute(statement, rows)` for the calls upsert on SQLite, at a fraction of its cost per row (Postgres
+    sends a batch as arrays instead: `_insert_rows`).
 
     SQLAlchemy compiles each statement once anyway, but on every execution it still builds every row's parameters
     anew through its generic path (construct_params, then the type processors), which was most of the writer
