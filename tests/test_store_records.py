@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import math
+import random
+from datetime import UTC, datetime
+from types import SimpleNamespace
 
 import pytest
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, text
+from sqlalchemy.exc import DataError
 
 from gateway.store import db, records
 from gateway.store.arrays import decode_ids, decode_logprobs
@@ -49,11 +53,13 @@ def test_creates_parents_and_stores_arrays_exactly(engine: Engine) -> None:
 
 
 def _stored_as(engine: Engine, trajectory_id: str, group_id: str) -> list[dict]:
-    """Write one varied batch under `trajectory_id` and return its stored rows without the columns that name it
-    (request_hash covers the trajectory id too)."""
+    """Write one varied batch under `trajectory_id` and return its stored rows (calls, then its group and
+    trajectory) without the columns that name them (request_hash covers the trajectory id too) or that hold the
+    time of writing, with which JSON columns hold SQL NULL (the JSON null reads back as None too)."""
     batch = [
         make_record(
-            trajectory_id, 0, seed=2, group_id=group_id, stream=True, ttft_ms=3.25, created_at=1_700_000_000.5
+            trajectory_id, 0, seed=2, group_id=group_id, stream=True, ttft_ms=3.25, created_at=1_700_000_000.5,
+            latency_ms=7, group_size=3,
         ),
         make_record(
             trajectory_id, 1, seed=3, group_id=group_id, created_at=1_700_000_001.0, prompt_token_ids=None,
@@ -69,19 +75,37 @@ def _stored_as(engine: Engine, trajectory_id: str, group_id: str) -> list[dict]:
         ),
     ]
     write_calls(engine, batch)
-    return [{k: v for k, v in row.items() if k not in ("id", "trajectory_id", "request_hash")} for row in _calls(engine, trajectory_id)]
+    calls = [
+        {k: v for k, v in row.items() if k not in ("id", "trajectory_id", "request_hash")}
+        for row in _calls(engine, trajectory_id)
+    ]
+    with engine.connect() as conn:
+        nulls = conn.execute(
+            text(
+                "SELECT request IS NULL, response IS NULL, usage IS NULL FROM calls WHERE trajectory_id = :t "
+                "ORDER BY seq"
+            ),
+            {"t": trajectory_id},
+        ).all()
+    group = {k: v for k, v in _one(engine, Group, group_id).items() if k not in ("group_id", "created_at")}
+    trajectory = _one(engine, Trajectory, trajectory_id)
+    trajectory = {k: v for k, v in trajectory.items() if k not in ("trajectory_id", "group_id")}
+    return [*calls, [tuple(row) for row in nulls], group, trajectory]
 
 
 def test_calls_are_stored_as_sqlalchemys_own_upsert_stores_them(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """write_calls binds the calls upsert's parameters itself (records._execute_many) to skip SQLAlchemy's per-row
-    work; every column must still be stored exactly as `conn.execute(statement, rows)` stores it, on both backends:
-    JSON nulls, booleans, datetimes, bytes and text."""
+    """write_calls binds the calls upsert's parameters itself (records._execute_many on SQLite) and sends groups,
+    trajectories and calls as one statement of arrays each on Postgres (records._insert_rows), to skip per-row work
+    in SQLAlchemy and psycopg; every column must still be stored exactly as SQLAlchemy's own `conn.execute(upsert,
+    rows)` stores it, on both backends: JSON nulls, booleans, datetimes, bytes, text, ints among floats, the
+    columns the models default."""
     direct = _stored_as(engine, "traj-direct", "group-direct")
     monkeypatch.setattr(records, "_execute_many", lambda conn, statement, rows: conn.execute(statement, rows))
+    monkeypatch.setattr(records, "_insert_rows", lambda conn, bulk, rows: conn.execute(bulk.rowwise, rows))
     generic = _stored_as(engine, "traj-generic", "group-generic")
-    assert len(direct) == 3 and direct == generic
+    assert len(direct) == 6 and direct == generic
 
 
 def test_missing_arrays_stay_null(engine: Engine) -> None:
@@ -200,3 +224,56 @@ def count_calls_url(url: str) -> int:
         return count_calls(engine)
     finally:
         engine.dispose()
+
+
+def test_a_value_longer_than_its_column_is_refused_not_cut(pg_url: str) -> None:
+    """Postgres writes a batch through arrays of unbounded text (records._bulk): the column's own length must still
+    refuse a longer value, as a row-by-row insert does (the writer then sets the record aside), never cut it."""
+    engine = db.make_engine(pg_url)
+    try:
+        db.upgrade(pg_url)
+        with pytest.raises(DataError):
+            write_calls(engine, [make_record(finish_reason="x" * 40)])
+        write_calls(engine, [make_record(finish_reason="x" * 32)])
+        assert _calls(engine, "traj-1")[0]["finish_reason"] == "x" * 32
+    finally:
+        engine.dispose()
+
+
+def test_unrelated_attempts_settle_as_the_full_matching_settles_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """records._settle skips matching each incoming attempt against every stored call when none can match
+    (records._unrelated); over generated stored rows and batches (shared bodies, retries, several choices a seq,
+    equal timestamps, rows from before first_seq was kept) it must give what the full matching gives."""
+    rng = random.Random(7)
+    unrelated = records._unrelated
+    taken: list[bool] = []
+    for _ in range(3000):
+        bodies = [b"a", b"b", b"c", b"d", b"e", b"f", None]
+        rows = {}
+        for seq in rng.sample(range(12), rng.randint(0, 6)):
+            first = rng.choice([None, (seq, 0), (max(seq - 1, 0), 0)])
+            for choice in range(rng.choice([1, 1, 2])):
+                rows[(seq, choice)] = SimpleNamespace(
+                    created_at=datetime.fromtimestamp(1_700_000_000 + rng.choice([seq, 20]), UTC),
+                    request_hash=rng.choice(bodies),
+                    retry_count=rng.randint(0, 2),
+                    idempotency_key=rng.choice([None, None, "k"]),
+                    first_seq=None if first is None else first[0],
+                    first_retry_count=None if first is None else first[1],
+                )
+        batch = [
+            make_record("t", seq, choice_index=choice, retry_count=rng.randint(0, 2), created_at=1_700_000_000 + seq)
+            for seq in rng.sample(range(16), rng.randint(1, 4))
+            for choice in range(rng.choice([1, 1, 2]))
+        ]
+        hashes = {("t", r.seq): rng.choice(bodies) for r in batch}
+        def counted(rows: dict, incoming: dict) -> bool:
+            taken.append(unrelated(rows, incoming))
+            return taken[-1]
+
+        monkeypatch.setattr(records, "_unrelated", counted)
+        quick = records._settle(rows, batch, hashes)
+        monkeypatch.setattr(records, "_unrelated", lambda rows, incoming: False)
+        full = records._settle(rows, batch, hashes)
+        assert (quick.dropped, quick.removed, quick.first) == (full.dropped, full.removed, full.first)
+    assert 300 < sum(taken) < len(taken)  # both ways were taken often enough to be compared

@@ -20,7 +20,23 @@ from datetime import UTC, datetime
 from functools import cache, partial
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Connection, Dialect, Engine, Executable, Table, bindparam, delete, func, select, text, update
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Dialect,
+    Engine,
+    Executable,
+    Float,
+    String,
+    Table,
+    any_,
+    bindparam,
+    delete,
+    func,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -47,13 +63,97 @@ _CALL_KEY = ("trajectory_id", "seq", "choice_index")
 _Seq = tuple[str, int]  # (trajectory_id, seq): one attempt of a call, all its choices
 
 
+_GROUP_KEYS = ("group_id", "run", "mode", "expected_size")
+_TRAJECTORY_KEYS = ("trajectory_id", "run", "group_id", "mode", "created_at")
+
+
+class _Bulk(NamedTuple):
+    """A batch's rows into one table as one statement. On Postgres `INSERT ... SELECT * FROM unnest(one array per
+    column)`: psycopg's executemany pays a round of Python per row (its parameters reordered and dumped, the
+    prepared-statement bookkeeping, a pipeline send and result), which was a third of the writer's CPU at batches of
+    64 (bench/writer_cpu.py); one execution with arrays pays that once. Rows go in in the order given, so locks are
+    still taken in key order. On SQLite (no arrays) the plain insert, executed once per row."""
+
+    statement: Executable
+    rowwise: Executable  # the same upsert as INSERT ... VALUES, executed once per row
+    keys: tuple[str, ...]  # what each row gives
+    # Columns the rows leave out whose model default is Python-side: SQLAlchemy fills those in for an INSERT ...
+    # VALUES but not for INSERT ... SELECT, so they get an array of their own, the default evaluated per row.
+    defaults: tuple[tuple[str, Callable[[], Any]], ...]
+    floats: tuple[str, ...]  # float columns: psycopg refuses a list that mixes int and float
+
+
+def _bulk(table: Table, keys: tuple[str, ...], dialect: str, on_conflict: Callable[[Any], Executable]) -> _Bulk:
+    insert: Callable[..., Any] = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    rowwise = on_conflict(insert(table))
+    if dialect != "postgresql":
+        return _Bulk(rowwise, rowwise, keys, (), ())
+    defaults = tuple(
+        (c.name, partial(_default_value, c.default))
+        for c in table.columns
+        if c.name not in keys and c.default is not None and not getattr(c.default, "is_sequence", False)
+    )
+    names = (*keys, *(name for name, _ in defaults))
+    # Arrays of unbounded strings: a cast to varchar(n) would silently cut a longer value, where the insert's own
+    # assignment to the column refuses it (the record is then set aside, as with a row-by-row insert).
+    types = [String() if isinstance(table.c[name].type, String) else table.c[name].type for name in names]
+    arrays = [bindparam(name, type_=postgresql.ARRAY(type_)) for name, type_ in zip(names, types)]
+    source = func.unnest(*arrays).table_valued(*names).render_derived()
+    floats = tuple(name for name in names if isinstance(table.c[name].type, Float))
+    return _Bulk(on_conflict(insert(table).from_select(names, select(*source.c))), rowwise, keys, defaults, floats)
+
+
+def _default_value(default: Any) -> Any:
+    return default.arg(None) if default.is_callable else default.arg
+
+
+def _insert_rows(conn: Connection, bulk: _Bulk, rows: list[dict[str, Any]]) -> None:
+    """Execute `bulk` for `rows`, whose keys must be its `keys`."""
+    if not rows:
+        return
+    if set(rows[0]) != set(bulk.keys):
+        raise ValueError(f"rows with keys {sorted(rows[0])} do not bind {sorted(bulk.keys)}")
+    if conn.dialect.name != "postgresql":
+        conn.execute(bulk.rowwise, rows)
+        return
+    arrays = {name: [row[name] for row in rows] for name in bulk.keys}
+    for name, default in bulk.defaults:
+        arrays[name] = [default() for _ in rows]
+    for name in bulk.floats:
+        arrays[name] = [float(v) if type(v) is int else v for v in arrays[name]]
+    compiled = _compile(conn.dialect, bulk.statement, tuple(arrays))
+    for name, processor in compiled.processors:
+        arrays[name] = processor(arrays[name])
+    conn.exec_driver_sql(_binary_arrays(compiled.sql, tuple(arrays)), cast(Any, arrays))
+
+
+@cache
+def _binary_arrays(sql: str, names: tuple[str, ...]) -> str:
+    """The statement with its arrays sent in psycopg's binary format (`%(name)b`): as text (what `%(name)s` picks
+    for strings) psycopg escapes every element with a regular expression, which cost more than the rows saved."""
+    for name in names:
+        sql = sql.replace(f"%({name})s", f"%({name})b")
+    return sql
+
+
 class _Statements(NamedTuple):
     runs: Executable
-    groups: Executable
-    trajectories: Executable
-    calls: Executable
+    groups: _Bulk
+    trajectories: _Bulk
+    calls: _Bulk
     untrainable: Executable
     reopen: Executable
+    lock: Executable  # the batch's trajectories FOR UPDATE (Postgres only)
+    stored: Executable  # what _lineages reads of the batch's stored calls
+
+
+def _one_of(column: Any, name: str, dialect: str) -> ColumnElement[bool]:
+    """`column` is one of the list bound as `name`. On Postgres `= ANY(array)`: one SQL text whatever the list's
+    length, so neither SQLAlchemy nor psycopg renders and parses an IN list of a placeholder per id for every batch
+    (which was a tenth of the writer's CPU at batches of 64). SQLite has no arrays and keeps the expanding IN."""
+    if dialect == "postgresql":
+        return column == any_(bindparam(name, type_=postgresql.ARRAY(String)))
+    return column.in_(bindparam(name, expanding=True))
 
 
 @cache
@@ -62,21 +162,27 @@ def _statements(dialect: str) -> _Statements:
     than the tiny batches the writer sends when traffic is light."""
     insert: Callable[..., Any] = postgresql.insert if dialect == "postgresql" else sqlite.insert
 
-    groups = insert(_groups)
-    # A later call may be the first to carry the group size; never overwrite a size already known.
-    groups = groups.on_conflict_do_update(
-        index_elements=["group_id"],
-        set_={"expected_size": groups.excluded.expected_size},
-        where=_groups.c.expected_size.is_(None) & groups.excluded.expected_size.is_not(None),
-    )
+    def groups_conflict(groups: Any) -> Executable:
+        # A later call may be the first to carry the group size; never overwrite a size already known.
+        return cast(
+            Executable,
+            groups.on_conflict_do_update(
+                index_elements=["group_id"],
+                set_={"expected_size": groups.excluded.expected_size},
+                where=_groups.c.expected_size.is_(None) & groups.excluded.expected_size.is_not(None),
+            ),
+        )
 
-    calls = insert(_calls)
-    calls = calls.on_conflict_do_update(
-        index_elements=list(_CALL_KEY),
-        set_={c.name: calls.excluded[c.name] for c in _calls.columns if c.name not in _CALL_KEY},
-        # A record replayed late from the spool must not roll back a newer attempt already written directly.
-        where=_calls.c.created_at <= calls.excluded.created_at,
-    )
+    def calls_conflict(calls: Any) -> Executable:
+        return cast(
+            Executable,
+            calls.on_conflict_do_update(
+                index_elements=list(_CALL_KEY),
+                set_={c.name: calls.excluded[c.name] for c in _calls.columns if c.name not in _CALL_KEY},
+                # A record replayed late from the spool must not roll back a newer attempt already written directly.
+                where=_calls.c.created_at <= calls.excluded.created_at,
+            ),
+        )
 
     untrainable_count = (
         select(func.count())
@@ -87,7 +193,7 @@ def _statements(dialect: str) -> _Statements:
     untrainable = (
         update(_trajectories)
         .where(
-            _trajectories.c.trajectory_id.in_(bindparam("ids", expanding=True)),
+            _one_of(_trajectories.c.trajectory_id, "ids", dialect),
             # Skip rows whose count is unchanged: on Postgres every UPDATE leaves a dead tuple behind.
             _trajectories.c.untrainable_calls != untrainable_count,
         )
@@ -105,19 +211,50 @@ def _statements(dialect: str) -> _Statements:
     reopen = (
         update(_groups)
         .where(
-            _groups.c.group_id.in_(bindparam("group_ids", expanding=True)),
+            _one_of(_groups.c.group_id, "group_ids", dialect),
             _groups.c.state.in_(("ready", "trained", "dropped")),
             unrewarded,
         )
         .values(state="open", ready_at=None)
     )
+    lock = (
+        select(_trajectories.c.trajectory_id)
+        .where(_one_of(_trajectories.c.trajectory_id, "ids", dialect))
+        .order_by(_trajectories.c.trajectory_id)
+        .with_for_update()
+    )
+    stored = select(
+        _calls.c.trajectory_id,
+        _calls.c.seq,
+        _calls.c.choice_index,
+        _calls.c.id,
+        _calls.c.created_at,
+        _calls.c.parent_seq,
+        _calls.c.messages_parent_seq,
+        _calls.c.retry_count,
+        _calls.c.idempotency_key,
+        _calls.c.request_hash,
+        _calls.c.first_seq,
+        _calls.c.first_retry_count,
+        _calls.c.tree_parent_seq,
+        _calls.c.tree_parent_choice,
+        _calls.c.tokens_len,
+        _calls.c.tokens_key,
+    ).where(_one_of(_calls.c.trajectory_id, "ids", dialect))
     return _Statements(
         runs=insert(_runs).on_conflict_do_nothing(index_elements=["name"]),
-        groups=groups,
-        trajectories=insert(_trajectories).on_conflict_do_nothing(index_elements=["trajectory_id"]),
-        calls=calls,
+        groups=_bulk(_groups, _GROUP_KEYS, dialect, groups_conflict),
+        trajectories=_bulk(
+            _trajectories,
+            _TRAJECTORY_KEYS,
+            dialect,
+            lambda trajectories: trajectories.on_conflict_do_nothing(index_elements=["trajectory_id"]),
+        ),
+        calls=_bulk(_calls, tuple(c.name for c in _calls.columns), dialect, calls_conflict),
         untrainable=untrainable,
         reopen=reopen,
+        lock=lock,
+        stored=stored,
     )
 
 
@@ -220,8 +357,9 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
     with engine.begin() as conn:
         with _prepared(conn):
             conn.execute(statements.runs, [runs[k] for k in sorted(runs)])
-            conn.execute(statements.groups, [groups[k] for k in sorted(groups)])
-            conn.execute(
+            _insert_rows(conn, statements.groups, [groups[k] for k in sorted(groups)])
+            _insert_rows(
+                conn,
                 statements.trajectories,
                 [
                     {**row, "created_at": datetime.fromtimestamp(row["created_at"], UTC)}
@@ -232,22 +370,20 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
             # One writer at a time per trajectory, so two gateways never derive a call's stored prefix from a
             # predecessor the other is replacing, and each settles retries against the other's committed attempts
             # (gateway.store.attempts). The untrainable update below locks these rows anyway.
-            conn.execute(
-                select(_trajectories.c.trajectory_id)
-                .where(_trajectories.c.trajectory_id.in_(sorted(trajectories)))
-                .order_by(_trajectories.c.trajectory_id)
-                .with_for_update()
-            )
-        # Unprepared: their IN lists vary in length, so each size would be a prepared statement of its own.
+            conn.execute(statements.lock, {"ids": sorted(trajectories)})
+        # Unprepared: they join the batch against tables that grow (see make_engine).
         digests: dict[str, bytes | None] = {}
-        calls, lineages, firsts = _lineages(conn, calls, hashes, digests)
+        calls, lineages, firsts = _lineages(conn, statements, calls, hashes, digests)
         with _prepared(conn):
             if calls:
                 rows = []
                 for record, lineage in zip(calls, lineages):
                     key = (record.trajectory_id, record.seq)
                     rows.append(_call_row(record, lineage, hashes[key], firsts[key]))
-                _execute_many(conn, statements.calls, rows)
+                if conn.dialect.name == "postgresql":
+                    _insert_rows(conn, statements.calls, rows)
+                else:
+                    _execute_many(conn, statements.calls.rowwise, rows)
         conn.execute(statements.reopen, {"group_ids": sorted(groups)})
         conn.execute(statements.untrainable, {"ids": sorted(trajectories)})
     cache = _cache_for(engine)
@@ -292,7 +428,8 @@ def _compile(dialect: Dialect, statement: Executable, keys: tuple[str, ...]) -> 
 
 
 def _execute_many(conn: Connection, statement: Executable, rows: list[dict[str, Any]]) -> None:
-    """`conn.execute(statement, rows)` for the calls upsert, at a fraction of its cost per row.
+    """`conn.execute(statement, rows)` for the calls upsert on SQLite, at a fraction of its cost per row (Postgres
+    sends a batch as arrays instead: `_insert_rows`).
 
     SQLAlchemy compiles each statement once anyway, but on every execution it still builds every row's parameters
     anew through its generic path (construct_params, then the type processors), which was most of the writer
@@ -468,7 +605,11 @@ def rebuild_calls(conn: Connection, trajectory_id: str, requests: bool = True) -
 
 
 def _lineages(
-    conn: Connection, calls: list[CallRecord], hashes: dict[_Seq, bytes | None], digests: dict[str, bytes | None]
+    conn: Connection,
+    statements: _Statements,
+    calls: list[CallRecord],
+    hashes: dict[_Seq, bytes | None],
+    digests: dict[str, bytes | None],
 ) -> tuple[list[CallRecord], list[Lineage], dict[_Seq, tuple[int, int]]]:
     """Each record's merge diagnostics and storage prefixes (ids and messages) against its predecessor, in the same
     transaction, and the earliest attempt (first_seq, first_retry_count) each written row stands for; `digests` gets
@@ -484,26 +625,7 @@ def _lineages(
     key_order = keeps_key_order(conn.dialect.name)
     trajectory_ids = sorted({record.trajectory_id for record in calls})
     stored: dict[str, dict[tuple[int, int], Any]] = {t: {} for t in trajectory_ids}
-    for row in conn.execute(
-        select(
-            _calls.c.trajectory_id,
-            _calls.c.seq,
-            _calls.c.choice_index,
-            _calls.c.id,
-            _calls.c.created_at,
-            _calls.c.parent_seq,
-            _calls.c.messages_parent_seq,
-            _calls.c.retry_count,
-            _calls.c.idempotency_key,
-            _calls.c.request_hash,
-            _calls.c.first_seq,
-            _calls.c.first_retry_count,
-            _calls.c.tree_parent_seq,
-            _calls.c.tree_parent_choice,
-            _calls.c.tokens_len,
-            _calls.c.tokens_key,
-        ).where(_calls.c.trajectory_id.in_(trajectory_ids))
-    ):
+    for row in conn.execute(statements.stored, {"ids": trajectory_ids}):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
 
     by_trajectory: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
@@ -511,18 +633,18 @@ def _lineages(
         by_trajectory[record.trajectory_id].append(record)
     settlements = {t: _settle(stored[t], by_trajectory[t], hashes) for t in trajectory_ids}
     firsts = {(t, seq): first for t, settlement in settlements.items() for seq, first in settlement.first.items()}
-    kept: list[CallRecord] = []
+    kept: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
     for record in calls:
         if record.seq in settlements[record.trajectory_id].dropped:
             continue
         row = stored[record.trajectory_id].get((record.seq, record.choice_index))
         if row is None or _aware(row.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
-            kept.append(record)
+            kept[record.trajectory_id].append(record)
             digests[record.id] = message_digests(record.request, key_order)
 
     lineages: list[Lineage] = []
     for trajectory_id in trajectory_ids:
-        records = [r for r in kept if r.trajectory_id == trajectory_id]
+        records = kept[trajectory_id]
         removed = settlements[trajectory_id].removed
         rows = stored[trajectory_id]
         replaced = removed | {
@@ -655,7 +777,7 @@ def _lineages(
         _reparent_late(
             conn, trajectory_id, rows, records, candidates, replaced, full_calls, previous_of, same_agent_before
         )
-    ordered = [r for t in trajectory_ids for r in kept if r.trajectory_id == t]
+    ordered = [r for t in trajectory_ids for r in kept[t]]
     return ordered, lineages, firsts
 
 
@@ -682,21 +804,32 @@ def _in_tree(
     """The lineage with the call's tree parent (gateway.store.tree) and tree keys; the call then joins `candidates`
     (records come in (seq, choice) order, so every earlier one of the batch is there). A call that extends the
     predecessor it names (token_in) keeps it; any other is looked up among the trajectory's earlier calls by its
-    prompt's ids. A root gets its reason from `_root_reason`."""
+    prompt's ids. A root gets its reason from `_root_reason`. The Lineage is built once, not through
+    dataclasses.replace, which cost more than the placing itself for every record."""
     earlier = (c for c in candidates if c.seq < record.seq)
     parent, tokens = place(record.prompt_token_ids, record.completion_token_ids, earlier)
     if tokens is not None:
         candidates.append(Candidate(record.seq, record.choice_index, *tokens))
-    lineage = replace(lineage, tokens=tokens)
+    reason, divergence, tree_parent = lineage.reason, lineage.divergence, lineage.tree_parent
     if lineage.reason == EXTENDS and named is not None:
-        return replace(lineage, tree_parent=named)
-    if parent is not None:
-        return replace(lineage, reason=EXTENDS, divergence=None, tree_parent=(parent.seq, parent.choice_index))
-    if lineage.reason == EXTENDS and compared is not None:
+        tree_parent = named
+    elif parent is not None:
+        reason, divergence, tree_parent = EXTENDS, None, (parent.seq, parent.choice_index)
+    elif lineage.reason == EXTENDS and compared is not None:
         # It extends a call written before calls kept tree keys (revision 0009), which no lookup can find.
-        return replace(lineage, tree_parent=(compared.seq, 0))
-    reason, divergence = _root_reason(record.prompt_token_ids, own, compared, lineage, same_agent)
-    return replace(lineage, reason=reason, divergence=divergence)
+        tree_parent = (compared.seq, 0)
+    else:
+        reason, divergence = _root_reason(record.prompt_token_ids, own, compared, lineage, same_agent)
+    return Lineage(
+        reason=reason,
+        divergence=divergence,
+        parent_seq=lineage.parent_seq,
+        prefix_len=lineage.prefix_len,
+        messages_parent_seq=lineage.messages_parent_seq,
+        messages_prefix_len=lineage.messages_prefix_len,
+        tree_parent=tree_parent,
+        tokens=tokens,
+    )
 
 
 def _root_reason(
@@ -792,18 +925,50 @@ def _reparent_late(
 
 def _settle(rows: dict[tuple[int, int], Any], calls: list[CallRecord], hashes: dict[_Seq, bytes | None]) -> Settlement:
     """One trajectory's incoming records folded into its stored calls; each seq is seen through its newest row."""
-    stored: dict[int, Attempt] = {}
-    for (seq, _), row in sorted(rows.items(), key=lambda item: _aware(item[1].created_at)):
-        first = None if row.first_seq is None else (row.first_seq, row.first_retry_count)
-        created_at = _aware(row.created_at).timestamp()
-        stored[seq] = _attempt(seq, row.request_hash, row.retry_count, created_at, row.idempotency_key, first)
     incoming: dict[int, Attempt] = {}
     for record in calls:
         hash_ = hashes[(record.trajectory_id, record.seq)]
         attempt = _attempt(record.seq, hash_, record.retry_count, record.created_at, record.idempotency_key, None)
         if record.seq not in incoming or attempt.created_at > incoming[record.seq].created_at:
             incoming[record.seq] = attempt
+    if _unrelated(rows, incoming):
+        return _apart(rows, incoming)
+    stored: dict[int, Attempt] = {}
+    for (seq, _), row in sorted(rows.items(), key=lambda item: _aware(item[1].created_at)):
+        first = None if row.first_seq is None else (row.first_seq, row.first_retry_count)
+        created_at = _aware(row.created_at).timestamp()
+        stored[seq] = _attempt(seq, row.request_hash, row.retry_count, created_at, row.idempotency_key, first)
     return settle(stored.values(), incoming.values())
+
+
+def _unrelated(rows: dict[tuple[int, int], Any], incoming: dict[int, Attempt]) -> bool:
+    """Whether no incoming attempt can be an attempt of another call, stored or incoming: none is at a stored seq
+    and none shares its request hash with a stored row or another incoming attempt (gateway.store.attempts matches
+    attempts by hash only). The usual case: an agent's next turn, whose request differs from every earlier one."""
+    hashes = [attempt.request_hash for attempt in incoming.values() if attempt.request_hash is not None]
+    distinct = set(hashes)
+    if len(distinct) != len(hashes):
+        return False
+    if any(seq in incoming for seq, _ in rows):
+        return False
+    return not any(row.request_hash in distinct for row in rows.values())
+
+
+def _apart(rows: dict[tuple[int, int], Any], incoming: dict[int, Attempt]) -> Settlement:
+    """What `settle` gives for unrelated attempts (`_unrelated`), without matching each one against every stored
+    call of the trajectory: nothing dropped or removed, each incoming attempt its own first, each stored seq the
+    first its newest row holds (the last by created_at in stored order, as _settle's stable sort leaves it)."""
+    newest: dict[int, Any] = {}
+    for (seq, _), row in rows.items():
+        held = newest.get(seq)
+        if held is None or _aware(row.created_at) >= _aware(held.created_at):
+            newest[seq] = row
+    first = {
+        seq: (seq, row.retry_count) if row.first_seq is None else (row.first_seq, row.first_retry_count)
+        for seq, row in newest.items()
+    }
+    first.update((seq, (attempt.first_seq, attempt.first_retry_count)) for seq, attempt in incoming.items())
+    return Settlement(first=first)
 
 
 def _attempt(

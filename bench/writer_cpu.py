@@ -1,0 +1,188 @@
+"""The writer thread's CPU per record in `write_calls`, for the traffic shapes the gateway sees (issue 18).
+
+The writer shares a core and the GIL with the event loop, so its CPU per record (time.thread_time, client side:
+SQLAlchemy, psycopg and the lineage work, not the server's) costs gateway throughput directly. Shapes:
+  * single: every record its own trajectory and group (bench/gateway_overhead.py's traffic: no attribution, so each
+    call gets a generated trajectory), a short chat prompt and a 16-token answer;
+  * few: trajectories of 3 calls, one turn of each per batch, so every later turn finds its predecessor stored;
+  * multi: 24-turn agent trajectories (a growing chat history), one turn of each per batch.
+
+    .venv/bin/python bench/writer_cpu.py                      # throwaway Postgres cluster
+    .venv/bin/python bench/writer_cpu.py --url sqlite:////tmp/writer-cpu.db
+    .venv/bin/python bench/writer_cpu.py --profile /tmp/writer.prof --shapes single --batches 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import random
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script from anywhere, like the other benchmarks
+    sys.path.insert(0, str(REPO))
+
+from sqlalchemy import Engine  # noqa: E402
+
+from gateway.records import CallRecord  # noqa: E402
+from gateway.store import db  # noqa: E402
+from gateway.store.records import write_calls  # noqa: E402
+from tests.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
+
+ANSWER = "The capital of France is Paris."
+Batches = Callable[[int, int], Iterator[list[CallRecord]]]
+
+
+def _record(rng: random.Random, trajectory: str, group: str, seq: int, messages: list[dict[str, str]],
+            prompt: list[int]) -> CallRecord:
+    completion = [rng.randrange(50_000) for _ in range(16)]
+    now = time.time()
+    return CallRecord(
+        id=uuid.uuid4().hex,
+        run="bench",
+        base_model="smollm2",
+        trajectory_id=trajectory,
+        group_id=group,
+        group_size=None,
+        mode="train",
+        seq=seq,
+        choice_index=0,
+        policy_version=0,
+        endpoint="chat",
+        stream=False,
+        request={"model": "bench", "messages": messages, "max_tokens": 16, "temperature": 0},
+        response={
+            "id": f"chatcmpl-{uuid.uuid4().hex[:16]}",
+            "object": "chat.completion",
+            "created": int(now),
+            "model": "smollm2",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": ANSWER}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": 16, "total_tokens": len(prompt) + 16},
+        },
+        prompt_token_ids=prompt,
+        completion_token_ids=completion,
+        completion_logprobs=[-rng.random() for _ in completion],
+        finish_reason="length",
+        usage={"prompt_tokens": len(prompt), "completion_tokens": 16, "total_tokens": len(prompt) + 16},
+        status_code=200,
+        error=None,
+        trainable=True,
+        untrainable_reason=None,
+        latency_ms=3.2,
+        ttft_ms=None,
+        retry_count=0,
+        idempotency_key=None,
+        created_at=now,
+    )
+
+
+def single(batch: int, count: int) -> Iterator[list[CallRecord]]:
+    rng = random.Random(0)
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    for _ in range(count):
+        out = []
+        for _ in range(batch):
+            trajectory = f"gen-{uuid.uuid4().hex}"
+            out.append(_record(rng, trajectory, trajectory, 0, question, [rng.randrange(50_000) for _ in range(30)]))
+        yield out
+
+
+def _turns(turns: int) -> Batches:
+    def batches(batch: int, count: int) -> Iterator[list[CallRecord]]:
+        rng = random.Random(1)
+        system = {"role": "system", "content": "You are a careful agent. " * 20}
+        while count > 0:
+            names = [f"agent-{uuid.uuid4().hex}" for _ in range(batch)]
+            history: dict[str, tuple[list[dict[str, str]], list[int]]] = {
+                name: ([system], [rng.randrange(50_000) for _ in range(200)]) for name in names
+            }
+            for seq in range(min(turns, count)):
+                out = []
+                for name in names:
+                    messages, ids = history[name]
+                    messages = [*messages, {"role": "user", "content": f"step {seq}: look at file {seq}.py"}]
+                    ids = ids + [rng.randrange(50_000) for _ in range(40)]
+                    record = _record(rng, name, f"group-{name}", seq, messages, ids)
+                    out.append(record)
+                    reply = {"role": "assistant", "content": ANSWER}
+                    history[name] = ([*messages, reply], ids + (record.completion_token_ids or []))
+                yield out
+            count -= turns
+
+    return batches
+
+
+SHAPES: dict[str, Batches] = {"single": single, "few": _turns(3), "multi": _turns(24)}
+
+
+def measure(engine: Engine, shape: str, batch: int, count: int, profile: cProfile.Profile | None) -> float:
+    """CPU microseconds per record over `count` batches, after one warm-up batch."""
+    batches = list(SHAPES[shape](batch, count + 1))
+    write_calls(engine, batches[0])
+    cpu = 0.0
+    records = 0
+    for records_batch in batches[1:]:
+        if profile is not None:
+            profile.enable()
+        start = time.thread_time()
+        write_calls(engine, records_batch)
+        cpu += time.thread_time() - start
+        if profile is not None:
+            profile.disable()
+        records += len(records_batch)
+    return cpu / records * 1e6
+
+
+def run(url: str, args: argparse.Namespace) -> None:
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    profile = cProfile.Profile(time.thread_time) if args.profile else None  # CPU, not waits
+    try:
+        for shape in args.shapes:
+            for batch in args.batches:
+                samples = [measure(engine, shape, batch, args.count, profile) for _ in range(args.repeat)]
+                shown = " ".join(f"{s:.0f}" for s in samples)
+                print(f"{engine.dialect.name} {shape:6} batch {batch:3}: {min(samples):5.0f} us/record CPU "
+                      f"(samples {shown})", flush=True)
+    finally:
+        engine.dispose()
+    if profile is not None:
+        profile.dump_stats(args.profile)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--url", help="Postgres server URL (a scratch database is made on it) or SQLite URL")
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--batches", nargs="+", type=int, default=[16, 64, 128], help="records per write_calls")
+    parser.add_argument("--count", type=int, default=24, help="batches measured per sample")
+    parser.add_argument("--repeat", type=int, default=3, help="samples per shape and batch size")
+    parser.add_argument("--profile", help="write cProfile stats of the measured batches here")
+    args = parser.parse_args()
+
+    if args.url and args.url.startswith("sqlite"):
+        Path(args.url.removeprefix("sqlite:///")).unlink(missing_ok=True)
+        run(args.url, args)
+        return
+    cluster = None
+    server = args.url
+    if server is None:
+        cluster = PgCluster()
+        cluster.start()
+        server = cluster.url()
+    url = create_database(server.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        run(url, args)
+    finally:
+        drop_database(url)
+        if cluster is not None:
+            cluster.destroy()
+
+
+if __name__ == "__main__":
+    main()
