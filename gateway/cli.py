@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -83,6 +84,24 @@ def uvicorn_config(
     )
 
 
+# The cyclic garbage collector's thresholds for the server process: a young-generation pass every 10,000 net
+# allocations instead of 700, the older ones ten times rarer each (Python's own: 700, 10, 10).
+GC_THRESHOLDS = (10_000, 10, 10)
+
+
+def _tune_gc() -> None:
+    """Keep the cyclic garbage collector off the hot path. Measured on `bench/gateway_overhead.py`: with Python's
+    defaults the gateway paused for 0.5-4 ms some 250 times in a 30 s run and a full collection, walking every
+    object the process built at start-up (SQLAlchemy's metadata, FastAPI's routes, the modules), took 115-211 ms. What
+    is alive once the app is built stays alive, so it is moved out of the collector's sight (`gc.freeze`, after one
+    collection so no garbage is frozen with it), and the young generation is collected more rarely: in the same run,
+    13 pauses over 0.5 ms, the longest 10 ms. The statements the gateway runs every second or more often are built
+    once (gateway/store/runs.py, gateway/store/peers.py): rebuilt each time, they were most of its cyclic garbage."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -94,6 +113,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         settings.port = args.port
     _setup_logging(args.log_level)
     app = create_app(settings)
+    _tune_gc()
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -10,10 +10,11 @@ On SQLite (one host; gateways there do not wait for each other) a moment is that
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
-from sqlalchemy import BigInteger, ColumnElement, Connection, Engine, Float, Table, delete, func, select
+from sqlalchemy import BigInteger, ColumnElement, Connection, Engine, Float, Table, bindparam, delete, func, select
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects import postgresql, sqlite
 
@@ -36,14 +37,37 @@ def _moment(dialect: str) -> ColumnElement[int]:
     return sql_cast((func.julianday("now") - 2440587.5) * 86_400_000_000, BigInteger)
 
 
+# The heartbeat's statements are built once per dialect: built ten times a second, their constructs were reference
+# cycles the gateway's cyclic garbage collector had to find, with pauses on the hot path.
+@functools.cache
+def _clock_query(dialect: str) -> Any:
+    return select(_clock(dialect))
+
+
+@functools.cache
+def _moment_query(dialect: str) -> Any:
+    return select(_moment(dialect))
+
+
+@functools.cache
+def _beat_statements(dialect: str, with_flushed: bool) -> tuple[Any, Any]:
+    insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(_peers)
+    updates: dict[str, Any] = {"seen_at": insert.excluded.seen_at}
+    if with_flushed:
+        updates["flushed_through"] = insert.excluded.flushed_through
+    upsert = insert.on_conflict_do_update(index_elements=["gateway_id"], set_=updates)
+    forget = delete(_peers).where(_peers.c.seen_at < bindparam("before"))
+    return upsert, forget
+
+
 def clock(conn: Connection) -> float:
     """The database's time now, in seconds since the epoch."""
-    return float(conn.execute(select(_clock(conn.dialect.name))).scalar_one())
+    return float(conn.execute(_clock_query(conn.dialect.name)).scalar_one())
 
 
 def moment(conn: Connection) -> int:
     """A new moment: larger than every moment taken before this call began, on any connection."""
-    return int(conn.execute(select(_moment(conn.dialect.name))).scalar_one())
+    return int(conn.execute(_moment_query(conn.dialect.name)).scalar_one())
 
 
 def beat(
@@ -55,15 +79,10 @@ def beat(
     with engine.begin() as conn:
         now = clock(conn)
         flushed = flushed_through(moment(conn))
-        make_insert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-        insert = make_insert(_peers).values(
-            gateway_id=gateway_id, started_at=now, seen_at=now, flushed_through=flushed
-        )
-        updates: dict[str, Any] = {"seen_at": insert.excluded.seen_at}
-        if flushed is not None:
-            updates["flushed_through"] = insert.excluded.flushed_through
-        conn.execute(insert.on_conflict_do_update(index_elements=["gateway_id"], set_=updates))
-        conn.execute(delete(_peers).where(_peers.c.seen_at < now - forget_after_s))
+        upsert, forget = _beat_statements(conn.dialect.name, flushed is not None)
+        row = {"gateway_id": gateway_id, "started_at": now, "seen_at": now, "flushed_through": flushed}
+        conn.execute(upsert, row)
+        conn.execute(forget, {"before": now - forget_after_s})
 
 
 def behind(engine: Engine, gateway_id: str, at: int | None, alive_s: float) -> tuple[int, list[str]]:

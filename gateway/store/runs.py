@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -53,17 +55,23 @@ def _current_versions() -> Any:
     )
 
 
-def route_table(engine: Engine) -> list[RouteRow]:
-    """Everything the gateway's in-memory router needs, in one query (it runs every second)."""
+@functools.cache
+def _route_query() -> Any:
+    """Built once: its subqueries copy columns into reference cycles, and rebuilt every second they were most of
+    the garbage the gateway's cyclic collector had to find (pauses of milliseconds on the hot path)."""
     current = _current_versions()
     trained = select(TrainerLease.run).where(TrainerLease.run == Run.name).exists() | (
         select(TrainStep.run).where(TrainStep.run == Run.name).exists()
     )
-    query = select(
+    return select(
         Run.name, Run.base_model, Run.config, current.c.step, current.c.served_name, trained.label("trained")
     ).outerjoin(current, current.c.run == Run.name)
+
+
+def route_table(engine: Engine) -> list[RouteRow]:
+    """Everything the gateway's in-memory router needs, in one query (it runs every second)."""
     with engine.connect() as conn:
-        rows = conn.execute(query).all()
+        rows = conn.execute(_route_query()).all()
     defaults = RunConfig.model_fields
     routes = []
     for row in rows:
