@@ -66,7 +66,9 @@ class Replicas:
 
     def pick(self, trajectory_id: str | None, served_name: str | None, avoid: Replica | None = None) -> Replica:
         """The trajectory's replica if it is still usable for this served name, else the least-loaded usable one
-        (which the trajectory then sticks to)."""
+        (which the trajectory then sticks to). With one replica there is nothing to choose or remember."""
+        if not self.several:
+            return self.all[0]
         candidates = self.usable(served_name, avoid)
         if trajectory_id is not None:
             current = self._sticky.get(trajectory_id)

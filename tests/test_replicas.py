@@ -268,3 +268,11 @@ def test_no_reachable_replica_is_a_failed_publication(committed_step: Any, tmp_p
 def test_one_upstream_url_keeps_a_single_admin() -> None:
     assert type(vllm_admin(["http://a:8000/v1"])).__name__ == "VllmAdmin"
     assert len(vllm_admin(["http://a:8000/v1", "http://b:8000/v1"]).replicas()) == 2
+
+
+def test_one_replica_remembers_no_trajectories() -> None:
+    """With a single upstream every call goes to it: no placement and no sticky map growing with every trajectory
+    (it held up to 100,000 entries for nothing, and the garbage collector walked them)."""
+    replicas = Replicas(["http://vllm:8000/v1"])
+    picked = {replicas.pick(f"t{i}", "smollm2") for i in range(1000)}
+    assert picked == {replicas.all[0]} and len(replicas._sticky) == 0
