@@ -21,7 +21,7 @@ import pytest
 
 from bench.fast_upstream import pick_chat_fixture, stream_from_answer
 from gateway import capture
-from gateway.capture import CHAT, COMPLETIONS, ClientAsks, StreamAssembler, strip_for_client
+from gateway.capture import CHAT, COMPLETIONS, ClientAsks, StreamAssembler, _ChoiceParts, strip_for_client
 from tests.fake_upstream import load_fixtures
 from tests.stream_relay import relay, relay_proxy, sse_reads
 
@@ -30,32 +30,13 @@ ALL_ASKS = [ClientAsks(logprobs=lp, token_ids=ids) for lp in (False, True) for i
 TIMING = ("latency_ms", "ttft_ms", "created_at")
 
 
-class _ReferenceParts:
-    def __init__(self) -> None:
-        self.role: str | None = None
-        self.text: list[str] = []
-        self.reasoning: list[str] = []
-        self.tool_calls: dict[int, dict[str, Any]] = {}
-        self.token_ids: list[int] = []
-        self.logprob_entries: list[Any] = []
-        self.has_logprobs = False
-        self.prompt_token_ids: list[int] | None = None
-        self.finish_reason: str | None = None
-        self.stop_reason: Any = None
-
-
-class ReferenceAssembler:
+class ReferenceAssembler(StreamAssembler):
     """The assembler as it was before the fast path: every key fetched, every delta read in full; with `strip`,
-    `strip_for_client` afterwards, as the relay used to call it."""
+    `strip_for_client` afterwards, as the relay used to call it. (`response` is the assembler's own, unchanged.)"""
 
     def __init__(self, endpoint: str, strip: ClientAsks | None = None) -> None:
-        self.endpoint = endpoint
+        super().__init__(endpoint)
         self.strip = strip
-        self.head: dict[str, Any] = {}
-        self.prompt_token_ids: list[int] | None = None
-        self.usage: dict[str, Any] | None = None
-        self.chunks = 0
-        self._choices: dict[int, _ReferenceParts] = {}
 
     def feed(self, chunk: dict[str, Any]) -> None:
         self.chunks += 1
@@ -71,7 +52,7 @@ class ReferenceAssembler:
             index = choice.get("index", 0)
             parts = self._choices.get(index)
             if parts is None:
-                parts = self._choices[index] = _ReferenceParts()
+                parts = self._choices[index] = _ChoiceParts()
             if choice.get("prompt_token_ids") is not None:
                 parts.prompt_token_ids = choice["prompt_token_ids"]
             if choice.get("token_ids"):
@@ -93,57 +74,11 @@ class ReferenceAssembler:
             strip_for_client(chunk, self.strip)
 
     @staticmethod
-    def _feed_delta(parts: _ReferenceParts, delta: dict[str, Any]) -> None:
-        if delta.get("role"):
-            parts.role = delta["role"]
+    def _feed_delta(parts: _ChoiceParts, delta: dict[str, Any]) -> None:
+        """The whole delta: its content here, the rest (role, reasoning, tool calls: unchanged) as the assembler does."""
         if delta.get("content"):
             parts.text.append(delta["content"])
-        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-        if reasoning:
-            parts.reasoning.append(reasoning)
-        for call in delta.get("tool_calls") or ():
-            slot = parts.tool_calls.setdefault(
-                call.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
-            )
-            if call.get("id"):
-                slot["id"] = call["id"]
-            if call.get("type"):
-                slot["type"] = call["type"]
-            function = call.get("function") or {}
-            if function.get("name"):
-                slot["function"]["name"] += function["name"]
-            if function.get("arguments"):
-                slot["function"]["arguments"] += function["arguments"]
-
-    def response(self) -> dict[str, Any]:
-        choices = []
-        for index in sorted(self._choices):
-            parts = self._choices[index]
-            choice: dict[str, Any] = {"index": index}
-            if self.endpoint == CHAT:
-                message: dict[str, Any] = {"role": parts.role or "assistant", "content": "".join(parts.text) or None}
-                if parts.reasoning:
-                    message["reasoning_content"] = "".join(parts.reasoning)
-                if parts.tool_calls:
-                    message["tool_calls"] = [parts.tool_calls[i] for i in sorted(parts.tool_calls)]
-                choice["message"] = message
-                choice["logprobs"] = {"content": parts.logprob_entries} if parts.has_logprobs else None
-            else:
-                choice["text"] = "".join(parts.text)
-                choice["prompt_token_ids"] = parts.prompt_token_ids
-                choice["logprobs"] = {"token_logprobs": parts.logprob_entries} if parts.has_logprobs else None
-            choice["finish_reason"] = parts.finish_reason
-            choice["stop_reason"] = parts.stop_reason
-            choice["token_ids"] = parts.token_ids or None
-            choices.append(choice)
-        kind = "chat.completion" if self.endpoint == CHAT else "text_completion"
-        return {
-            **self.head,
-            "object": kind,
-            "choices": choices,
-            "usage": self.usage,
-            "prompt_token_ids": self.prompt_token_ids,
-        }
+        StreamAssembler._feed_delta(parts, delta)
 
 
 # ---------------------------------------------------------------------------------------------------------------
