@@ -73,6 +73,12 @@ def _stored_as(engine: Engine, trajectory_id: str, group_id: str) -> list[dict]:
             request={"model": "run-a", "messages": [{"role": "user", "content": "hi \u2603", "extra": [1, None]}]},
             response={"choices": [{"index": 0}, {"index": 1, "message": {"content": "x"}}]},
         ),
+        make_record(
+            trajectory_id, 3, seed=5, group_id=group_id, created_at=1_700_000_003.0, latency_ms=math.inf,
+            ttft_ms=-math.inf, error='quote " backslash \\ newline \n',
+            request={"model": "run-a", "messages": [{"role": "user", "content": "nul \x00 inside"}]},
+            usage={1: "a key that is not a string", "nested": {"x": 1.5e300}},
+        ),
     ]
     write_calls(engine, batch)
     calls = [
@@ -105,7 +111,8 @@ def test_calls_are_stored_as_sqlalchemys_own_upsert_stores_them(
     monkeypatch.setattr(records, "_execute_many", lambda conn, statement, rows: conn.execute(statement, rows))
     monkeypatch.setattr(records, "_insert_rows", lambda conn, bulk, rows: conn.execute(bulk.rowwise, rows))
     generic = _stored_as(engine, "traj-generic", "group-generic")
-    assert len(direct) == 6 and direct == generic
+    assert len(direct) == 7 and direct == generic
+    assert direct[3]["latency_ms"] == math.inf and direct[3]["request"]["messages"][0]["content"] == "nul \ufffd inside"
 
 
 def test_missing_arrays_stay_null(engine: Engine) -> None:
@@ -234,6 +241,8 @@ def test_a_value_longer_than_its_column_is_refused_not_cut(pg_url: str) -> None:
         db.upgrade(pg_url)
         with pytest.raises(DataError):
             write_calls(engine, [make_record(finish_reason="x" * 40)])
+        with pytest.raises(DataError):  # text cannot hold a NUL: refused, as a row-by-row insert refuses it
+            write_calls(engine, [make_record(error="a \x00 b")])
         write_calls(engine, [make_record(finish_reason="x" * 32)])
         assert _calls(engine, "traj-1")[0]["finish_reason"] == "x" * 32
     finally:

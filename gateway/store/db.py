@@ -23,17 +23,17 @@ def _json_dumps(value: object) -> str:
     The check is a byte search on the output, so values without one pay nothing more."""
     data = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS)
     if b"\\u0000" in data:
-        data = orjson.dumps(_without_nul(value), option=orjson.OPT_NON_STR_KEYS)
+        data = orjson.dumps(without_nul(value), option=orjson.OPT_NON_STR_KEYS)
     return data.decode()
 
 
-def _without_nul(value: object) -> object:
+def without_nul(value: object) -> object:
     if isinstance(value, str):
         return value.replace("\x00", "\ufffd")
     if isinstance(value, dict):
-        return {_without_nul(k): _without_nul(v) for k, v in value.items()}
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_without_nul(item) for item in value]
+        return [without_nul(item) for item in value]
     return value
 
 

@@ -10,6 +10,8 @@ reach the database after its retry.
 
 from __future__ import annotations
 
+import base64
+import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -26,24 +28,33 @@ from sqlalchemy import (
     Dialect,
     Engine,
     Executable,
+    JSON,
     Float,
+    LargeBinary,
+    Text,
     String,
     Table,
     any_,
     bindparam,
+    column,
     delete,
     func,
+    literal_column,
     select,
     text,
     update,
 )
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
+
+import orjson
 
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
 from gateway.store.attempts import Attempt, Settlement, request_hash, settle
 from gateway.store.lineage import EXTENDS, Lineage, Predecessor, Rebuilder, classify
+from gateway.store.db import without_nul
 from gateway.store.messages import (
     compact_request,
     first_message,
@@ -68,43 +79,100 @@ _TRAJECTORY_KEYS = ("trajectory_id", "run", "group_id", "mode", "created_at")
 
 
 class _Bulk(NamedTuple):
-    """A batch's rows into one table as one statement. On Postgres `INSERT ... SELECT * FROM unnest(one array per
-    column)`: psycopg's executemany pays a round of Python per row (its parameters reordered and dumped, the
-    prepared-statement bookkeeping, a pipeline send and result), which was a third of the writer's CPU at batches of
-    64 (bench/writer_cpu.py); one execution with arrays pays that once. Rows go in in the order given, so locks are
-    still taken in key order. On SQLite (no arrays) the plain insert, executed once per row."""
+    """A batch's rows into one table as one statement. On Postgres `INSERT ... SELECT ... FROM
+    jsonb_to_recordset(the rows as one JSON document)`: the client's work per batch is one orjson dump, in C, and
+    Postgres parses the rows on its own core. psycopg's executemany paid a round of Python per row, and its binary
+    array dumper (the path before this one: one array per column) a round of Python per value, together half of the
+    writer thread's CPU (bench/writer_cpu.py). Rows go in in the order given, so locks are still taken in key order.
+    On SQLite the plain insert, executed once per row."""
 
     statement: Executable
     rowwise: Executable  # the same upsert as INSERT ... VALUES, executed once per row
     keys: tuple[str, ...]  # what each row gives
     # Columns the rows leave out whose model default is Python-side: SQLAlchemy fills those in for an INSERT ...
-    # VALUES but not for INSERT ... SELECT, so they get an array of their own, the default evaluated per row.
+    # VALUES but not for INSERT ... SELECT, so they are added to each row, the default evaluated per row.
     defaults: tuple[tuple[str, Callable[[], Any]], ...]
-    floats: tuple[str, ...]  # float columns: psycopg refuses a list that mixes int and float
+    floats: tuple[str, ...]  # float columns: JSON has no NaN or infinity, so those travel as Postgres spells them
+    json: tuple[str, ...]  # JSON columns: a NUL character in them is replaced, as in every other write
 
 
 def _bulk(table: Table, keys: tuple[str, ...], dialect: str, on_conflict: Callable[[Any], Executable]) -> _Bulk:
     insert: Callable[..., Any] = postgresql.insert if dialect == "postgresql" else sqlite.insert
     rowwise = on_conflict(insert(table))
     if dialect != "postgresql":
-        return _Bulk(rowwise, rowwise, keys, (), ())
+        return _Bulk(rowwise, rowwise, keys, (), (), ())
     defaults = tuple(
         (c.name, partial(_default_value, c.default))
         for c in table.columns
         if c.name not in keys and c.default is not None and not getattr(c.default, "is_sequence", False)
     )
-    names = (*keys, *(name for name, _ in defaults))
-    # Arrays of unbounded strings: a cast to varchar(n) would silently cut a longer value, where the insert's own
-    # assignment to the column refuses it (the record is then set aside, as with a row-by-row insert).
-    types = [String() if isinstance(table.c[name].type, String) else table.c[name].type for name in names]
-    arrays = [bindparam(name, type_=postgresql.ARRAY(type_)) for name, type_ in zip(names, types)]
-    source = func.unnest(*arrays).table_valued(*names).render_derived()
-    floats = tuple(name for name in names if isinstance(table.c[name].type, Float))
-    return _Bulk(on_conflict(insert(table).from_select(names, select(*source.c))), rowwise, keys, defaults, floats)
+    kinds = {name: table.c[name].type for name in (*keys, *(name for name, _ in defaults))}
+    source = (
+        func.jsonb_to_recordset(sql_cast(bindparam("rows", type_=Text()), postgresql.JSONB))
+        .table_valued(*(column(name, _recordset_type(kind)) for name, kind in kinds.items()))
+        .render_derived(name="batch", with_types=True)
+    )
+    values = [_from_recordset(source.c[name], kind) for name, kind in kinds.items()]
+    return _Bulk(
+        on_conflict(insert(table).from_select(list(kinds), select(*values))),
+        rowwise,
+        keys,
+        defaults,
+        floats=tuple(name for name, kind in kinds.items() if isinstance(kind, Float)),
+        json=tuple(name for name, kind in kinds.items() if isinstance(kind, JSON)),
+    )
+
+
+def _recordset_type(kind: Any) -> Any:
+    """The type a column is read from the JSON rows as. Strings as unbounded text: a varchar(n) there would
+    silently cut a longer value, where the insert's own assignment to the column refuses it (the record is then set
+    aside, as with a row-by-row insert). Bytes as base64 text, JSON as JSONB."""
+    if isinstance(kind, (String, LargeBinary)):
+        return Text()
+    if isinstance(kind, JSON):
+        return postgresql.JSONB()
+    return kind
+
+
+def _from_recordset(value: Any, kind: Any) -> Any:
+    if isinstance(kind, LargeBinary):
+        return func.decode(value, literal_column("'base64'"))
+    if isinstance(kind, JSON):
+        # A JSON null reads as SQL NULL; SQLAlchemy stores None in a JSON column as JSON null, and so does this.
+        return func.coalesce(value, literal_column("'null'::jsonb"))
+    return value
 
 
 def _default_value(default: Any) -> Any:
     return default.arg(None) if default.is_callable else default.arg
+
+
+def _bytes_as_base64(value: Any) -> str:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(value).decode()
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+_NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+def _recordset(bulk: _Bulk, rows: list[dict[str, Any]]) -> str:
+    """The rows as the JSON document `bulk.statement` reads."""
+    if bulk.defaults:
+        rows = [{**row, **{name: default() for name, default in bulk.defaults}} for row in rows]
+    for name in bulk.floats:
+        for row in rows:
+            value = row[name]
+            if type(value) is float and not math.isfinite(value):
+                row[name] = _NON_FINITE.get(value, "NaN")
+    try:
+        payload = orjson.dumps(rows, default=_bytes_as_base64)
+    except TypeError:  # keys that are not strings, somewhere in a JSON column's value
+        payload = orjson.dumps(rows, default=_bytes_as_base64, option=orjson.OPT_NON_STR_KEYS)
+    if b"\\u0000" in payload and bulk.json:
+        rows = [{**row, **{name: without_nul(row[name]) for name in bulk.json}} for row in rows]
+        payload = orjson.dumps(rows, default=_bytes_as_base64, option=orjson.OPT_NON_STR_KEYS)
+    return payload.decode()
 
 
 def _insert_rows(conn: Connection, bulk: _Bulk, rows: list[dict[str, Any]]) -> None:
@@ -116,24 +184,8 @@ def _insert_rows(conn: Connection, bulk: _Bulk, rows: list[dict[str, Any]]) -> N
     if conn.dialect.name != "postgresql":
         conn.execute(bulk.rowwise, rows)
         return
-    arrays = {name: [row[name] for row in rows] for name in bulk.keys}
-    for name, default in bulk.defaults:
-        arrays[name] = [default() for _ in rows]
-    for name in bulk.floats:
-        arrays[name] = [float(v) if type(v) is int else v for v in arrays[name]]
-    compiled = _compile(conn.dialect, bulk.statement, tuple(arrays))
-    for name, processor in compiled.processors:
-        arrays[name] = processor(arrays[name])
-    conn.exec_driver_sql(_binary_arrays(compiled.sql, tuple(arrays)), cast(Any, arrays))
-
-
-@cache
-def _binary_arrays(sql: str, names: tuple[str, ...]) -> str:
-    """The statement with its arrays sent in psycopg's binary format (`%(name)b`): as text (what `%(name)s` picks
-    for strings) psycopg escapes every element with a regular expression, which cost more than the rows saved."""
-    for name in names:
-        sql = sql.replace(f"%({name})s", f"%({name})b")
-    return sql
+    compiled = _compile(conn.dialect, bulk.statement, ("rows",))
+    conn.exec_driver_sql(compiled.sql, {"rows": _recordset(bulk, rows)})
 
 
 class _Statements(NamedTuple):
