@@ -6,6 +6,7 @@ import math
 import random
 from datetime import UTC, datetime
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, select, text
@@ -113,6 +114,35 @@ def test_calls_are_stored_as_sqlalchemys_own_upsert_stores_them(
     generic = _stored_as(engine, "traj-generic", "group-generic")
     assert len(direct) == 7 and direct == generic
     assert direct[3]["latency_ms"] == math.inf and direct[3]["request"]["messages"][0]["content"] == "nul \ufffd inside"
+
+
+def test_a_batch_too_big_for_one_json_document_goes_in_parts(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Postgres takes a batch as one JSONB document (records._insert_rows), which holds at most 255 MB: past
+    MAX_DOCUMENT_BYTES the rows go in several documents, every row stored and none sent twice."""
+    db.upgrade(pg_url)
+    engine = db.make_engine(pg_url)
+    sizes: list[int] = []
+    real = records._recordset
+
+    def measured(bulk: Any, rows: Any) -> str:
+        document = real(bulk, rows)
+        sizes.append(len(document))
+        return document
+
+    monkeypatch.setattr(records, "MAX_DOCUMENT_BYTES", 20_000)
+    monkeypatch.setattr(records, "_recordset", measured)
+    try:
+        batch = [make_record(f"big-{n}", 0, prompt_tokens=1000, seed=n) for n in range(12)]
+        write_calls(engine, batch)
+        stored = {row["id"]: row for n in range(12) for row in _calls(engine, f"big-{n}")}
+    finally:
+        engine.dispose()
+    assert sorted(stored) == sorted(record.id for record in batch)
+    assert all(decode_ids(stored[r.id]["prompt_token_ids"]) == r.prompt_token_ids for r in batch)
+    sent = [size for size in sizes if size <= 20_000]
+    assert len(sent) > 3 and max(sent) <= 20_000  # the calls went in parts, each within the limit
 
 
 def test_missing_arrays_stay_null(engine: Engine) -> None:

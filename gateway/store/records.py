@@ -10,7 +10,7 @@ reach the database after its retry.
 
 from __future__ import annotations
 
-import base64
+import binascii
 import math
 import threading
 import weakref
@@ -149,7 +149,7 @@ def _default_value(default: Any) -> Any:
 
 def _bytes_as_base64(value: Any) -> str:
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return base64.b64encode(value).decode()
+        return binascii.b2a_base64(value, newline=False).decode("ascii")
     raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
 
 
@@ -185,7 +185,25 @@ def _insert_rows(conn: Connection, bulk: _Bulk, rows: list[dict[str, Any]]) -> N
         conn.execute(bulk.rowwise, rows)
         return
     compiled = _compile(conn.dialect, bulk.statement, ("rows",))
-    conn.exec_driver_sql(compiled.sql, {"rows": _recordset(bulk, rows)})
+    for document in _documents(bulk, rows):
+        conn.exec_driver_sql(compiled.sql, {"rows": document})
+
+
+# A JSONB value holds at most 255 MB, and a batch of long agent calls (a 100k-token prompt is 400 KB of ids alone,
+# plus its request) can exceed that: such a batch goes in several statements of the same transaction.
+MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
+
+
+def _documents(bulk: _Bulk, rows: list[dict[str, Any]]) -> Iterator[str]:
+    """The rows as one JSON document, or, past MAX_DOCUMENT_BYTES, as documents of halves (in order, so locks are
+    still taken in key order)."""
+    document = _recordset(bulk, rows)
+    if len(document) <= MAX_DOCUMENT_BYTES or len(rows) == 1:
+        yield document
+        return
+    middle = len(rows) // 2
+    yield from _documents(bulk, rows[:middle])
+    yield from _documents(bulk, rows[middle:])
 
 
 class _Statements(NamedTuple):
