@@ -35,6 +35,7 @@ from gateway.store.db import make_engine
 from gateway.threads import name_os_thread
 from gateway.token_text import TokenTextCache
 from gateway.writer import RecordWriter
+from gateway.writer_process import WriterProcess
 
 log = logging.getLogger("trajgate.gateway")
 
@@ -62,12 +63,16 @@ class GatewayState:
 
 def build_state(settings: Settings) -> GatewayState:
     engine = make_engine(settings.database_url)
+    process = None
+    if settings.writer_process and engine.dialect.name == "postgresql":
+        process = WriterProcess(engine.url.render_as_string(hide_password=False), settings.writer_nice)
     writer = RecordWriter(
         engine,
         settings.spool_dir,
         queue_size=settings.writer_queue_size,
         batch_size=settings.writer_batch_size,
         fsync_interval_s=settings.wal_fsync_ms / 1000,
+        process=process,
     )
     policy_router = PolicyRouter(settings.base_model)
     auth = Auth(settings.agent_keys, settings.admin_key)

@@ -61,6 +61,19 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
     writer_queue_size: int = Field(10_000, ge=1, description="Records held in memory before spilling to the spool.")
     writer_batch_size: int = Field(256, ge=1, description="Records per database transaction.")
+    writer_process: bool = Field(
+        False,
+        description="On Postgres, write batches from a process of its own (gateway.writer_process): for a machine with "
+        "a core to spare, where the database work then takes neither the event loop's GIL nor its core. On one shared "
+        "core it delays calls or lags (bench/README.md). SQLite always writes on the writer thread.",
+    )
+    writer_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="How much lower the writer process's OS priority is than the gateway's: higher delays answers less "
+        "on a busy core and lets records reach the database later.",
+    )
     max_header_bytes: int = Field(65_536, ge=1024, description="Largest request head (431 above).")
     request_read_timeout_s: float = Field(
         60.0, gt=0, description="Longest time from a request's first byte to the end of its body (408, or closed)."

@@ -7,7 +7,9 @@ being killed), then puts it on a bounded in-memory queue; one background thread 
 in batches. A segment of the log is removed once every record in it is committed. Records the queue has no room
 for, and batches the database cannot take while it is away, are dropped from memory (so memory stays bounded) and
 stored later by replaying the log, as is whatever a killed process left. Every write is an idempotent upsert (see
-gateway.store.records), which is what makes replaying a record that was already stored harmless.
+gateway.store.records), which is what makes replaying a record that was already stored harmless. With
+TRAJGATE_WRITER_PROCESS the thread hands each batch's database work to a process of its own (gateway.writer_process)
+and waits without the GIL; everything else stays here.
 
 Power loss takes what the page cache held: a second thread fsyncs the current segment (and the directory, after
 segments are created or removed) every fsync interval, so at most that interval's answered calls are at risk;
@@ -46,6 +48,7 @@ from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, decode_logprobs, encode_ids, encode_logprobs
 from gateway.store.records import ping, write_calls
 from gateway.threads import name_os_thread
+from gateway.writer_process import WriteFailed, WriterProcess
 
 log = logging.getLogger("trajgate.writer")
 
@@ -386,16 +389,18 @@ class _Spool:
         return total
 
 
-def _reason(exc: BaseException) -> str:
+def reason(exc: BaseException) -> str:
     """The driver's first line only: SQLAlchemy's message carries the SQL and its parameters (whole records)."""
     text = str(getattr(exc, "orig", None) or exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def _is_record_error(exc: BaseException) -> bool:
+def is_record_error(exc: BaseException) -> bool:
     """Whether the failure is about the data of some record (retrying it can never succeed) rather than the
     database being unavailable (retrying later will). Unknown database errors count as unavailability, so a
     misconfigured or read-only database spools records instead of rejecting them."""
+    if isinstance(exc, WriteFailed):
+        return exc.record
     if isinstance(exc, (IntegrityError, DataError)):
         return True
     if isinstance(exc, DBAPIError):
@@ -405,7 +410,8 @@ def _is_record_error(exc: BaseException) -> bool:
     return not isinstance(exc, SQLAlchemyError)  # e.g. a token id that does not fit int32
 
 
-_Entry = tuple[CallRecord, "_Segment | None"]  # a record and the log segment holding it (None: not logged)
+# A record, the log segment holding it (None: not logged) and its spool line (None: it could not be made).
+_Entry = tuple[CallRecord, "_Segment | None", bytes | None]
 
 
 class _Syncer:
@@ -453,8 +459,10 @@ class RecordWriter:
         segment_bytes: int = 16 * 1024 * 1024,
         segment_age_s: float = 1.0,
         fsync: Callable[[int], None] = os.fsync,
+        process: WriterProcess | None = None,
     ) -> None:
         self._engine = engine
+        self._process = process  # where batches are written; None: on the writer thread itself
         self._spool = _Spool(Path(spool_dir), segment_bytes, sync_each=fsync_interval_s == 0, fsync=fsync)
         self._syncer = _Syncer(self._sync, fsync_interval_s) if fsync_interval_s > 0 else None
         self._queue: queue.Queue[_Entry] = queue.Queue(maxsize=queue_size)
@@ -496,14 +504,14 @@ class RecordWriter:
     def submit(self, record: CallRecord) -> None:
         """Append the record to the log (so it survives a crash once this returns), then hand it to the writer
         thread without waiting: the queue if it has room; if not, the logged copy is all there is until replay."""
-        segment = self._log(record)
+        segment, line = self._log(record)
         with self._cond:
             self._submitted += 1
             self.records_logged += int(segment is not None)
             closed = self._closed
             if not closed:
                 try:
-                    self._queue.put_nowait((record, segment))
+                    self._queue.put_nowait((record, segment, line))
                     return
                 except queue.Full:
                     pass
@@ -513,17 +521,17 @@ class RecordWriter:
                 log.warning("record submitted after the writer closed; it waits in the spool for the next start")
             else:
                 log.warning("writer queue full (%d records); the spool keeps the rest", self._queue.maxsize)
-        self._drop([(record, segment)])
+        self._drop([(record, segment, line)])
         self._settle(1)
 
-    def _log(self, record: CallRecord) -> _Segment | None:
-        """Append one record to the log; None (never an exception) if it could not be."""
+    def _log(self, record: CallRecord) -> tuple[_Segment | None, bytes | None]:
+        """Append one record to the log: its segment, None (never an exception) if it could not be, and its line."""
         try:
             line = spool_line(record)
         except Exception as exc:  # whatever the record holds, submit must not raise
             log.error("cannot log call %s: %s", record.id, exc)
             self._count(records_unlogged=1)
-            return None
+            return None, None
         try:
             segment = self._spool.append(line, 1)
         except Exception as exc:  # OSError (EMFILE, a full disk) or anything else: the call is answered regardless
@@ -531,9 +539,9 @@ class RecordWriter:
                 self._log_failing = True
                 log.error("spool append failed; records are kept in memory only until it works again: %s", exc)
             self._count(records_unlogged=1, spool_errors=1)
-            return None
+            return None, line
         self._log_failing = False
-        return segment
+        return segment, line
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -613,12 +621,14 @@ class RecordWriter:
                 self._settle(len(leftovers))
         held = self._take_held(len(self._held))
         if held:  # the last chance to keep them: a log that fails now loses them
-            self._drop([(record, None) for record in held], keep=False)
+            self._drop([(record, None, None) for record in held], keep=False)
             self._settle(len(held))
         self._spool.rotate()
         if self._syncer is not None:
             self._syncer.stop()
         self._spool.close_all()
+        if self._process is not None:
+            self._process.close()
 
     # --- counters -----------------------------------------------------------------------------------------------
 
@@ -651,13 +661,18 @@ class RecordWriter:
 
     def _run(self) -> None:
         name_os_thread()
+        if self._process is not None:
+            try:
+                self._process.start()
+            except OSError as exc:  # tried again with the first batch; until then records wait in the queue and log
+                log.error("cannot start the writer process: %s", exc)
         self._replay_spool()
         while True:
             try:
                 batch = self._next_batch()
                 if batch:
                     self._inflight = batch
-                    if self.db_up and self._write([record for record, _ in batch]):
+                    if self.db_up and self._write([record for record, _, _ in batch], [line for _, _, line in batch]):
                         self._committed(batch)
                     else:
                         self._drop(batch)
@@ -677,7 +692,7 @@ class RecordWriter:
 
     def _next_batch(self) -> list[_Entry]:
         if self._held and not self._stopping.is_set() and time.monotonic() >= self._next_held_retry:
-            return [(record, None) for record in self._take_held(self._batch_size)]
+            return [(record, None, None) for record in self._take_held(self._batch_size)]
         try:
             batch = [self._queue.get(timeout=self._flush_interval_s)]
         except queue.Empty:
@@ -714,7 +729,7 @@ class RecordWriter:
     def _committed(self, entries: Sequence[_Entry]) -> None:
         """Count stored records against their segments, so fully committed segments can be removed."""
         per_segment: dict[_Segment, int] = {}
-        for _, segment in entries:
+        for _, segment, _ in entries:
             if segment is not None:
                 per_segment[segment] = per_segment.get(segment, 0) + 1
         for segment, count in per_segment.items():
@@ -773,40 +788,50 @@ class RecordWriter:
                 return 0  # replayed and removed between our open and our lock
             count = 0
             batch: list[CallRecord] = []
+            lines: list[bytes | None] = []
             for number, line in enumerate(handle, 1):
                 if line[:1] == b"\0":
                     break  # the preallocated tail of a segment whose process died before truncating it
                 try:
                     batch.append(read_spool_line(line))
+                    lines.append(line)
                 except (ValueError, TypeError) as exc:
                     log.warning("skipping unreadable line %d of %s (torn write?): %s", number, path.name, exc)
                     self._count(records_unreadable=1)
                     continue
                 if len(batch) == self._batch_size:
-                    if not self._write(batch):
+                    if not self._write(batch, lines):
                         return None
-                    count, batch = count + len(batch), []
-            if batch and not self._write(batch):
+                    count, batch, lines = count + len(batch), [], []
+            if batch and not self._write(batch, lines):
                 return None
             path.unlink()
             self._spool.replayed(path)
             self._count(records_replayed=count + len(batch))
             return count + len(batch)
 
-    def _write(self, records: Sequence[CallRecord]) -> bool:
-        """Upsert one batch; True once every record is in the database (or rejected), False if it is down."""
+    def _write(self, records: Sequence[CallRecord], lines: Sequence[bytes | None]) -> bool:
+        """Upsert one batch (`lines`: the records' spool lines, where known); True once every record is in the
+        database (or rejected), False if it is down."""
         try:
-            write_calls(self._engine, records)
+            self._store(records, lines)
         except Exception as exc:
             self._count(write_errors=1)
-            if not _is_record_error(exc):
+            if not is_record_error(exc):
                 self._mark_down(exc)
                 return False
-            return self._isolate(records, exc)
+            return self._isolate(records, lines, exc)
         self._count(records_written=len(records))
         return True
 
-    def _isolate(self, records: Sequence[CallRecord], exc: BaseException) -> bool:
+    def _store(self, records: Sequence[CallRecord], lines: Sequence[bytes | None]) -> None:
+        if self._process is None:
+            write_calls(self._engine, records)
+            return
+        # Lines the hot path made are sent as they are; a record held in memory or replayed without one gets its own.
+        self._process.write([spool_line(record) if line is None else line for record, line in zip(records, lines)])
+
+    def _isolate(self, records: Sequence[CallRecord], lines: Sequence[bytes | None], exc: BaseException) -> bool:
         """Set aside the records the database refuses (so one cannot block the spool forever) by bisecting the
         batch: k bad records among n cost about 2k*log2(n) transactions, not the n of writing row by row, which
         let a 2 % rate of bad records stall capture for half a minute."""
@@ -814,21 +839,21 @@ class RecordWriter:
             self._reject(records[0], exc)
             return True
         middle = len(records) // 2
-        for half in (records[:middle], records[middle:]):
+        for half, half_lines in ((records[:middle], lines[:middle]), (records[middle:], lines[middle:])):
             try:
-                write_calls(self._engine, half)
+                self._store(half, half_lines)
             except Exception as err:
-                if not _is_record_error(err):
+                if not is_record_error(err):
                     self._mark_down(err)
                     return False
-                if not self._isolate(half, err):
+                if not self._isolate(half, half_lines, err):
                     return False
             else:
                 self._count(records_written=len(half))
         return True
 
     def _reject(self, record: CallRecord, exc: BaseException) -> None:
-        log.error("cannot store call %s (trajectory %s), set aside: %s", record.id, record.trajectory_id, _reason(exc))
+        log.error("cannot store call %s (trajectory %s), set aside: %s", record.id, record.trajectory_id, reason(exc))
         directory = self._spool.directory / "rejected"
         try:
             directory.mkdir(parents=True, exist_ok=True)
@@ -843,13 +868,13 @@ class RecordWriter:
         """Let records go from memory: those in the log stay there for replay; those not in it (the log failed) are
         appended now, or, if the disk still fails, held in memory and retried from the writer thread, unless `keep`
         is False (the writer is closing: then they are lost, counted and logged)."""
-        segments = {segment for _, segment in entries if segment is not None}
+        segments = {segment for _, segment, _ in entries if segment is not None}
         for segment in segments:
             self._spool.drop(segment)
-        self._count(records_spooled=len(entries) - sum(1 for _, segment in entries if segment is None))
+        self._count(records_spooled=len(entries) - sum(1 for _, segment, _ in entries if segment is None))
         lines: list[bytes] = []
         kept: list[CallRecord] = []
-        for record, segment in entries:
+        for record, segment, _ in entries:
             if segment is not None:
                 continue
             try:
@@ -881,7 +906,7 @@ class RecordWriter:
     def _mark_down(self, exc: BaseException) -> None:
         self._next_ping = time.monotonic() + self._retry_interval_s
         if self.db_up:
-            log.warning("database unavailable, spooling records to %s: %s", self._spool.directory, _reason(exc))
+            log.warning("database unavailable, spooling records to %s: %s", self._spool.directory, reason(exc))
             self._set_db_up(False)
 
     def _set_db_up(self, up: bool) -> None:
