@@ -20,6 +20,15 @@ class Client:
     def leave(self) -> None:
         self.gone.set()
 
+    def leave_soon(self) -> asyncio.Future[None]:
+        """Hang up a moment from now, while the relay is under way."""
+
+        async def later() -> None:
+            await asyncio.sleep(0.01)
+            self.leave()
+
+        return asyncio.ensure_future(later())
+
     async def receive(self) -> dict[str, Any]:
         await self.gone.wait()
         return {"type": "http.disconnect"}
@@ -52,11 +61,7 @@ async def test_hangup_cancels_the_relay_and_the_caller_goes_on() -> None:
             cancelled.set()
             raise
 
-    async def leave_soon() -> None:
-        await asyncio.sleep(0.01)
-        client.leave()
-
-    leaving = asyncio.ensure_future(leave_soon())
+    leaving = client.leave_soon()
     error = await relay_until_done(relay(), client.receive, client.send, lambda: False, lambda _: None)
     await leaving
     assert cancelled.is_set()
@@ -72,11 +77,7 @@ async def test_hangup_after_done_is_no_error() -> None:
     async def relay() -> None:
         await asyncio.sleep(30)
 
-    async def leave_soon() -> None:
-        await asyncio.sleep(0.01)
-        client.leave()
-
-    leaving = asyncio.ensure_future(leave_soon())
+    leaving = client.leave_soon()
     error = await relay_until_done(relay(), client.receive, client.send, lambda: True, lambda _: None)
     await leaving
     assert error is None
