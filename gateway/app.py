@@ -73,6 +73,10 @@ def build_state(settings: Settings) -> GatewayState:
         batch_size=settings.writer_batch_size,
         fsync_interval_s=settings.wal_fsync_ms / 1000,
         process=process,
+        slice_s=settings.writer_slice_us / 1e6,
+        pause_s=settings.writer_pause_us / 1e6,
+        # (read by the writer thread once started, after `proxy` below exists)
+        calls_in_flight=lambda: sum(replica.in_flight for replica in proxy.replicas.all),
     )
     policy_router = PolicyRouter(settings.base_model)
     auth = Auth(settings.agent_keys, settings.admin_key)

@@ -44,6 +44,7 @@ import orjson
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError, StatementError
 
+from gateway.courtesy import giving_way
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, decode_logprobs, encode_ids, encode_logprobs
 from gateway.store.records import ping, write_calls
@@ -410,6 +411,9 @@ def is_record_error(exc: BaseException) -> bool:
     return not isinstance(exc, SQLAlchemyError)  # e.g. a token id that does not fit int32
 
 
+# At most this many calls in flight, the writer gives way to the event loop (RecordWriter._gives_way).
+FEW_CALLS_IN_FLIGHT = 4
+
 # A record, the log segment holding it (None: not logged) and its spool line (None: it could not be made).
 _Entry = tuple[CallRecord, "_Segment | None", bytes | None]
 
@@ -460,8 +464,16 @@ class RecordWriter:
         segment_age_s: float = 1.0,
         fsync: Callable[[int], None] = os.fsync,
         process: WriterProcess | None = None,
+        slice_s: float = 0.0,
+        pause_s: float = 0.0001,
+        calls_in_flight: Callable[[], int] = lambda: 0,
     ) -> None:
         self._engine = engine
+        # How the writer thread shares the event loop's core: it pauses for `pause_s` after each `slice_s` of
+        # writing a batch from the queue while it keeps up (gateway.courtesy); 0 never pauses.
+        self._slice_s = slice_s
+        self._pause_s = pause_s
+        self._calls_in_flight = calls_in_flight
         self._process = process  # where batches are written; None: on the writer thread itself
         self._spool = _Spool(Path(spool_dir), segment_bytes, sync_each=fsync_interval_s == 0, fsync=fsync)
         self._syncer = _Syncer(self._sync, fsync_interval_s) if fsync_interval_s > 0 else None
@@ -672,7 +684,11 @@ class RecordWriter:
                 batch = self._next_batch()
                 if batch:
                     self._inflight = batch
-                    if self.db_up and self._write([record for record, _, _ in batch], [line for _, _, line in batch]):
+                    with giving_way(self._slice_s if self._gives_way() else 0.0, self._pause_s):
+                        written = self.db_up and self._write(
+                            [record for record, _, _ in batch], [line for _, _, line in batch]
+                        )
+                    if written:
                         self._committed(batch)
                     else:
                         self._drop(batch)
@@ -689,6 +705,19 @@ class RecordWriter:
         if self.db_up:
             self._replay_spool()
         self._spool.rotate()
+
+    def _gives_way(self) -> bool:
+        """Whether this batch is written in slices with pauses for the event loop (gateway.courtesy). Only when few
+        calls are in flight, where a stretch of the writer's work is a call's delay: with many, each call mostly
+        waits its turn anyway, and the pauses' cost (a sleep, the GIL handed back and forth) would come out of the
+        gateway's throughput. And only while the writer keeps up: with a batch's worth queued behind this one,
+        pausing would let a saturated loop starve it, since a thread that gave the GIL up gets it back from a busy
+        loop only at the interpreter's forced switch (every 5 ms)."""
+        return (
+            self._slice_s > 0
+            and self._queue.qsize() < self._batch_size
+            and self._calls_in_flight() <= FEW_CALLS_IN_FLIGHT
+        )
 
     def _next_batch(self) -> list[_Entry]:
         if self._held and not self._stopping.is_set() and time.monotonic() >= self._next_held_retry:

@@ -222,6 +222,34 @@ def test_untrainable_calls_are_counted_per_trajectory(engine: Engine) -> None:
     assert _one(engine, Trajectory, "t2")["untrainable_calls"] == 1
 
 
+ODD_IDS = ['a"b', "ab", "c\\d", "NULL", "x,y", "{z}", " sp ", "é✓", ""]
+
+
+def test_ids_with_quotes_commas_braces_or_null_find_their_own_rows(engine: Engine) -> None:
+    """The batch's ids reach Postgres as one array literal (`_TextArray`): each must match itself and nothing else in
+    the statements that look rows up by them (the stored calls, the untrainable count, the group reopen)."""
+    write_calls(
+        engine,
+        [make_record(t, 0, group_id=f"g{t}", trainable=False, untrainable_reason="no logprobs") for t in ODD_IDS],
+    )
+    assert {t: _one(engine, Trajectory, t)["untrainable_calls"] for t in ODD_IDS} == {t: 1 for t in ODD_IDS}
+    with engine.begin() as conn:
+        conn.execute(Group.__table__.update().where(Group.group_id == 'ga"b').values(state="trained"))
+
+    # A retry of the first call of every other id: it replaces the stored row it finds, and the count follows.
+    retried = ODD_IDS[1::2]
+    write_calls(engine, [make_record(t, 0, group_id=f"g{t}", created_at=2e9, retry_count=1) for t in retried])
+    assert {t: _one(engine, Trajectory, t)["untrainable_calls"] for t in ODD_IDS} == {
+        t: 0 if t in retried else 1 for t in ODD_IDS
+    }
+    assert all(count_calls(engine, t) == 1 for t in ODD_IDS)
+    assert _one(engine, Group, 'ga"b')["state"] == "trained"  # no trajectory joined it
+
+    write_calls(engine, [make_record("late", 0, group_id='ga"b')])
+    assert _one(engine, Group, 'ga"b')["state"] == "open"
+    assert _one(engine, Group, "gab")["state"] == "open"
+
+
 def test_count_calls_and_ping(engine: Engine) -> None:
     write_calls(engine, [make_record("t1", 0), make_record("t1", 1), make_record("t2", 0)])
     assert (count_calls(engine), count_calls(engine, "t1"), count_calls(engine, "nope")) == (3, 2, 0)
@@ -253,6 +281,26 @@ def test_plain_upserts_are_prepared_and_joins_are_not(pg_url: str) -> None:
     assert any(s.startswith("INSERT INTO calls") for s in prepared), prepared
     assert any(s.startswith("INSERT INTO trajectories") for s in prepared), prepared
     assert not any(s.startswith("UPDATE") for s in prepared), prepared
+
+
+def test_a_batch_s_ids_are_one_constant_in_the_plan_not_parsed_per_row(pg_url: str) -> None:
+    """The id list is typed text[] at its placeholder, so Postgres parses it once. Cast from text inside the statement
+    it was parsed again for every row a sequential scan filtered: a batch of 128 took 150 ms instead of 25 ms."""
+    db.upgrade(pg_url)
+    engine = db.make_engine(pg_url)
+    try:
+        write_calls(engine, [make_record(f"plan-{i}", 0) for i in range(3)])
+        statement = records._statements("postgresql").stored
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SET enable_indexscan = off")  # the small table's sequential scan, whatever it holds
+            conn.exec_driver_sql("SET enable_bitmapscan = off")
+            compiled = statement.compile(dialect=engine.dialect)
+            ids = records._TextArray().bind_processor(engine.dialect)(["plan-0", 'odd "one"', "plan-2"])
+            plan = "\n".join(row[0] for row in conn.exec_driver_sql("EXPLAIN VERBOSE " + str(compiled), {"ids": ids}))
+    finally:
+        engine.dispose()
+    assert "Seq Scan on public.calls" in plan
+    assert "::text[]" in plan and "cstring" not in plan, plan
 
 
 def count_calls_url(url: str) -> int:

@@ -47,9 +47,11 @@ from sqlalchemy import (
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.types import UserDefinedType
 
 import orjson
 
+from gateway.courtesy import give_way
 from gateway.records import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
 from gateway.store.attempts import Attempt, Settlement, request_hash, settle
@@ -217,12 +219,34 @@ class _Statements(NamedTuple):
     stored: Executable  # what _lineages reads of the batch's stored calls
 
 
+class _TextArray(UserDefinedType[list[str]]):
+    """A list of strings bound as the text of one Postgres array literal, typed text[] at the placeholder
+    (`%(ids)s::TEXT[]`) so Postgres parses it once, as the parameter's value. psycopg's array dumper handles each
+    element in Python: 560 µs for a batch's 128 ids against 33 µs for this, and a batch binds four such lists. (A
+    CAST of a text parameter instead would be parsed again for every row a sequential scan filters.) Every element is
+    quoted, so none reads as NULL and commas or braces stay inside."""
+
+    cache_ok = True
+    render_bind_cast = True
+
+    def get_col_spec(self, **_: Any) -> str:
+        return "TEXT[]"
+
+    def bind_processor(self, dialect: Dialect) -> Callable[[list[str] | None], str | None]:
+        def literal(value: list[str] | None) -> str | None:
+            if value is None:
+                return None
+            return "{" + ",".join('"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in value) + "}"
+
+        return literal
+
+
 def _one_of(column: Any, name: str, dialect: str) -> ColumnElement[bool]:
     """`column` is one of the list bound as `name`. On Postgres `= ANY(array)`: one SQL text whatever the list's
     length, so neither SQLAlchemy nor psycopg renders and parses an IN list of a placeholder per id for every batch
     (which was a tenth of the writer's CPU at batches of 64). SQLite has no arrays and keeps the expanding IN."""
     if dialect == "postgresql":
-        return column == any_(bindparam(name, type_=postgresql.ARRAY(String)))
+        return column == any_(bindparam(name, type_=_TextArray()))
     return column.in_(bindparam(name, expanding=True))
 
 
@@ -396,6 +420,7 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
     calls = [latest[key] for key in sorted(latest)]
     hashes: dict[_Seq, bytes | None] = {}
     for record in calls:
+        give_way()
         if (record.trajectory_id, record.seq) not in hashes:
             hashes[(record.trajectory_id, record.seq)] = request_hash(record)
 
@@ -448,6 +473,7 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
             if calls:
                 rows = []
                 for record, lineage in zip(calls, lineages):
+                    give_way()
                     key = (record.trajectory_id, record.seq)
                     rows.append(_call_row(record, lineage, hashes[key], firsts[key]))
                 if conn.dialect.name == "postgresql":
@@ -458,6 +484,7 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
         conn.execute(statements.untrainable, {"ids": sorted(trajectories)})
     cache = _cache_for(engine)
     for record in calls:
+        give_way()
         if record.choice_index == 0:
             cache.remember(record.trajectory_id, _predecessor_of(record, digests[record.id]), record.id)
 
@@ -701,10 +728,12 @@ def _lineages(
     by_trajectory: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
     for record in calls:
         by_trajectory[record.trajectory_id].append(record)
+    give_way()
     settlements = {t: _settle(stored[t], by_trajectory[t], hashes) for t in trajectory_ids}
     firsts = {(t, seq): first for t, settlement in settlements.items() for seq, first in settlement.first.items()}
     kept: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
     for record in calls:
+        give_way()
         if record.seq in settlements[record.trajectory_id].dropped:
             continue
         row = stored[record.trajectory_id].get((record.seq, record.choice_index))
@@ -714,6 +743,7 @@ def _lineages(
 
     lineages: list[Lineage] = []
     for trajectory_id in trajectory_ids:
+        give_way()
         records = kept[trajectory_id]
         removed = settlements[trajectory_id].removed
         rows = stored[trajectory_id]
