@@ -3,8 +3,9 @@
 The task: answer questions about the people of a made-up company directory ("What is Kaven Dorsa's phone
 extension?"). The names, cities and extensions are generated, so no model knows them: the only way to a right
 answer is a tool, `search(query)` (the records of the people whose name matches) or `lookup(id)` (one record), then
-a short final answer: two or three model calls. Reward 1 for the right answer, 0 otherwise (a tool call the tools
-cannot run, no final answer within three calls, a wrong one).
+a short final answer: two or three model calls. Reward 1 for the right answer; 0.1 for an episode that looked
+something up (its tool calls ran) but did not answer right; 0 otherwise (a tool call the tools cannot run, or a wrong
+answer or none without looking anything up).
 
 The agent is a plain OpenAI SDK tool loop. The only trajgate-specific code is the `base_url` (it names the group
 and the trajectory, so the gateway groups the rollouts for GRPO) and the POST of the reward at the end.
@@ -34,6 +35,11 @@ from harness import Outcome, Task, main_for  # noqa: E402
 
 MAX_CALLS = 3  # search (and perhaps lookup), then the answer
 MAX_TOKENS = 48  # a tool call is ~30 tokens; a final answer is a word or two
+# Partial credit for looking something up. With the right answer alone as reward, the base model's episodes on 61 of
+# the 96 training questions all earn the same (measured: 8 episodes each), so 3 in 4 groups carry no signal and the
+# trainer drops them (zero reward variance); with the credit, 4 in 5 groups carry one, and the tool call it pays for
+# is the first thing the agent has to learn.
+LOOKUP_CREDIT = 0.1
 
 TOOLS = [
     {
@@ -181,9 +187,17 @@ def example_messages(directory: Directory) -> list[dict[str, Any]]:
     return messages
 
 
-def reward(final: str | None, answer: str) -> float:
-    """1 when the final answer contains the right value as a word, else 0 (no answer, a wrong one)."""
-    return 1.0 if final is not None and answer.lower() in words(final) else 0.0
+def right(final: str | None, answer: str) -> bool:
+    """The final answer contains the right value as a word."""
+    return final is not None and answer.lower() in words(final)
+
+
+def reward(final: str | None, answer: str, looked_up: bool) -> float:
+    """1 for the right answer; LOOKUP_CREDIT for an episode that ran a tool call but got no right answer; else 0.
+    A caller scores an episode with a call the tools could not run 0 without asking."""
+    if right(final, answer):
+        return 1.0
+    return LOOKUP_CREDIT if looked_up else 0.0
 
 
 @dataclass
@@ -230,8 +244,9 @@ def run_episode(client: openai.OpenAI, model: str, directory: Directory, questio
             final = message.content or ""
             if "<tool_call>" in final:  # markup the parser could not read
                 return Episode("malformed", 0.0, None, calls, tool_calls, version, messages[start:])
-            score = reward(final, question.answer)
-            return Episode("right" if score else "wrong", score, final, calls, tool_calls, version, messages[start:])
+            outcome = "right" if right(final, question.answer) else "wrong"
+            score = reward(final, question.answer, tool_calls > 0)
+            return Episode(outcome, score, final, calls, tool_calls, version, messages[start:])
         for call in message.tool_calls:
             try:
                 result = directory.call(call.function.name, call.function.arguments)
@@ -239,7 +254,8 @@ def run_episode(client: openai.OpenAI, model: str, directory: Directory, questio
                 return Episode("malformed", 0.0, None, calls, tool_calls + 1, version, messages[start:])
             tool_calls += 1
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return Episode("no_answer", 0.0, None, MAX_CALLS, tool_calls, version, messages[start:])
+    return Episode("no_answer", reward(None, question.answer, tool_calls > 0), None, MAX_CALLS, tool_calls, version,
+                   messages[start:])
 
 
 DIRECTORY = Directory.generate(0)

@@ -1,4 +1,4 @@
-"""The tool agent's task (tool_agent.py: a made-up directory, `search` / `lookup`, reward for the right final answer)
+"""The tool agent's task (tool_agent.py: a made-up directory, `search` / `lookup`, its reward)
 as a LangGraph ReAct agent, trained through trajgate the same way.
 
 The agent is LangGraph's prebuilt `create_react_agent` over `ChatOpenAI`. The only trajgate-specific code is the
@@ -23,7 +23,9 @@ from langgraph.prebuilt import create_react_agent
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py and tool_agent.py beside this script
 from harness import Outcome, Task, main_for  # noqa: E402
-from tool_agent import DIRECTORY, MAX_CALLS, MAX_TOKENS, SYSTEM, Question, describe, example_messages, reward  # noqa: E402
+from tool_agent import (  # noqa: E402
+    DIRECTORY, MAX_CALLS, MAX_TOKENS, SYSTEM, Question, describe, example_messages, reward, right,
+)
 
 
 @tool
@@ -71,12 +73,13 @@ def episode(client: openai.OpenAI, model: str, question: Question) -> Outcome:
     )
     answered = bool(replies) and messages[-1] is replies[-1] and not replies[-1].tool_calls
     final = str(replies[-1].content) if answered else None
-    score = 0.0 if malformed else reward(final, question.answer)
+    looked_up = any(m.status != "error" for m in results)
+    score = 0.0 if malformed else reward(final, question.answer, looked_up)
     version = int((replies[-1].response_metadata.get("headers") or {}).get("x-policy-version", -1)) if replies else -1
-    stats = {"tool_call": float(any(m.status != "error" for m in results)), "calls": float(len(replies)),
+    stats = {"tool_call": float(looked_up), "calls": float(len(replies)),
              "malformed": float(malformed)}  # fmt: skip
     text = final if final is not None else "(malformed)" if malformed else "(no_answer)"
-    return Outcome(score, score > 0, text, version, stats)
+    return Outcome(score, not malformed and right(final, question.answer), text, version, stats)
 
 
 TASK = Task(train=DIRECTORY.train, held_out=DIRECTORY.held_out, episode=episode, describe=describe)

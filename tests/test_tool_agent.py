@@ -71,16 +71,18 @@ def test_tools_refuse_calls_they_cannot_run() -> None:
             d.call(name, arguments)
 
 
-def test_reward_is_for_the_right_final_answer_only() -> None:
-    assert agent.reward("4309", "4309") == 1.0
-    assert agent.reward("The extension is 4309.", "4309") == 1.0
-    assert agent.reward("Naxmibre", "Naxmibre") == 1.0
-    assert agent.reward("naxmibre.", "Naxmibre") == 1.0
-    assert agent.reward("43090", "4309") == 0.0  # a longer number that contains it is another number
-    assert agent.reward("Naxmibreton", "Naxmibre") == 0.0
-    assert agent.reward("1234", "4309") == 0.0
-    assert agent.reward("", "4309") == 0.0
-    assert agent.reward(None, "4309") == 0.0  # no final answer
+@pytest.mark.parametrize("looked_up", [False, True])
+def test_reward_is_1_for_the_right_final_answer_and_a_little_for_a_lookup(looked_up: bool) -> None:
+    for final, answer in [("4309", "4309"), ("The extension is 4309.", "4309"), ("Naxmibre", "Naxmibre"),
+                          ("naxmibre.", "Naxmibre")]:  # fmt: skip
+        assert agent.right(final, answer)
+        assert agent.reward(final, answer, looked_up) == 1.0  # a right answer from its head earns it all too
+    wrong = agent.LOOKUP_CREDIT if looked_up else 0.0
+    for final in ["43090", "1234", "", None]:  # a longer number that contains it is another number; None: no answer
+        assert not agent.right(final, "4309")
+        assert agent.reward(final, "4309", looked_up) == wrong
+    assert not agent.right("Naxmibreton", "Naxmibre") and agent.reward("Naxmibreton", "Naxmibre", looked_up) == wrong
+    assert 0 < agent.LOOKUP_CREDIT < 1
 
 
 # --- the agent's loop against a scripted server -----------------------------------------------------------------
@@ -192,24 +194,27 @@ def test_search_lookup_answer_takes_three_calls(scripted: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("replies", "outcome", "calls"),
+    ("replies", "outcome", "calls", "earned"),
     [
-        (lambda q: [text_reply("1234")], "wrong", 1),  # answered from its head: made-up facts are not there
-        (lambda q: [tool_reply("search", '{"query": "x"}'), text_reply("I do not know")], "wrong", 2),
-        (lambda q: [tool_reply("phone_book", '{"name": "x"}')], "malformed", 1),  # no such tool
-        (lambda q: [tool_reply("search", '{"name": "x"}')], "malformed", 1),  # wrong arguments
-        (lambda q: [text_reply('<tool_call>\n{"name": "search", "arguments": {"query"')], "malformed", 1),
-        (lambda q: [tool_reply("search", '{"query": "x"}')] * agent.MAX_CALLS, "no_answer", agent.MAX_CALLS),
+        (lambda q: [text_reply("1234")], "wrong", 1, 0.0),  # answered from its head: made-up facts are not there
+        (lambda q: [tool_reply("search", '{"query": "x"}'), text_reply("I do not know")], "wrong", 2, "credit"),
+        (lambda q: [tool_reply("phone_book", '{"name": "x"}')], "malformed", 1, 0.0),  # no such tool
+        (lambda q: [tool_reply("search", '{"name": "x"}')], "malformed", 1, 0.0),  # wrong arguments
+        (lambda q: [tool_reply("search", '{"query": "x"}'), tool_reply("lookup", '{"id": 5}')], "malformed", 2, 0.0),
+        (lambda q: [text_reply('<tool_call>\n{"name": "search", "arguments": {"query"')], "malformed", 1, 0.0),
+        (lambda q: [tool_reply("search", '{"query": "x"}')] * agent.MAX_CALLS, "no_answer", agent.MAX_CALLS, "credit"),
     ],
-    ids=["no_tool", "wrong_after_search", "unknown_tool", "bad_arguments", "unparsed_markup", "never_answers"],
+    ids=["no_tool", "wrong_after_search", "unknown_tool", "bad_arguments", "bad_call_after_search", "unparsed_markup",
+         "never_answers"],  # fmt: skip
 )
-def test_episodes_that_earn_nothing(
-    scripted: Any, replies: Callable[[Any], list[dict[str, Any]]], outcome: str, calls: int
+def test_episodes_without_the_right_answer_earn_at_most_the_lookup_credit(
+    scripted: Any, replies: Callable[[Any], list[dict[str, Any]]], outcome: str, calls: int, earned: float | str
 ) -> None:
+    expected = agent.LOOKUP_CREDIT if earned == "credit" else earned
     question = agent.DIRECTORY.train[0]
     episode, server = play(scripted, replies(question))
-    assert (episode.outcome, episode.reward, episode.calls) == (outcome, 0.0, calls)
+    assert (episode.outcome, episode.reward, episode.calls) == (outcome, expected, calls)
     assert len(server.requests) == calls and not server.replies  # the loop stopped where the episode ended
     scored = episode.scored()
-    assert not scored.correct and scored.reward == 0.0
+    assert not scored.correct and scored.reward == expected
     assert scored.stats["malformed"] == (1.0 if outcome == "malformed" else 0.0)

@@ -39,11 +39,14 @@ def test_a_call_the_tools_cannot_run_earns_nothing_even_if_the_answer_is_right(s
     assert outcome.stats["malformed"] == 1.0 and outcome.stats["tool_call"] == 0.0
 
 
-def test_wrong_answer_and_no_answer_earn_nothing(scripted: Any) -> None:
+def test_a_wrong_answer_earns_nothing_and_a_lookup_without_the_right_answer_the_credit(scripted: Any) -> None:
     question = agent.DIRECTORY.train[0]
     wrong = graph_agent.episode(scripted([text_reply("1234")]).client(), "demo", question)
-    assert (wrong.reward, wrong.text, wrong.stats["calls"]) == (0.0, "1234", 1.0)
+    assert (wrong.reward, wrong.correct, wrong.text, wrong.stats["calls"]) == (0.0, False, "1234", 1.0)
+    searched = scripted([tool_reply("search", '{"query": "x"}'), text_reply("1234")])
+    wrong_after_search = graph_agent.episode(searched.client(), "demo", question)
+    assert (wrong_after_search.reward, wrong_after_search.correct) == (agent.LOOKUP_CREDIT, False)
     looping = scripted([tool_reply("search", '{"query": "x"}')] * agent.MAX_CALLS)
     endless = graph_agent.episode(looping.client(), "demo", question)
-    assert (endless.reward, endless.text) == (0.0, "(no_answer)")
+    assert (endless.reward, endless.correct, endless.text) == (agent.LOOKUP_CREDIT, False, "(no_answer)")
     assert len(looping.requests) == agent.MAX_CALLS and not looping.replies  # stopped after MAX_CALLS model calls
