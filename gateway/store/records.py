@@ -353,9 +353,13 @@ def _statements(dialect: str) -> _Statements:
 
 
 def _call_row(
-    record: CallRecord, lineage: Lineage, hash_: bytes | None = None, first: tuple[int, int] | None = None
+    record: CallRecord,
+    lineage: Lineage,
+    hash_: bytes | None = None,
+    first: tuple[int, int] | None = None,
+    packed: _Packed | None = None,
 ) -> dict[str, Any]:
-    prompt = record.prompt_token_ids
+    prompt, completion = packed or _packed(record)
     first_seq, first_retry_count = first if first is not None else (record.seq, record.retry_count)
     tokens = lineage.tokens
     return {
@@ -369,8 +373,8 @@ def _call_row(
         "stream": record.stream,
         "request": compact_request(record.request, lineage.messages_prefix_len),
         "response": _own_choice(record.response, record.choice_index),
-        "prompt_token_ids": encode_ids(prompt[lineage.prefix_len :] if prompt is not None else None),
-        "completion_token_ids": encode_ids(record.completion_token_ids),
+        "prompt_token_ids": prompt[lineage.prefix_len * 4 :] if prompt is not None else None,
+        "completion_token_ids": completion,
         "completion_logprobs": encode_logprobs(record.completion_logprobs),
         "finish_reason": record.finish_reason,
         "usage": record.usage,
@@ -468,14 +472,15 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
             conn.execute(statements.lock, {"ids": sorted(trajectories)})
         # Unprepared: they join the batch against tables that grow (see make_engine).
         digests: dict[str, bytes | None] = {}
-        calls, lineages, firsts = _lineages(conn, statements, calls, hashes, digests)
+        packed: dict[str, _Packed] = {}
+        calls, lineages, firsts = _lineages(conn, statements, calls, hashes, digests, packed)
         with _prepared(conn):
             if calls:
                 rows = []
                 for record, lineage in zip(calls, lineages):
                     give_way()
                     key = (record.trajectory_id, record.seq)
-                    rows.append(_call_row(record, lineage, hashes[key], firsts[key]))
+                    rows.append(_call_row(record, lineage, hashes[key], firsts[key], packed[record.id]))
                 if conn.dialect.name == "postgresql":
                     _insert_rows(conn, statements.calls, rows)
                 else:
@@ -486,7 +491,8 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
     for record in calls:
         give_way()
         if record.choice_index == 0:
-            cache.remember(record.trajectory_id, _predecessor_of(record, digests[record.id]), record.id)
+            predecessor = _predecessor_of(record, digests[record.id])
+            cache.remember(record.trajectory_id, predecessor, record.id, packed[record.id])
 
 
 class _Compiled(NamedTuple):
@@ -578,6 +584,18 @@ def _predecessor_of(record: CallRecord, messages: bytes | None) -> Predecessor:
     )
 
 
+class _Packed(NamedTuple):
+    """A record's ids as encode_ids packs them, once per record and batch: its row, the tree lookup and the lineage
+    cache each want them, and packing them three times over was a quarter of the writer's instructions per record."""
+
+    prompt: bytes | None
+    completion: bytes | None
+
+
+def _packed(record: CallRecord) -> _Packed:
+    return _Packed(encode_ids(record.prompt_token_ids), encode_ids(record.completion_token_ids))
+
+
 class _Entry(NamedTuple):
     call_id: str
     seq: int
@@ -613,15 +631,12 @@ class _LineageCache:
             seq, decode_ids(entry.prompt), decode_ids(entry.completion), entry.tool_call, entry.messages
         )
 
-    def remember(self, trajectory_id: str, predecessor: Predecessor, call_id: str) -> None:
-        entry = _Entry(
-            call_id,
-            predecessor.seq,
-            encode_ids(predecessor.prompt_ids),
-            encode_ids(predecessor.completion_ids),
-            predecessor.tool_call,
-            predecessor.messages,
-        )
+    def remember(
+        self, trajectory_id: str, predecessor: Predecessor, call_id: str, packed: _Packed | None = None
+    ) -> None:
+        """`packed`: the predecessor's ids packed already, where the caller has them."""
+        prompt, completion = packed or (encode_ids(predecessor.prompt_ids), encode_ids(predecessor.completion_ids))
+        entry = _Entry(call_id, predecessor.seq, prompt, completion, predecessor.tool_call, predecessor.messages)
         agent = first_message(predecessor.messages)
         with self._lock:
             agents = self._entries.setdefault(trajectory_id, {})
@@ -707,10 +722,11 @@ def _lineages(
     calls: list[CallRecord],
     hashes: dict[_Seq, bytes | None],
     digests: dict[str, bytes | None],
+    packed: dict[str, _Packed],
 ) -> tuple[list[CallRecord], list[Lineage], dict[_Seq, tuple[int, int]]]:
     """Each record's merge diagnostics and storage prefixes (ids and messages) against its predecessor, in the same
-    transaction, and the earliest attempt (first_seq, first_retry_count) each written row stands for; `digests` gets
-    each kept record's message digests, by record id.
+    transaction, and the earliest attempt (first_seq, first_retry_count) each written row stands for; `digests` and
+    `packed` get each kept record's message digests and packed ids, by record id.
 
     Attempts are first settled into calls (gateway.store.attempts): an attempt older than its call's newest is not
     written, and a stored row whose call now has a newer attempt elsewhere is deleted. Records older than the attempt
@@ -740,6 +756,7 @@ def _lineages(
         if row is None or _aware(row.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
             kept[record.trajectory_id].append(record)
             digests[record.id] = message_digests(record.request, key_order)
+            packed[record.id] = _packed(record)
 
     lineages: list[Lineage] = []
     for trajectory_id in trajectory_ids:
@@ -854,7 +871,9 @@ def _lineages(
                 lineage = classify(record.prompt_token_ids, previous)
                 lineage = _with_messages(lineage, digests[record.id], previous)
                 anchor = partial(same_agent_before, record.seq, digests[record.id])
-                lineages.append(_in_tree(lineage, record, candidates, None, digests[record.id], previous, anchor))
+                lineages.append(
+                    _in_tree(lineage, record, packed[record.id], candidates, None, digests[record.id], previous, anchor)
+                )
                 continue
             # A token_in call names the recorded choice its prompt was built on: classify against that one (a retry
             # or a parallel branch of a turn extends the turn before it, not its sibling at the previous seq). Its
@@ -867,7 +886,10 @@ def _lineages(
             named_choice = record.predecessor_choice or 0
             anchor = partial(same_agent_before, record.seq, digests[record.id])
             lineages.append(
-                _in_tree(lineage, record, candidates, (own, named_choice), digests[record.id], storage, anchor)
+                _in_tree(
+                    lineage, record, packed[record.id], candidates, (own, named_choice), digests[record.id], storage,
+                    anchor,
+                )
             )
 
         def previous_of(seq: int) -> Predecessor | None:
@@ -895,6 +917,7 @@ def _stored_candidates(rows: dict[tuple[int, int], Any], records: list[CallRecor
 def _in_tree(
     lineage: Lineage,
     record: CallRecord,
+    packed: _Packed,
     candidates: list[Candidate],
     named: tuple[int, int] | None,
     own: bytes | None,
@@ -907,7 +930,7 @@ def _in_tree(
     prompt's ids. A root gets its reason from `_root_reason`. The Lineage is built once, not through
     dataclasses.replace, which cost more than the placing itself for every record."""
     earlier = (c for c in candidates if c.seq < record.seq)
-    parent, tokens = place(record.prompt_token_ids, record.completion_token_ids, earlier)
+    parent, tokens = place(record.prompt_token_ids, record.completion_token_ids, earlier, packed=packed)
     if tokens is not None:
         candidates.append(Candidate(record.seq, record.choice_index, *tokens))
     reason, divergence, tree_parent = lineage.reason, lineage.divergence, lineage.tree_parent

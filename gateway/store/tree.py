@@ -91,22 +91,25 @@ def place(
     completion: Sequence[int] | None,
     candidates: Iterable[Candidate],
     work: LookupWork | None = None,
+    packed: tuple[bytes | None, bytes | None] | None = None,
 ) -> tuple[Candidate | None, tuple[int, bytes] | None]:
     """The call's parent among `candidates` (as find_parent) and its own (tokens_len, tokens_key) (as own_key, None
     without a completion), from one pass of the hash over its ids: the digests at the candidates' lengths are the
-    prefixes of the same stream that ends in its own key."""
+    prefixes of the same stream that ends in its own key. `packed`: the prompt and completion as encode_ids packed
+    them, where the caller has them already (the writer packs a record's ids once for its row, its cache and this)."""
     if prompt is None:
         return None, None
     by_length: dict[int, list[Candidate]] = {}
     for candidate in candidates:
         if 0 < candidate.tokens_len <= len(prompt):
             by_length.setdefault(candidate.tokens_len, []).append(candidate)
-    packed = memoryview(encode_ids(prompt) or b"")
+    packed_prompt, packed_completion = packed or (encode_ids(prompt), encode_ids(completion))
+    ids = memoryview(packed_prompt or b"")
     hasher = hashlib.blake2b(digest_size=KEY_BYTES)
     at = 0
     best: Candidate | None = None
     for length in sorted(by_length):
-        hasher.update(packed[at * 4 : length * 4])
+        hasher.update(ids[at * 4 : length * 4])
         if work is not None:
             work.ids_hashed += length - at
             work.digests += 1
@@ -117,8 +120,8 @@ def place(
             best = min(matches, key=lambda c: (c.seq, c.choice_index))
     if completion is None:
         return best, None
-    hasher.update(packed[at * 4 :])
-    hasher.update(encode_ids(completion) or b"")
+    hasher.update(ids[at * 4 :])
+    hasher.update(packed_completion or b"")
     return best, (len(prompt) + len(completion), hasher.digest())
 
 
