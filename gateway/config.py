@@ -75,7 +75,7 @@ class Settings(BaseSettings):
         "on a busy core and lets records reach the database later.",
     )
     writer_slice_us: int = Field(
-        200,
+        50,
         ge=0,
         description="How long the writer thread runs before pausing for the event loop, in µs (0: it never pauses). "
         "It shares the event loop's core: a shorter slice delays calls less while a batch is written, and records "
@@ -83,7 +83,7 @@ class Settings(BaseSettings):
         "(gateway/courtesy.py).",
     )
     writer_pause_us: int = Field(
-        100, ge=1, le=100_000, description="How long each of those pauses is, in µs."
+        200, ge=1, le=100_000, description="How long each of those pauses is, in µs."
     )
     max_header_bytes: int = Field(65_536, ge=1024, description="Largest request head (431 above).")
     request_read_timeout_s: float = Field(
