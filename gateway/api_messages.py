@@ -34,6 +34,8 @@ COUNT_TOKENS = "/v1/messages/count_tokens"
 PATHS = (MESSAGES, COUNT_TOKENS)
 PATH_PREFIX = MESSAGES + "/"  # the rest of Anthropic's messages family (batches) is a 404 in its shape here
 CHAT_PATH = "/v1/chat/completions"
+# What the chat request carries beside itself for this API (vLLM ignores unknown fields): the fields it ignored.
+EXTRA = "trajgate_messages"
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {
@@ -104,15 +106,21 @@ class RedactedThinkingBlock(_Block):
     data: str
 
 
+class ToolReferenceBlock(_Block):
+    # A tool search's pointer to a deferred tool: accepted as vLLM accepts it, and (as there) adds nothing here.
+    type: Literal["tool_reference"]
+
+
 Block = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | ToolReferenceBlock,
     Field(discriminator="type"),
 ]
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
+    # A system message mid-conversation (Claude Code's reminders) is kept where it stands, as vLLM's endpoint keeps
+    # it for a template that accepts one there.
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -126,7 +134,6 @@ class Tool(BaseModel):
 
 
 class _Choice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
     disable_parallel_tool_use: bool | None = None
 
 
@@ -144,7 +151,6 @@ class NamedChoice(_Choice):
 
 
 class NoneChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
     type: Literal["none"]
 
 
@@ -173,20 +179,17 @@ class OutputFormat(BaseModel):
 
 
 class OutputConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
 
 
 class Metadata(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    user_id: str | None = Field(None, max_length=256)
+    user_id: str | None = None
 
 
 class CountTokensRequest(BaseModel):
-    # Unknown fields are refused, as Anthropic does ("Extra inputs are not permitted"): a feature the gateway
-    # cannot honour (MCP servers, containers) must not be dropped silently.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields (Claude Code's context_management, MCP servers, containers...) are ignored, as vLLM's endpoint
+    # ignores them; the record names them (see `ignored_fields`), so nothing is dropped unseen.
     model: str
     messages: list[Message]
     system: str | list[TextBlock] | None = None
@@ -206,7 +209,7 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(strict=True, ge=1)
     stop_sequences: list[str] | None = None
     stream: bool | None = None
-    temperature: float | None = Field(None, ge=0, le=1)
+    temperature: float | None = Field(None, ge=0)  # vLLM takes Anthropic's 0-1 and OpenAI's 0-2 alike
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     metadata: Metadata | None = None
@@ -214,6 +217,12 @@ class MessagesRequest(CountTokensRequest):
     service_tier: str | None = None
     inference_geo: str | None = None
     diagnostics: dict[str, Any] | None = None
+
+
+def ignored_fields(data: dict[str, Any]) -> list[str]:
+    """The top-level fields this request carries that change nothing here (vLLM's endpoint ignores them too), for
+    the record: a trainer can see that a call asked for, say, Anthropic's context editing and did not get it."""
+    return sorted(set(data) - set(MessagesRequest.model_fields))
 
 
 def parse_request(data: dict[str, Any], model: type[CountTokensRequest]) -> CountTokensRequest:
@@ -310,6 +319,13 @@ def _image_url(block: ImageBlock) -> dict[str, Any]:
 def _chat_messages(message: Message) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: tool results become `tool` messages (before the rest of the user
     turn, as the chat format wants them right after the assistant's calls), tool uses become `tool_calls`."""
+    if message.role == "system":
+        # vLLM strips Claude Code's billing header here even from a plain string.
+        content = message.content
+        text = "" if isinstance(content, str) and content.startswith(_BILLING_HEADER) else _system_text(
+            content if isinstance(content, str) else [block for block in content if isinstance(block, TextBlock)]
+        )
+        return [{"role": "system", "content": text}] if text else []
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     out: list[dict[str, Any]] = []
@@ -438,7 +454,7 @@ def to_message(response: dict[str, Any]) -> dict[str, Any]:
         content.append({"type": "text", "text": ""})  # Anthropic's shape for an empty answer
     reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(calls), complete)
     usage = response.get("usage") or {}
-    return {
+    message = {
         "id": message_id(response.get("id")),
         "type": "message",
         "role": "assistant",
@@ -451,6 +467,9 @@ def to_message(response: dict[str, Any]) -> dict[str, Any]:
             "output_tokens": usage.get("completion_tokens") or 0,
         },
     }
+    if sequence is None:
+        del message["stop_sequence"]  # vLLM's endpoint leaves out what is null
+    return message
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
@@ -691,7 +710,11 @@ class MessagesApi:
                 body = orjson.dumps({"input_tokens": count})
                 await _send_bytes(send, 200, body, [(b"content-type", b"application/json")])
                 return
-            chat = _serialise(to_chat(parse_request(data, MessagesRequest)))
+            chat = to_chat(parse_request(data, MessagesRequest))
+            ignored = ignored_fields(data)
+            if ignored:
+                chat[EXTRA] = {"ignored": ignored}
+            chat = _serialise(chat)
         except (GatewayError, UpstreamFailure) as exc:
             error = exc.error if isinstance(exc, UpstreamFailure) else exc
             self.proxy.metrics.count_request(ENDPOINT, error.status)
