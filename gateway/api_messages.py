@@ -707,7 +707,8 @@ class MessagesApi:
             data = _parse(await self.proxy.read_body(receive, headers))
             if path == COUNT_TOKENS:
                 count = await self._count_tokens(parse_request(data, CountTokensRequest))
-                body = orjson.dumps({"input_tokens": count})
+                # vLLM's answer: nothing is edited out of the context here, so the original count is the count.
+                body = orjson.dumps({"input_tokens": count, "context_management": {"original_input_tokens": count}})
                 await _send_bytes(send, 200, body, [(b"content-type", b"application/json")])
                 return
             chat = to_chat(parse_request(data, MessagesRequest))

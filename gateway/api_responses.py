@@ -287,6 +287,7 @@ def chat_request(body: dict[str, Any], previous: list[dict[str, Any]] | None) ->
     extra = {
         "instructions": instructions is not None, "metadata": metadata, "namespaces": namespaces,
         "dropped_tools": dropped, "ignored": ignored,
+        "verbosity": body["text"].get("verbosity") if isinstance(body.get("text"), dict) else None,
     }  # fmt: skip
     chat[EXTRA] = {k: v for k, v in extra.items() if v}
     return chat
@@ -346,13 +347,18 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if not usage:
         return None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    # The per-turn and tool counts are vLLM's (for built-in tools it would run between turns): one turn, no tools.
     return {
         "input_tokens": usage.get("prompt_tokens", 0),
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {
+            "cached_tokens": cached, "cache_write_tokens": 0, "input_tokens_per_turn": [], "cached_tokens_per_turn": []
+        },
         "output_tokens": usage.get("completion_tokens", 0),
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []
+        },
         "total_tokens": usage.get("total_tokens", 0),
-    }
+    }  # fmt: skip
 
 
 def _echo_tools(chat: dict[str, Any]) -> list[dict[str, Any]]:
@@ -371,11 +377,13 @@ def _echo_tool_choice(choice: Any) -> Any:
 
 def _echo_text(chat: dict[str, Any]) -> dict[str, Any]:
     fmt = chat.get("response_format")
+    verbosity = (chat.get(EXTRA) or {}).get("verbosity")
+    text: dict[str, Any] = {"verbosity": verbosity} if verbosity else {}
     if fmt is None:
-        return {"format": {"type": "text"}}
+        return {"format": {"type": "text"}, **text}
     if fmt.get("type") == "json_schema":
-        return {"format": {"type": "json_schema", **(fmt.get("json_schema") or {})}}
-    return {"format": fmt}
+        return {"format": {"type": "json_schema", **(fmt.get("json_schema") or {})}, **text}
+    return {"format": fmt, **text}
 
 
 def response_object(
@@ -418,6 +426,10 @@ def response_object(
         "top_logprobs": chat.get("top_logprobs"),
         "top_p": chat.get("top_p"),
         "truncation": "disabled",
+        "background": False,
+        "service_tier": "auto",
+        "presence_penalty": chat.get("presence_penalty", 0.0),
+        "frequency_penalty": chat.get("frequency_penalty", 0.0),
         "usage": _usage((answer or {}).get("usage")),
         "user": chat.get("user"),
         "metadata": extra.get("metadata") or {},
@@ -704,7 +716,7 @@ class _EventStream:
             item = {"type": "message", "id": f"msg_{self.hex_id}", "role": "assistant", "status": "in_progress",
                     "content": [], "text": "", "logprobs": []}  # fmt: skip
             self._open_item(item, out)
-            part = {"type": "output_text", "text": "", "annotations": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             self._event("response.content_part.added", out, item_id=item["id"], output_index=self.output_index,
                         content_index=0, part=part)  # fmt: skip
         assert self.open is not None
@@ -769,8 +781,9 @@ class _EventStream:
         response = response_object(self.response_id, self.chat, answer, previous_response_id=self.previous_id)
         self._close(out, response["output"])
         self.api.remember(self.chat, response)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        self._event(kind, out, response=response)
+        # vLLM's endpoint ends every finished stream so, an incomplete one too (its status says so); Codex takes a
+        # `response.incomplete` event for a failure.
+        self._event("response.completed", out, response=response)
 
     def _failed(self, message: str, out: list[bytes]) -> None:
         if not self.started:
