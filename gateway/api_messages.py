@@ -253,9 +253,9 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
         # A prefilled answer: the model continues it instead of starting a new turn, as Anthropic does.
         chat["add_generation_prompt"] = False
         chat["continue_final_message"] = True
-    if request.tools is not None:
+    if request.tools:
         chat["tools"] = [_chat_tool(tool) for tool in request.tools]
-    if request.tool_choice is not None:
+    if request.tool_choice is not None and (request.tools or request.tool_choice.type != "auto"):
         choice = request.tool_choice
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
             "type": "function",
@@ -263,8 +263,10 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
         }
         if getattr(choice, "disable_parallel_tool_use", None) is not None:
             chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use  # type: ignore[union-attr]
-    elif request.tools is not None:
+    elif request.tools:
         chat["tool_choice"] = "auto"
+    # `tools: []` (Claude Code's title call) is no tools: vLLM's endpoint renders it so, where its chat endpoint
+    # refuses an empty list, and "auto" without tools.
     if isinstance(request.thinking, ThinkingEnabled):
         chat["thinking_token_budget"] = request.thinking.budget_tokens
     elif isinstance(request.thinking, ThinkingDisabled):
