@@ -112,7 +112,8 @@ class ToolReferenceBlock(_Block):
 
 
 Block = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | ToolReferenceBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+    | ToolReferenceBlock,
     Field(discriminator="type"),
 ]
 

@@ -335,7 +335,8 @@ def output_items(choice: dict[str, Any], hex_id: str, namespaces: Sequence[str] 
     for i, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") or {}
         item = {"type": "function_call", "id": f"fc_{hex_id}_{i}", "call_id": call.get("id") or f"call_{hex_id}_{i}",
-                "name": function.get("name", ""), "arguments": function.get("arguments") or "", "status": status}  # fmt: skip
+                "name": function.get("name", ""), "arguments": function.get("arguments") or "",
+                "status": status}  # fmt: skip
         namespace, _, name = str(item["name"]).partition(NAMESPACE_SEPARATOR)
         if name and namespace in namespaces:
             item.update(name=name, namespace=namespace)
@@ -351,11 +352,12 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     return {
         "input_tokens": usage.get("prompt_tokens", 0),
         "input_tokens_details": {
-            "cached_tokens": cached, "cache_write_tokens": 0, "input_tokens_per_turn": [], "cached_tokens_per_turn": []
+            "cached_tokens": cached, "cache_write_tokens": 0, "input_tokens_per_turn": [], "cached_tokens_per_turn": [],
         },
         "output_tokens": usage.get("completion_tokens", 0),
         "output_tokens_details": {
-            "reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []
+            "reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [],
+            "tool_output_tokens_per_turn": [],
         },
         "total_tokens": usage.get("total_tokens", 0),
     }  # fmt: skip

@@ -187,7 +187,10 @@ def test_claude_codes_inline_system_and_unknown_fields_pass_as_in_vllm() -> None
             {"role": "user", "content": "Hi", "extra": 1},
             {"role": "system", "content": [{"type": "text", "text": "Remember: be brief."}]},
             {"role": "system", "content": "x-anthropic-billing-header: cc_version=1"},
-            {"role": "user", "content": [{"type": "tool_reference", "tool_name": "Read"}, {"type": "text", "text": "Go"}]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_reference", "tool_name": "Read"}, {"type": "text", "text": "Go"}],
+            },
         ],
         "tool_choice": {"type": "auto", "future_flag": True},
         "output_config": {"effort": "high", "task_budget": 1},

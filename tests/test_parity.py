@@ -55,7 +55,8 @@ def differences(vllm: Any, ours: Any, where: str = "") -> list[str]:
         return out
     if isinstance(vllm, list):
         theirs, mine = _by_type(vllm), _by_type(ours)
-        return [d for key in theirs.keys() & mine.keys() for d in differences(theirs[key], mine[key], f"{where}[{key}]")]
+        shared = theirs.keys() & mine.keys()
+        return [d for key in sorted(shared) for d in differences(theirs[key], mine[key], f"{where}[{key}]")]
     return []
 
 
