@@ -91,7 +91,8 @@ class ToolUseBlock(_Block):
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = ""
+    # Items as vLLM takes them: text, image and tool_reference are used, any other kind is skipped.
+    content: str | list[dict[str, Any]] = ""
     is_error: bool | None = None
 
 
@@ -132,6 +133,8 @@ class Tool(BaseModel):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None
+    defer_loading: bool | None = None  # a tool a tool search finds (see ToolReferenceBlock)
 
 
 class _Choice(BaseModel):
@@ -309,7 +312,12 @@ def _chat_tool(tool: Tool) -> dict[str, Any]:
     function: dict[str, Any] = {"name": tool.name}
     if tool.description is not None:
         function["description"] = tool.description
-    function["parameters"] = tool.input_schema
+    # vLLM's endpoint: a schema without a type is an object's, and `strict`/`defer_loading` go on to the template.
+    schema = tool.input_schema
+    function["parameters"] = schema if "type" in schema else {**schema, "type": "object"}
+    for key, value in (("strict", tool.strict), ("defer_loading", tool.defer_loading)):
+        if value is not None:
+            function[key] = value
     return {"type": "function", "function": function}
 
 
@@ -362,19 +370,32 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
 
 
 def _tool_result(block: ToolResultBlock, role: str, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if isinstance(block.content, str):
-        text, images = block.content, []
-    else:
-        text = "\n".join(item.text for item in block.content if isinstance(item, TextBlock))
-        images = [_image_url(item) for item in block.content if isinstance(item, ImageBlock)]
+    items = [] if isinstance(block.content, str) else block.content
+    text = block.content if isinstance(block.content, str) else "\n".join(
+        str(item.get("text") or "") for item in items if item.get("type") == "text"
+    )
+    images = [_source_url(item.get("source")) for item in items if item.get("type") == "image"]
+    # A tool search's result names the deferred tools it found; vLLM passes them on as a tool message of their own.
+    found = [item.get("tool_name") or item.get("name") for item in items if item.get("type") == "tool_reference"]
     if role != "user":
         parts.append({"type": "text", "text": f"Tool result: {text}"})
         return []
     # `is_error` has no chat equivalent; vLLM's endpoint drops it too (the text usually says what went wrong).
     out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": text}]
     if images:
-        out.append({"role": "user", "content": images})
+        out.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}} for url in images]})
+    references = [{"type": "tool_reference", "name": name} for name in found if name]
+    if references:
+        out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": references})
     return out
+
+
+def _source_url(source: Any) -> str:
+    """An image source as a URL, as leniently as vLLM reads one inside a tool result (base64 unless `url`)."""
+    source = source if isinstance(source, dict) else {}
+    if source.get("type") == "url":
+        return str(source.get("url") or "")
+    return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
 
 
 # -- chat -> Anthropic -------------------------------------------------------------------------------------------

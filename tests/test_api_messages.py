@@ -204,6 +204,31 @@ def test_claude_codes_inline_system_and_unknown_fields_pass_as_in_vllm() -> None
     assert api_messages.ignored_fields(data) == ["context_management"]
 
 
+def test_a_tool_searchs_result_and_deferred_tools_translate_as_in_vllm() -> None:
+    """A tool_result may name deferred tools it found (tool_reference) and carry item kinds vLLM skips; vLLM passes
+    the names on as a tool message of their own, and a deferred tool's flag and a typeless schema as it reads them."""
+    data = {
+        "model": "agent",
+        "max_tokens": 16,
+        "tools": [{"name": "Read", "input_schema": {"properties": {}}, "defer_loading": True}],
+        "messages": [
+            {"role": "user", "content": "Find a reader"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "text", "text": "found"}, {"type": "tool_reference", "tool_name": "Read"},
+                {"type": "document", "source": {}},
+            ]}]},  # fmt: skip
+        ],
+    }
+    chat = to_chat(api_messages.parse_request(data, MessagesRequest))
+    assert chat["messages"][2:] == [
+        {"role": "tool", "tool_call_id": "t1", "content": "found"},
+        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "tool_reference", "name": "Read"}]},
+    ]
+    function = chat["tools"][0]["function"]
+    assert function["parameters"] == {"properties": {}, "type": "object"} and function["defer_loading"] is True
+
+
 def test_stream_translator_closes_each_block_and_reports_the_stop() -> None:
     translator = StreamTranslator()
     chunks = [
