@@ -11,6 +11,7 @@ gateway is never stricter than vLLM on what real clients send. One JSON file per
       "headers": {...},        # the client's own headers (x-claude-code-session-id, session-id...); no keys
       "request": {...},        # the body as the client sent it; strings over 400 characters cut (see `trim`)
       "edited": str,           # only where the request was changed by hand, and why
+      "note": str,             # only where how it was captured needs saying
       "vllm": {"version": str, "status": int, "response": {...} | null, "events": [[event, data], ...] | null},
       "upstream": [...]        # the exchanges the gateway had with vLLM for it (tests/fake_upstream.py's form)
     }
