@@ -243,15 +243,18 @@ def parse_request(data: dict[str, Any], model: type[CountTokensRequest]) -> Coun
 # -- Anthropic -> chat -------------------------------------------------------------------------------------------
 
 
-def to_chat(request: CountTokensRequest) -> dict[str, Any]:
+def to_chat(request: CountTokensRequest, merge_inline_system: bool = False) -> dict[str, Any]:
     """The chat request vLLM's own /v1/messages would build from this one (same messages, tools and sampling), so
-    the model sees the prompt it would have seen there."""
+    the model sees the prompt it would have seen there. `merge_inline_system`: the model's template wants the system
+    prompt first and only there, so system messages met later join it (vLLM's endpoint detects and does the same)."""
     messages: list[dict[str, Any]] = []
-    system = _system_text(request.system)
+    inline = [m for m in request.messages if m.role == "system"] if merge_inline_system else []
+    system = _system_text(request.system) + "".join(m["content"] for i in inline for m in _chat_messages(i))
     if system:
         messages.append({"role": "system", "content": system})
     for message in request.messages:
-        messages.extend(_chat_messages(message))
+        if not (merge_inline_system and message.role == "system"):
+            messages.extend(_chat_messages(message))
     chat: dict[str, Any] = {"model": request.model, "messages": messages}
     if request.messages and request.messages[-1].role == "assistant":
         # A prefilled answer: the model continues it instead of starting a new turn, as Anthropic does.
@@ -714,6 +717,27 @@ class MessagesApi:
 
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
+        self._merges_inline_system: dict[str, bool] = {}  # by served model: its template wants one system prompt
+
+    async def _merge_inline_system(self, request: CountTokensRequest) -> bool:
+        """Whether this request's system messages past the first must join the system prompt: vLLM's endpoint
+        renders [system, user, system, user] with the model's template once and merges if that fails. Asked of
+        vLLM's render endpoint once per served model; a vLLM that cannot render (no --enable-scale-out) keeps them
+        in place, as does one whose answer says nothing yet (asked again next time)."""
+        if not any(message.role == "system" for message in request.messages):
+            return False
+        served = self.proxy.router.resolve(check_run(request.model), await self.proxy.base_model()).served_name
+        if served not in self._merges_inline_system:
+            probe = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
+            try:
+                await self.proxy.token_in.render({"model": served, "messages": probe, "add_generation_prompt": False})
+                self._merges_inline_system[served] = False
+            except UpstreamFailure as failure:
+                if failure.error.status in (400, 403, 404):  # the template refused; no render endpoint
+                    self._merges_inline_system[served] = failure.error.status == 400
+                else:
+                    return False
+        return self._merges_inline_system[served]
 
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
         path = prefix.rest if prefix else scope["path"]
@@ -730,12 +754,14 @@ class MessagesApi:
             self.proxy.auth.check_agent(split_api_key(presented_key(headers))[0])
             data = _parse(await self.proxy.read_body(receive, headers))
             if path == COUNT_TOKENS:
-                count = await self._count_tokens(parse_request(data, CountTokensRequest))
+                counted = parse_request(data, CountTokensRequest)
+                count = await self._count_tokens(counted, await self._merge_inline_system(counted))
                 # vLLM's answer: nothing is edited out of the context here, so the original count is the count.
                 body = orjson.dumps({"input_tokens": count, "context_management": {"original_input_tokens": count}})
                 await _send_bytes(send, 200, body, [(b"content-type", b"application/json")])
                 return
-            chat = to_chat(parse_request(data, MessagesRequest))
+            request = parse_request(data, MessagesRequest)
+            chat = to_chat(request, await self._merge_inline_system(request))
             ignored = ignored_fields(data)
             if ignored:
                 chat[EXTRA] = {"ignored": ignored}
@@ -749,10 +775,10 @@ class MessagesApi:
             _chat_scope(scope, len(chat)), _chat_receive(chat, receive), AnswerTranslator(send), _chat_prefix(prefix)
         )
 
-    async def _count_tokens(self, request: CountTokensRequest) -> int:
+    async def _count_tokens(self, request: CountTokensRequest, merge_inline_system: bool) -> int:
         """The prompt's exact length as vLLM renders it (its scale-out render endpoint, which token_in uses too)."""
         route = self.proxy.router.resolve(check_run(request.model), await self.proxy.base_model())
-        chat = to_chat(request)
+        chat = to_chat(request, merge_inline_system)
         chat["model"] = route.served_name
         _serialise(chat)  # the depth check
         return len(await self.proxy.token_in.render(chat))

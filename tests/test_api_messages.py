@@ -204,6 +204,56 @@ def test_claude_codes_inline_system_and_unknown_fields_pass_as_in_vllm() -> None
     assert api_messages.ignored_fields(data) == ["context_management"]
 
 
+def test_inline_system_messages_join_the_system_prompt_where_the_template_wants_one() -> None:
+    """vLLM's endpoint asks the template to render [system, user, system, user] and, where it refuses (Qwen's
+    loop.first guard), merges later system messages into the first; the gateway asks vLLM's render endpoint the same
+    once per served model. A vLLM without a render endpoint keeps them in place; an unclear answer is asked again."""
+    from types import SimpleNamespace
+
+    from gateway.errors import GatewayError, UpstreamFailure
+
+    answers: list[int] = []
+    rendered: list[dict[str, Any]] = []
+
+    async def render(body: dict[str, Any]) -> list[int]:
+        rendered.append(body)
+        status = answers.pop(0)
+        if status != 200:
+            raise UpstreamFailure(GatewayError(status, "refused"))
+        return [1, 2]
+
+    async def base_model() -> str:
+        return "smollm2"
+
+    route = SimpleNamespace(served_name="smollm2")
+    proxy: Any = SimpleNamespace(
+        router=SimpleNamespace(resolve=lambda run, base: route), base_model=base_model,
+        token_in=SimpleNamespace(render=render),
+    )  # fmt: skip
+    data = {
+        "model": "agent", "max_tokens": 8, "system": "Be brief.",
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "system", "content": " Really."},
+                     {"role": "user", "content": "Go"}],
+    }  # fmt: skip
+    request = api_messages.parse_request(data, MessagesRequest)
+
+    async def decisions(statuses: list[int]) -> list[bool]:
+        api = api_messages.MessagesApi(proxy)
+        answers[:] = statuses
+        return [await api._merge_inline_system(request) for _ in statuses]
+
+    assert asyncio.run(decisions([400])) == [True]
+    assert [m["role"] for m in rendered[0]["messages"]] == ["system", "user", "system", "user"]
+    assert asyncio.run(decisions([503, 200])) == [False, False] and not answers  # asked again after the 503
+    assert asyncio.run(decisions([403])) == [False]
+    assert to_chat(request, merge_inline_system=True)["messages"] == [
+        {"role": "system", "content": "Be brief. Really."},
+        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": "Go"},
+    ]
+    assert [m["role"] for m in to_chat(request)["messages"]] == ["system", "user", "system", "user"]
+
+
 def test_a_tool_searchs_result_and_deferred_tools_translate_as_in_vllm() -> None:
     """A tool_result may name deferred tools it found (tool_reference) and carry item kinds vLLM skips; vLLM passes
     the names on as a tool message of their own, and a deferred tool's flag and a typeless schema as it reads them."""
