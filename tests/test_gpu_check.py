@@ -1,0 +1,129 @@
+"""bench/gpu_check.py on CPU with tiny models: GPU windows are short, so the script must not rot
+between them. These run the path a GPU lend runs (every stage), on a tiny Qwen2 and Qwen3, and check
+that every figure the GPU run must produce is there and sane. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench import gpu_check
+from trainer.samples import Row
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("gpu-check")
+    code = gpu_check.main(["--device", "cpu", "--tiny", "--repeats", "2", "--out", str(out)])
+    return code, json.loads((out / "gpu_check.json").read_text()), out
+
+
+def test_tiny_run_finishes_every_stage(tiny_run: tuple[int, dict[str, Any], Path]) -> None:
+    code, report, _ = tiny_run
+    assert code == 0
+    assert report["status"] == "done"
+    assert report["peak"]["status"] == "ok" and report["peak"]["flops"] > 0
+    assert set(report["step"]) == set(report["numerics"]) == set(gpu_check.TINY_SHAPES)
+
+
+@pytest.mark.parametrize("shape", sorted(gpu_check.TINY_SHAPES))
+def test_step_figures(tiny_run: tuple[int, dict[str, Any], Path], shape: str) -> None:
+    step = tiny_run[1]["step"][shape]
+    assert step["status"] == "ok", step
+    assert step["objective"] == "cispo" and step["backend"] == "hf"
+    assert step["tokens"] == 4 * 128 and step["micro_batches"] == 2
+    # Two rows per micro-batch share their 32-token prefix: the decoder runs it once per micro-batch.
+    assert step["decoder_tokens"] == step["tokens"] - 2 * 32
+    for phase in ("step", "bare"):
+        figures = step["phases"][phase]
+        assert len(figures["times"]) == 2
+        assert figures["tokens_per_s"] > 0 and figures["peak_gib"] > 0
+        assert 0 < figures["mfu"] < 1
+    assert "step_bf16_head" not in step["phases"]  # only on CUDA
+    assert math.isfinite(step["step_over_bare"]) and step["step_over_bare"] > 0
+    assert math.isfinite(step["last_step"]["grad_norm"]) and step["last_step"]["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("shape", sorted(gpu_check.TINY_SHAPES))
+def test_numerics_compare_two_precisions(tiny_run: tuple[int, dict[str, Any], Path], shape: str) -> None:
+    numerics = tiny_run[1]["numerics"][shape]
+    assert numerics["status"] == "ok", numerics
+    assert numerics["positions"] == 2 * 63
+    for head in ("fp32_head", "bf16_head"):
+        deltas = numerics[head]
+        # bf16 against fp32 differs (else both ran in one precision) but only by rounding.
+        assert 0 < deltas["mean_abs"] <= deltas["max_abs"] < 0.1
+
+
+def test_unsloth_reports_what_is_missing(tiny_run: tuple[int, dict[str, Any], Path]) -> None:
+    unsloth = tiny_run[1]["unsloth"]
+    assert unsloth["status"] == "unavailable"
+    assert any("CUDA" in m for m in unsloth["missing"])
+    assert unsloth["wheels_mib"] > 64  # more than travels with the tree: the docs say so
+
+
+def test_markdown_table_written(tiny_run: tuple[int, dict[str, Any], Path]) -> None:
+    markdown = (tiny_run[2] / "gpu_check.md").read_text()
+    assert "## GRPO step (hf backend)" in markdown and "## Logprobs" in markdown
+    for shape in gpu_check.TINY_SHAPES:
+        assert sum(line.startswith(f"| {shape} |") for line in markdown.splitlines()) == 2
+
+
+def test_out_of_memory_retries_smaller_and_is_recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tried: list[tuple[int, bool]] = []
+    real_measure = gpu_check._measure
+
+    def measure(backend: Any, rows: list[Row], micro_batch_tokens: int, checkpointing: bool, *rest: Any) -> None:
+        tried.append((micro_batch_tokens, checkpointing))
+        if len(tried) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        real_measure(backend, rows, micro_batch_tokens, checkpointing, *rest)
+
+    monkeypatch.setattr(gpu_check, "_measure", measure)
+    out = tmp_path / "out"
+    argv = ["--device", "cpu", "--tiny", "--shapes", "tiny-qwen2", "--stages", "step", "--repeats", "1"]
+    assert gpu_check.main([*argv, "--out", str(out)]) == 0
+    step = json.loads((out / "gpu_check.json").read_text())["step"]["tiny-qwen2"]
+    assert tried == [(256, False), (128, False)]
+    assert step["attempts"] == [
+        {"micro_batch_tokens": 256, "gradient_checkpointing": False, "oom": "CUDA out of memory. Tried to allocate 9.00 GiB"}
+    ]
+    assert step["status"] == "ok" and step["micro_batch_tokens"] == 128 and step["micro_batches"] == 4
+
+
+def test_attempts_halve_to_one_row_then_checkpoint() -> None:
+    assert gpu_check._attempts(8192, 4096) == [(8192, False), (4096, False), (4096, True)]
+    assert gpu_check._attempts(4096, 4096) == [(4096, False), (4096, True)]
+
+
+def test_missing_trainer_module_stops_with_its_wheel_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_check, "TRAINER_EXTRA_MODULES", {"no_such_module_i36": "no_such_module_i36-1.0.whl"})
+    assert gpu_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 2
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["status"] == "missing modules"
+    assert report["missing_modules"] == {"no_such_module_i36": "no_such_module_i36-1.0.whl"}
+
+
+def test_wheels_are_unpacked_onto_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "wheeled_i36-1.0-py3-none-any.whl", "w") as archive:
+        archive.writestr("wheeled_i36/__init__.py", "ANSWER = 42\n")
+    assert gpu_check.use_wheels(wheels) == ["wheeled_i36-1.0-py3-none-any.whl"]
+    try:
+        import wheeled_i36  # type: ignore[import-not-found]
+
+        assert wheeled_i36.ANSWER == 42
+        assert sys.path[0] == str(Path(wheeled_i36.__file__).parents[1])
+    finally:
+        sys.modules.pop("wheeled_i36", None)
+    assert gpu_check.os.environ["PYTHONPATH"].endswith("/elsewhere")
