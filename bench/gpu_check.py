@@ -307,7 +307,8 @@ def peak_matmul(device: torch.device, dtype: torch.dtype, n: int, deadline: floa
     b = torch.randn(n, n, device=device, dtype=dtype)
     c = torch.empty(n, n, device=device, dtype=dtype)
     inner = 10
-    torch.matmul(a, b, out=c)  # warm-up: kernel selection, thread pool start, clocks up
+    for _ in range(inner):  # warm-up: kernel selection, thread pool start, clocks up
+        torch.matmul(a, b, out=c)
     synchronize(device)
     best = math.inf
     for timing in range(8):
@@ -439,7 +440,7 @@ def step_stage(
             )
             _measure(backend, rows, micro_batch_tokens, checkpointing, args, peak_flops, deadline, result, report, clock)
             return
-        except torch.OutOfMemoryError as exc:
+        except torch.cuda.OutOfMemoryError as exc:  # torch.OutOfMemoryError, also before torch 2.5
             oom = str(exc).splitlines()[0][:300]
         finally:
             del backend
@@ -763,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     peak_flops = args.peak_flops
     if "peak" in args.stages:
-        failed |= _stage(report, clock, "peak", None, lambda r: _peak_stage(args, clock, r))
+        failed |= _stage(report, clock, "peak", None, STAGE_SECONDS["peak"], lambda r: _peak_stage(args, clock, r))
         peak_flops = report.data["peak"].get("flops", peak_flops)
     for name in args.shapes:
         if not {"step", "numerics"} & set(args.stages):
@@ -775,18 +776,23 @@ def main(argv: list[str] | None = None) -> int:
             params = build_random_model(spec, model_dir, device, tokenizer=args.backend == "unsloth")
             log(clock, f"{name}: {params / 1e6:,.1f}M parameters")
             if "step" in args.stages:
-                deadline = clock.stage_deadline(STEP_SECONDS.get(name, OTHER_SHAPE_SECONDS))
+                budget = STEP_SECONDS.get(name, OTHER_SHAPE_SECONDS)
+                deadline = clock.stage_deadline(budget)
                 failed |= _stage(
                     report,
                     clock,
                     "step",
                     name,
+                    budget,
                     lambda r: step_stage(args.backend, model_dir, spec, args, peak_flops, deadline, r, report, clock),
                 )
             if "numerics" in args.stages:
-                failed |= _stage(report, clock, "numerics", name, lambda r: numerics_stage(model_dir, spec, args, r))
+                budget = NUMERICS_SECONDS.get(name, OTHER_SHAPE_SECONDS)
+                failed |= _stage(
+                    report, clock, "numerics", name, budget, lambda r: numerics_stage(model_dir, spec, args, r)
+                )
     if "unsloth" in args.stages:
-        failed |= _stage(report, clock, "unsloth", None, lambda r: unsloth_stage(args, peak_flops, clock, r))
+        failed |= _stage(report, clock, "unsloth", None, 0.0, lambda r: unsloth_stage(args, peak_flops, clock, r))
     watchdog.cancel()
     report.data.update(status="failed" if failed else "done", elapsed_s=clock.elapsed())
     report.save()
@@ -802,19 +808,28 @@ def _peak_stage(args: argparse.Namespace, clock: Clock, result: dict[str, Any]) 
     result["status"] = "ok"
 
 
-def _stage(report: Report, clock: Clock, stage: str, shape: str | None, run: Callable[[dict[str, Any]], None]) -> bool:
-    """Run one stage into its place in the report; a stage past the total budget is skipped, one that
-    raises is recorded (the rest still run). Returns whether it failed."""
+def _stage(
+    report: Report,
+    clock: Clock,
+    stage: str,
+    shape: str | None,
+    budget_s: float,
+    run: Callable[[dict[str, Any]], None],
+) -> bool:
+    """Run one stage into its place in the report. A stage is skipped when less than half its budget
+    (``budget_s`` at the default total, scaled) is left of the total: better a later stage's figures
+    than a stage cut off midway. One that raises is recorded and the rest still run. Returns whether
+    it failed."""
     section: dict[str, Any] = {}
     if shape is None:
         report.data[stage] = section
     else:
         report.data.setdefault(stage, {})[shape] = section
     label = stage if shape is None else f"{stage} {shape}"
-    if clock.left() <= 0:
-        section["status"] = "skipped: budget spent"
+    if clock.left() <= 0.5 * budget_s * clock.scale:
+        section["status"] = f"skipped: {max(clock.left(), 0):.0f} s of the total left"
         report.save()
-        log(clock, f"{label}: skipped, budget spent")
+        log(clock, f"{label}: {section['status']}")
         return False
     log(clock, f"{label}: start")
     try:

@@ -127,3 +127,14 @@ def test_wheels_are_unpacked_onto_the_path(tmp_path: Path, monkeypatch: pytest.M
     finally:
         sys.modules.pop("wheeled_i36", None)
     assert gpu_check.os.environ["PYTHONPATH"].endswith("/elsewhere")
+
+
+def test_a_stage_without_half_its_budget_left_is_skipped(tmp_path: Path) -> None:
+    report = gpu_check.Report(tmp_path, {"environment": {"device": "cpu"}})
+    ran: list[dict[str, Any]] = []
+    # 10 s in all is 10/480 of the default; a 1,000 s stage would get 21 s of it, half of that > 10.
+    failed = gpu_check._stage(report, gpu_check.Clock(10.0), "numerics", "qwen3-4b", 1000.0, ran.append)
+    assert not failed and not ran
+    assert report.data["numerics"]["qwen3-4b"]["status"].startswith("skipped:")
+    assert gpu_check._stage(report, gpu_check.Clock(10.0), "numerics", "tiny", 100.0, ran.append) is False
+    assert len(ran) == 1
