@@ -210,7 +210,9 @@ def render_markdown(data: dict[str, Any]) -> str:
     ]
     peak = data.get("peak")
     if peak:
-        lines += [f"Measured matmul peak: {peak.get('tflops', 0):,.1f} TFLOP/s ({peak.get('what')})", ""]
+        flops = peak.get("flops", 0.0)
+        rate = f"{flops / 1e12:,.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.1f} GFLOP/s"
+        lines += [f"Measured matmul peak: {rate} ({peak.get('what')})", ""]
     for backend, section in (("hf", data.get("step", {})), ("unsloth", data.get("unsloth", {}).get("step", {}))):
         if not section:
             continue
