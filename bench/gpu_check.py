@@ -427,6 +427,9 @@ def step_stage(
     tokens = sum(len(r) for r in rows)
     result.update(tokens=tokens, rows=args.rows, seq=args.seq, shared_prefix=args.shared_prefix, attempts=[])
     for micro_batch_tokens, checkpointing in _attempts(args.micro_batch_tokens, args.seq):
+        if result["attempts"] and time.perf_counter() > deadline:
+            result["status"] = "OOM; the stage's budget was spent before a smaller attempt"
+            return
         log(clock, f"  {backend_name}: micro-batch {micro_batch_tokens}, gradient checkpointing {checkpointing}")
         backend: TrainerBackend | None = None
         oom = None
@@ -848,10 +851,12 @@ def _stage(
 
 def _expire(report: Report, clock: Clock) -> None:
     """The total budget is spent: keep what was saved, mark it, and stop at once."""
-    report.data.update(status="stopped: total budget spent", elapsed_s=clock.elapsed())
-    report.save()
-    log(clock, "total budget spent: stopping; the figures so far are in the report")
-    os._exit(3)
+    try:
+        report.data.update(status="stopped: total budget spent", elapsed_s=clock.elapsed())
+        report.save()  # may meet the main thread mid-update: the last complete save then stands
+        log(clock, "total budget spent: stopping; the figures so far are in the report")
+    finally:
+        os._exit(3)
 
 
 if __name__ == "__main__":

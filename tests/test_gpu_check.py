@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -139,3 +140,14 @@ def test_a_stage_without_half_its_budget_left_is_skipped(tmp_path: Path) -> None
     assert report.data["numerics"]["qwen3-4b"]["status"].startswith("skipped:")
     assert gpu_check._stage(report, gpu_check.Clock(10.0), "numerics", "tiny", 100.0, ran.append) is False
     assert len(ran) == 1
+
+
+def test_the_total_budget_stops_the_run_and_keeps_the_report(tmp_path: Path) -> None:
+    # Half a second cannot hold two models' builds, steps and numerics: the watchdog must end the run.
+    script = Path(gpu_check.__file__)
+    argv = [sys.executable, str(script), "--device", "cpu", "--tiny", "--budget-s", "0.5", "--out", str(tmp_path)]
+    completed = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 3, completed.stdout[-2000:] + completed.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["status"] == "stopped: total budget spent"
+    assert "total budget spent" in completed.stdout
