@@ -219,9 +219,9 @@ def render_markdown(data: dict[str, Any]) -> str:
         lines += [
             f"## GRPO step ({backend} backend)",
             "",
-            "| model | tokens/step | micro-batch | grad ckpt | step s | tokens/s | MFU | peak GiB | bare s | "
-            "step / bare | step, bf16 LM head s | note |",
-            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            "| model | tokens/step | micro-batch | grad ckpt | step s | tokens/s | MFU | MFU of its work | peak GiB | "
+            "bare s | step / bare | step, bf16 LM head s | note |",
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for shape, r in section.items():
             phases = r.get("phases", {})
@@ -230,6 +230,7 @@ def render_markdown(data: dict[str, Any]) -> str:
                 f"| {shape} | {_fmt(r.get('tokens'), ',')} | {_fmt(r.get('micro_batch_tokens'), ',')} | "
                 f"{'on' if r.get('gradient_checkpointing') else 'off'} | {_fmt(step.get('seconds'), '.3f')} | "
                 f"{_fmt(step.get('tokens_per_s'), ',.0f')} | {_fmt(_pct(step.get('mfu')), '.1f', ' %')} | "
+                f"{_fmt(_pct(step.get('mfu_work')), '.1f', ' %')} | "
                 f"{_fmt(step.get('peak_gib'), '.2f')} | {_fmt(bare.get('seconds'), '.3f')} | "
                 f"{_fmt(r.get('step_over_bare'), '.2f', '×')} | {_fmt(bf16.get('seconds'), '.3f')} | "
                 f"{r.get('status', '')} |"
@@ -503,19 +504,26 @@ def _measure(
         log(clock, f"  warm-up: {name}")
         _timed(run, device)
     flops_per_token = backend.flops_per_token()
+    # The step's own work: the decoder over the tokens it runs (a shared prefix once), the LM head
+    # (a frozen linear: 4 FLOPs per weight) over the trained tokens only. The conventional MFU counts
+    # every input token through both, as if logits were computed everywhere.
+    head_flops = 4.0 * model.get_output_embeddings().weight.numel()
+    ran = decoder_tokens(batches, args.shared_prefix, not checkpointing and backend.name == "hf")
+    work_flops = (flops_per_token - head_flops) * ran + head_flops * trained
     result.update(
         status="ok",
         backend=backend.name,
         micro_batch_tokens=micro_batch_tokens,
         micro_batches=len(batches),
         gradient_checkpointing=checkpointing,
-        decoder_tokens=decoder_tokens(batches, args.shared_prefix, not checkpointing and backend.name == "hf"),
+        decoder_tokens=ran,
         trained_tokens=trained,
         dtype=str(next(p for p in model.parameters() if not p.requires_grad).dtype).removeprefix("torch."),
         logprob_dtype=str(backend.logprob_dtype).removeprefix("torch."),  # type: ignore[attr-defined]
         params=sum(p.numel() for p in model.parameters()),
         lora_params=sum(p.numel() for p in backend.trainable),
         flops_per_token=flops_per_token,
+        work_flops=work_flops,
         objective=loss_config.kind,
     )
     for repeat in range(args.repeats):
@@ -524,7 +532,8 @@ def _measure(
             times[name].append(seconds)
             peaks[name] = max(peaks[name], peak_bytes)
         result["phases"] = {
-            name: _phase_figures(times[name], peaks[name], tokens, flops_per_token, peak_flops) for name in phases
+            name: _phase_figures(times[name], peaks[name], tokens, flops_per_token, work_flops, peak_flops)
+            for name in phases
         }
         step, bare = result["phases"]["step"]["seconds"], result["phases"]["bare"]["seconds"]
         result["step_over_bare"] = step / bare
@@ -539,7 +548,12 @@ def _measure(
 
 
 def _phase_figures(
-    times: list[float], peak_bytes: float, tokens: int, flops_per_token: float, peak_flops: float | None
+    times: list[float],
+    peak_bytes: float,
+    tokens: int,
+    flops_per_token: float,
+    work_flops: float,
+    peak_flops: float | None,
 ) -> dict[str, Any]:
     seconds = statistics.median(times)
     return {
@@ -549,6 +563,8 @@ def _phase_figures(
         "tokens_per_s": tokens / seconds,
         # The backend's honest LoRA count (4·N_frozen + 6·N_lora per token) over the input tokens.
         "mfu": None if peak_flops is None else flops_per_token * tokens / seconds / peak_flops,
+        # The same for the step's own work (``work_flops``): how busy the device was, not how fast the step is.
+        "mfu_work": None if peak_flops is None else work_flops / seconds / peak_flops,
         "peak_gib": peak_bytes / 2**30,
     }
 

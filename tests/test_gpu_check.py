@@ -48,6 +48,8 @@ def test_step_figures(tiny_run: tuple[int, dict[str, Any], Path], shape: str) ->
         assert figures["tokens_per_s"] > 0 and figures["peak_gib"] > 0
         # No upper bound: on a shared CPU the peak and the step see different loads.
         assert math.isfinite(figures["mfu"]) and figures["mfu"] > 0
+        # The step's own work skips the LM head on context tokens and the shared prefix's repeats.
+        assert 0 < figures["mfu_work"] < figures["mfu"]
     assert "step_bf16_head" not in step["phases"]  # only on CUDA
     assert math.isfinite(step["step_over_bare"]) and step["step_over_bare"] > 0
     assert math.isfinite(step["last_step"]["grad_norm"]) and step["last_step"]["grad_norm"] > 0
