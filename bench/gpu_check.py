@@ -661,7 +661,11 @@ def unsloth_stage(args: argparse.Namespace, peak_flops: float | None, clock: Clo
         result["returncode"] = "timeout"
     child_json = child_out / "gpu_check.json"
     child = json.loads(child_json.read_text()) if child_json.is_file() else {}
-    result.update(status="ran" if child.get("step") else "failed", step=child.get("step", {}))
+    result["step"] = child.get("step", {})
+    if result["step"]:
+        result["status"] = "ran"
+    else:
+        result.update(status="error", error=f"the unsloth run wrote no step figures (exit {result['returncode']})")
 
 
 # ---------------------------------------------------------------------------------------------
