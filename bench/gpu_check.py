@@ -662,10 +662,10 @@ def unsloth_stage(args: argparse.Namespace, peak_flops: float | None, clock: Clo
     child_json = child_out / "gpu_check.json"
     child = json.loads(child_json.read_text()) if child_json.is_file() else {}
     result["step"] = child.get("step", {})
-    if result["step"]:
+    if any(shape.get("status") == "ok" for shape in result["step"].values()):
         result["status"] = "ran"
     else:
-        result.update(status="error", error=f"the unsloth run wrote no step figures (exit {result['returncode']})")
+        result.update(status="error", error=f"the unsloth run measured no shape (exit {result['returncode']})")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -153,3 +153,20 @@ def test_the_total_budget_stops_the_run_and_keeps_the_report(tmp_path: Path) -> 
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["status"] == "stopped: total budget spent"
     assert "total budget spent" in completed.stdout
+
+
+def test_unsloth_stage_runs_the_step_in_a_child_and_keeps_its_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pretend the parent may run unsloth: the child (its own process, where unsloth is missing on
+    # this CPU) then fails to build the backend, and that reaches the parent's report.
+    import trainer.backends.unsloth
+
+    monkeypatch.setattr(trainer.backends.unsloth, "missing_requirements", lambda: [])
+    argv = ["--device", "cpu", "--tiny", "--shapes", "tiny-qwen3", "--stages", "unsloth", "--out", str(tmp_path)]
+    assert gpu_check.main(argv) == 1
+    unsloth = json.loads((tmp_path / "gpu_check.json").read_text())["unsloth"]
+    assert unsloth["status"] == "error" and unsloth["returncode"] == 1
+    shape = unsloth["step"]["tiny-qwen3"]
+    assert shape["status"] == "error" and "unsloth backend needs" in shape["error"]
+    assert (tmp_path / "unsloth" / "gpu_check.json").is_file()
