@@ -241,7 +241,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         lines += [
             "## Logprobs: bf16 on the device vs fp32 on the CPU (same weights, same batch)",
             "",
-            "| model | positions | fp32 LM head: mean abs Δ | max abs Δ | bf16 LM head: mean abs Δ | max abs Δ | note |",
+            "| model | positions | fp32 LM head: mean abs Δ | max abs Δ | bf16 LM head: mean abs Δ | max abs Δ "
+            "| note |",
             "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for shape, r in numerics.items():
@@ -254,7 +255,8 @@ def render_markdown(data: dict[str, Any]) -> str:
         lines.append("")
     unsloth = data.get("unsloth")
     if unsloth:
-        lines.append(f"unsloth: {unsloth.get('status')}" + (f" ({'; '.join(unsloth['missing'])})" if unsloth.get("missing") else ""))
+        missing = f" ({'; '.join(unsloth['missing'])})" if unsloth.get("missing") else ""
+        lines.append(f"unsloth: {unsloth.get('status')}{missing}")
         lines.append("")
     return "\n".join(lines)
 
@@ -444,14 +446,17 @@ def step_stage(
                 dtype=args.dtype,
                 gradient_checkpointing=checkpointing,
             )
-            _measure(backend, rows, micro_batch_tokens, checkpointing, args, peak_flops, deadline, result, report, clock)
+            _measure(
+                backend, rows, micro_batch_tokens, checkpointing, args, peak_flops, deadline, result, report, clock
+            )
             return
         except torch.cuda.OutOfMemoryError as exc:  # torch.OutOfMemoryError, also before torch 2.5
             oom = str(exc).splitlines()[0][:300]
         finally:
             del backend
             release(device)
-        result["attempts"].append({"micro_batch_tokens": micro_batch_tokens, "gradient_checkpointing": checkpointing, "oom": oom})
+        attempt = {"micro_batch_tokens": micro_batch_tokens, "gradient_checkpointing": checkpointing, "oom": oom}
+        result["attempts"].append(attempt)
         result["phases"] = {}
         result["status"] = "OOM at every attempt"
         report.save()
@@ -707,7 +712,9 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(cuda=torch.version.cuda, memory_gib=props.total_memory / 2**30, capability=f"{props.major}.{props.minor}")
+        env.update(
+            cuda=torch.version.cuda, memory_gib=props.total_memory / 2**30, capability=f"{props.major}.{props.minor}"
+        )
     return env
 
 
@@ -732,7 +739,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peak-flops", type=float, help=argparse.SUPPRESS)  # the unsloth child gets the parent's
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda, but torch.cuda.is_available() is False (use --device cpu --tiny to check the script)")
+        parser.error("--device cuda, but torch.cuda.is_available() is False (--device cpu --tiny checks the script)")
     args.shapes = (args.shapes or ",".join(TINY_SHAPES if args.tiny else SHAPES)).split(",")
     unknown = [s for s in args.shapes if s not in SHAPES and s not in TINY_SHAPES]
     if unknown:
@@ -860,7 +867,8 @@ def _stage(
     try:
         run(section)
     except Exception as exc:  # noqa: BLE001  # one stage's failure must not cost the others' figures
-        section.update(status="error", error=f"{type(exc).__name__}: {exc}"[:500], traceback=traceback.format_exc()[-3000:])
+        error = f"{type(exc).__name__}: {exc}"[:500]
+        section.update(status="error", error=error, traceback=traceback.format_exc()[-3000:])
         log(clock, f"{label}: {section['error']}")
         release(torch.device(report.data["environment"]["device"]))
     report.data["elapsed_s"] = clock.elapsed()

@@ -96,9 +96,8 @@ def test_out_of_memory_retries_smaller_and_is_recorded(tmp_path: Path, monkeypat
     assert gpu_check.main([*argv, "--out", str(out)]) == 0
     step = json.loads((out / "gpu_check.json").read_text())["step"]["tiny-qwen2"]
     assert tried == [(256, False), (128, False)]
-    assert step["attempts"] == [
-        {"micro_batch_tokens": 256, "gradient_checkpointing": False, "oom": "CUDA out of memory. Tried to allocate 9.00 GiB"}
-    ]
+    oom = "CUDA out of memory. Tried to allocate 9.00 GiB"
+    assert step["attempts"] == [{"micro_batch_tokens": 256, "gradient_checkpointing": False, "oom": oom}]
     assert step["status"] == "ok" and step["micro_batch_tokens"] == 128 and step["micro_batches"] == 4
 
 
