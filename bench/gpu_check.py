@@ -482,6 +482,7 @@ def _measure(
     from trainer.samples import micro_batches
 
     device = backend.device
+    check_base_dtype(backend, args.dtype)
     batches = micro_batches(rows, micro_batch_tokens)
     trained = sum(r.trainable_tokens for r in rows)
     tokens = sum(len(r) for r in rows)
@@ -523,7 +524,7 @@ def _measure(
         gradient_checkpointing=checkpointing,
         decoder_tokens=ran,
         trained_tokens=trained,
-        dtype=str(next(p for p in model.parameters() if not p.requires_grad).dtype).removeprefix("torch."),
+        dtype=args.dtype,
         logprob_dtype=str(backend.logprob_dtype).removeprefix("torch."),  # type: ignore[attr-defined]
         params=sum(p.numel() for p in model.parameters()),
         lora_params=sum(p.numel() for p in backend.trainable),
@@ -589,10 +590,12 @@ def numerics_stage(model_dir: Path, spec: dict[str, Any], args: argparse.Namespa
     device = torch.device(args.device)
     rows = make_rows(2, args.numerics_seq, spec["vocab_size"], args.numerics_seq // 4, seed=1)
     reference = HFBackend(str(model_dir), LoraSpec(), LEARNING_RATE, device="cpu", dtype="float32")
+    check_base_dtype(reference, "float32")
     expected = reference.token_logprobs(rows)
     del reference
     gc.collect()
     candidate = HFBackend(str(model_dir), LoraSpec(), LEARNING_RATE, device=args.device, dtype="bfloat16")
+    check_base_dtype(candidate, "bfloat16")
     fp32_head = candidate.token_logprobs(rows)
     candidate.logprob_dtype = torch.bfloat16
     bf16_head = candidate.token_logprobs(rows)
@@ -610,6 +613,19 @@ def numerics_stage(model_dir: Path, spec: dict[str, Any], args: argparse.Namespa
         fp32_head=_deltas(fp32_head, reference_values),
         bf16_head=_deltas(bf16_head, reference_values),
     )
+
+
+def check_base_dtype(backend: TrainerBackend, expected: str) -> None:
+    """Refuse to measure weights loaded in another dtype than asked: a transformers that ignores the
+    backend's ``dtype=`` (older releases call it ``torch_dtype``) would load fp32 and every figure
+    would describe the wrong run."""
+    from trainer.backends.base import resolve_dtype
+
+    frozen = next(p for p in backend.model.parameters() if not p.requires_grad)
+    loaded = str(frozen.dtype).removeprefix("torch.")
+    wanted = str(resolve_dtype(expected, frozen.device)).removeprefix("torch.")
+    if loaded != wanted:
+        raise RuntimeError(f"the base weights loaded as {loaded}, not {wanted}: the figures would describe another run")
 
 
 def _deltas(logprobs: list[list[float]], reference: torch.Tensor) -> dict[str, float]:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -169,3 +170,11 @@ def test_unsloth_stage_runs_the_step_in_a_child_and_keeps_its_report(
     shape = unsloth["step"]["tiny-qwen3"]
     assert shape["status"] == "error" and "unsloth backend needs" in shape["error"]
     assert (tmp_path / "unsloth" / "gpu_check.json").is_file()
+
+
+def test_weights_in_another_dtype_than_asked_are_refused() -> None:
+    linear = torch.nn.Linear(4, 4).requires_grad_(False)
+    backend: Any = SimpleNamespace(model=linear)
+    gpu_check.check_base_dtype(backend, "float32")
+    with pytest.raises(RuntimeError, match="loaded as float32, not bfloat16"):
+        gpu_check.check_base_dtype(backend, "bf16")
