@@ -34,6 +34,8 @@ COUNT_TOKENS = "/v1/messages/count_tokens"
 PATHS = (MESSAGES, COUNT_TOKENS)
 PATH_PREFIX = MESSAGES + "/"  # the rest of Anthropic's messages family (batches) is a 404 in its shape here
 CHAT_PATH = "/v1/chat/completions"
+# What the chat request carries beside itself for this API (vLLM ignores unknown fields): the fields it ignored.
+EXTRA = "trajgate_messages"
 
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors).
 ERROR_TYPES = {
@@ -89,7 +91,8 @@ class ToolUseBlock(_Block):
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]] = ""
+    # Items as vLLM takes them: text, image and tool_reference are used, any other kind is skipped.
+    content: str | list[dict[str, Any]] = ""
     is_error: bool | None = None
 
 
@@ -104,15 +107,22 @@ class RedactedThinkingBlock(_Block):
     data: str
 
 
+class ToolReferenceBlock(_Block):
+    # A tool search's pointer to a deferred tool: accepted as vLLM accepts it, and (as there) adds nothing here.
+    type: Literal["tool_reference"]
+
+
 Block = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+    | ToolReferenceBlock,
     Field(discriminator="type"),
 ]
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["user", "assistant"]
+    # A system message mid-conversation (Claude Code's reminders) is kept where it stands, as vLLM's endpoint keeps
+    # it for a template that accepts one there.
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -123,10 +133,11 @@ class Tool(BaseModel):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any]
+    strict: bool | None = None
+    defer_loading: bool | None = None  # a tool a tool search finds (see ToolReferenceBlock)
 
 
 class _Choice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
     disable_parallel_tool_use: bool | None = None
 
 
@@ -144,7 +155,6 @@ class NamedChoice(_Choice):
 
 
 class NoneChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
     type: Literal["none"]
 
 
@@ -173,20 +183,17 @@ class OutputFormat(BaseModel):
 
 
 class OutputConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
 
 
 class Metadata(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    user_id: str | None = Field(None, max_length=256)
+    user_id: str | None = None
 
 
 class CountTokensRequest(BaseModel):
-    # Unknown fields are refused, as Anthropic does ("Extra inputs are not permitted"): a feature the gateway
-    # cannot honour (MCP servers, containers) must not be dropped silently.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown fields (Claude Code's context_management, MCP servers, containers...) are ignored, as vLLM's endpoint
+    # ignores them; the record names them (see `ignored_fields`), so nothing is dropped unseen.
     model: str
     messages: list[Message]
     system: str | list[TextBlock] | None = None
@@ -206,7 +213,7 @@ class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(strict=True, ge=1)
     stop_sequences: list[str] | None = None
     stream: bool | None = None
-    temperature: float | None = Field(None, ge=0, le=1)
+    temperature: float | None = Field(None, ge=0)  # vLLM takes Anthropic's 0-1 and OpenAI's 0-2 alike
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     metadata: Metadata | None = None
@@ -214,6 +221,12 @@ class MessagesRequest(CountTokensRequest):
     service_tier: str | None = None
     inference_geo: str | None = None
     diagnostics: dict[str, Any] | None = None
+
+
+def ignored_fields(data: dict[str, Any]) -> list[str]:
+    """The top-level fields this request carries that change nothing here (vLLM's endpoint ignores them too), for
+    the record: a trainer can see that a call asked for, say, Anthropic's context editing and did not get it."""
+    return sorted(set(data) - set(MessagesRequest.model_fields))
 
 
 def parse_request(data: dict[str, Any], model: type[CountTokensRequest]) -> CountTokensRequest:
@@ -230,23 +243,26 @@ def parse_request(data: dict[str, Any], model: type[CountTokensRequest]) -> Coun
 # -- Anthropic -> chat -------------------------------------------------------------------------------------------
 
 
-def to_chat(request: CountTokensRequest) -> dict[str, Any]:
+def to_chat(request: CountTokensRequest, merge_inline_system: bool = False) -> dict[str, Any]:
     """The chat request vLLM's own /v1/messages would build from this one (same messages, tools and sampling), so
-    the model sees the prompt it would have seen there."""
+    the model sees the prompt it would have seen there. `merge_inline_system`: the model's template wants the system
+    prompt first and only there, so system messages met later join it (vLLM's endpoint detects and does the same)."""
     messages: list[dict[str, Any]] = []
-    system = _system_text(request.system)
+    inline = [m for m in request.messages if m.role == "system"] if merge_inline_system else []
+    system = _system_text(request.system) + "".join(m["content"] for i in inline for m in _chat_messages(i))
     if system:
         messages.append({"role": "system", "content": system})
     for message in request.messages:
-        messages.extend(_chat_messages(message))
+        if not (merge_inline_system and message.role == "system"):
+            messages.extend(_chat_messages(message))
     chat: dict[str, Any] = {"model": request.model, "messages": messages}
     if request.messages and request.messages[-1].role == "assistant":
         # A prefilled answer: the model continues it instead of starting a new turn, as Anthropic does.
         chat["add_generation_prompt"] = False
         chat["continue_final_message"] = True
-    if request.tools is not None:
+    if request.tools:
         chat["tools"] = [_chat_tool(tool) for tool in request.tools]
-    if request.tool_choice is not None:
+    if request.tool_choice is not None and (request.tools or request.tool_choice.type != "auto"):
         choice = request.tool_choice
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
             "type": "function",
@@ -254,8 +270,10 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
         }
         if getattr(choice, "disable_parallel_tool_use", None) is not None:
             chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use  # type: ignore[union-attr]
-    elif request.tools is not None:
+    elif request.tools:
         chat["tool_choice"] = "auto"
+    # `tools: []` (Claude Code's title call) is no tools: vLLM's endpoint renders it so, where its chat endpoint
+    # refuses an empty list, and "auto" without tools.
     if isinstance(request.thinking, ThinkingEnabled):
         chat["thinking_token_budget"] = request.thinking.budget_tokens
     elif isinstance(request.thinking, ThinkingDisabled):
@@ -297,7 +315,12 @@ def _chat_tool(tool: Tool) -> dict[str, Any]:
     function: dict[str, Any] = {"name": tool.name}
     if tool.description is not None:
         function["description"] = tool.description
-    function["parameters"] = tool.input_schema
+    # vLLM's endpoint: a schema without a type is an object's, and `strict`/`defer_loading` go on to the template.
+    schema = tool.input_schema
+    function["parameters"] = schema if "type" in schema else {**schema, "type": "object"}
+    for key, value in (("strict", tool.strict), ("defer_loading", tool.defer_loading)):
+        if value is not None:
+            function[key] = value
     return {"type": "function", "function": function}
 
 
@@ -310,6 +333,13 @@ def _image_url(block: ImageBlock) -> dict[str, Any]:
 def _chat_messages(message: Message) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: tool results become `tool` messages (before the rest of the user
     turn, as the chat format wants them right after the assistant's calls), tool uses become `tool_calls`."""
+    if message.role == "system":
+        # vLLM strips Claude Code's billing header here even from a plain string.
+        content = message.content
+        text = "" if isinstance(content, str) and content.startswith(_BILLING_HEADER) else _system_text(
+            content if isinstance(content, str) else [block for block in content if isinstance(block, TextBlock)]
+        )
+        return [{"role": "system", "content": text}] if text else []
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     out: list[dict[str, Any]] = []
@@ -343,19 +373,32 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
 
 
 def _tool_result(block: ToolResultBlock, role: str, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if isinstance(block.content, str):
-        text, images = block.content, []
-    else:
-        text = "\n".join(item.text for item in block.content if isinstance(item, TextBlock))
-        images = [_image_url(item) for item in block.content if isinstance(item, ImageBlock)]
+    items = [] if isinstance(block.content, str) else block.content
+    text = block.content if isinstance(block.content, str) else "\n".join(
+        str(item.get("text") or "") for item in items if item.get("type") == "text"
+    )
+    images = [_source_url(item.get("source")) for item in items if item.get("type") == "image"]
+    # A tool search's result names the deferred tools it found; vLLM passes them on as a tool message of their own.
+    found = [item.get("tool_name") or item.get("name") for item in items if item.get("type") == "tool_reference"]
     if role != "user":
         parts.append({"type": "text", "text": f"Tool result: {text}"})
         return []
     # `is_error` has no chat equivalent; vLLM's endpoint drops it too (the text usually says what went wrong).
     out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": text}]
     if images:
-        out.append({"role": "user", "content": images})
+        out.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}} for url in images]})
+    references = [{"type": "tool_reference", "name": name} for name in found if name]
+    if references:
+        out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": references})
     return out
+
+
+def _source_url(source: Any) -> str:
+    """An image source as a URL, as leniently as vLLM reads one inside a tool result (base64 unless `url`)."""
+    source = source if isinstance(source, dict) else {}
+    if source.get("type") == "url":
+        return str(source.get("url") or "")
+    return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
 
 
 # -- chat -> Anthropic -------------------------------------------------------------------------------------------
@@ -438,7 +481,7 @@ def to_message(response: dict[str, Any]) -> dict[str, Any]:
         content.append({"type": "text", "text": ""})  # Anthropic's shape for an empty answer
     reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(calls), complete)
     usage = response.get("usage") or {}
-    return {
+    message = {
         "id": message_id(response.get("id")),
         "type": "message",
         "role": "assistant",
@@ -451,6 +494,9 @@ def to_message(response: dict[str, Any]) -> dict[str, Any]:
             "output_tokens": usage.get("completion_tokens") or 0,
         },
     }
+    if sequence is None:
+        del message["stop_sequence"]  # vLLM's endpoint leaves out what is null
+    return message
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
@@ -671,6 +717,27 @@ class MessagesApi:
 
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
+        self._merges_inline_system: dict[str, bool] = {}  # by served model: its template wants one system prompt
+
+    async def _merge_inline_system(self, request: CountTokensRequest) -> bool:
+        """Whether this request's system messages past the first must join the system prompt: vLLM's endpoint
+        renders [system, user, system, user] with the model's template once and merges if that fails. Asked of
+        vLLM's render endpoint once per served model; a vLLM that cannot render (no --enable-scale-out) keeps them
+        in place, as does one whose answer says nothing yet (asked again next time)."""
+        if not any(message.role == "system" for message in request.messages):
+            return False
+        served = self.proxy.router.resolve(check_run(request.model), await self.proxy.base_model()).served_name
+        if served not in self._merges_inline_system:
+            probe = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
+            try:
+                await self.proxy.token_in.render({"model": served, "messages": probe, "add_generation_prompt": False})
+                self._merges_inline_system[served] = False
+            except UpstreamFailure as failure:
+                if failure.error.status in (400, 403, 404):  # the template refused; no render endpoint
+                    self._merges_inline_system[served] = failure.error.status == 400
+                else:
+                    return False
+        return self._merges_inline_system[served]
 
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
         path = prefix.rest if prefix else scope["path"]
@@ -687,11 +754,18 @@ class MessagesApi:
             self.proxy.auth.check_agent(split_api_key(presented_key(headers))[0])
             data = _parse(await self.proxy.read_body(receive, headers))
             if path == COUNT_TOKENS:
-                count = await self._count_tokens(parse_request(data, CountTokensRequest))
-                body = orjson.dumps({"input_tokens": count})
+                counted = parse_request(data, CountTokensRequest)
+                count = await self._count_tokens(counted, await self._merge_inline_system(counted))
+                # vLLM's answer: nothing is edited out of the context here, so the original count is the count.
+                body = orjson.dumps({"input_tokens": count, "context_management": {"original_input_tokens": count}})
                 await _send_bytes(send, 200, body, [(b"content-type", b"application/json")])
                 return
-            chat = _serialise(to_chat(parse_request(data, MessagesRequest)))
+            request = parse_request(data, MessagesRequest)
+            chat = to_chat(request, await self._merge_inline_system(request))
+            ignored = ignored_fields(data)
+            if ignored:
+                chat[EXTRA] = {"ignored": ignored}
+            chat = _serialise(chat)
         except (GatewayError, UpstreamFailure) as exc:
             error = exc.error if isinstance(exc, UpstreamFailure) else exc
             self.proxy.metrics.count_request(ENDPOINT, error.status)
@@ -701,10 +775,10 @@ class MessagesApi:
             _chat_scope(scope, len(chat)), _chat_receive(chat, receive), AnswerTranslator(send), _chat_prefix(prefix)
         )
 
-    async def _count_tokens(self, request: CountTokensRequest) -> int:
+    async def _count_tokens(self, request: CountTokensRequest, merge_inline_system: bool) -> int:
         """The prompt's exact length as vLLM renders it (its scale-out render endpoint, which token_in uses too)."""
         route = self.proxy.router.resolve(check_run(request.model), await self.proxy.base_model())
-        chat = to_chat(request)
+        chat = to_chat(request, merge_inline_system)
         chat["model"] = route.served_name
         _serialise(chat)  # the depth check
         return len(await self.proxy.token_in.render(chat))

@@ -10,11 +10,15 @@ mode, records and the trainer then work as for any chat call; only the record's 
   memory; otherwise read from the database (the record of another gateway, or of this one before a restart), waiting
   up to TRAJGATE_TOKEN_STATE_WAIT_S for a record still in a writer's queue. `store: false` is honoured: such an
   answer is recorded for training but cannot be continued or fetched.
-- Only function tools are served: a built-in tool (web search, file search, code interpreter, computer use, MCP...)
-  would run server-side between generations, which vLLM doesn't do and a single record couldn't hold; it is a 400.
+- Tools as vLLM's own endpoint treats them: function tools are served, a namespace's functions are flattened to
+  `<namespace>__<name>` (and a call of one comes back with its `namespace`), and every other tool type (web search,
+  file search, MCP, code interpreter...) is dropped: it would run server-side between generations, which vLLM doesn't
+  do. Unknown fields (Codex's `client_metadata`...) are ignored as vLLM ignores them; vLLM's own sampling extras
+  (`top_k`, `seed`, `stop`...) go on to the chat request.
 - What the chat request cannot say is kept beside it under `trajgate_responses` (vLLM ignores unknown fields): whether
-  its first message is the `instructions` (which a continuation does not carry over, as in OpenAI's API) and the
-  `metadata`, so `GET` rebuilds the Response object from the record.
+  its first message is the `instructions` (which a continuation does not carry over, as in OpenAI's API), the
+  `metadata` and the namespaces, so `GET` rebuilds the Response object from the record; and, for whoever reads the
+  record, the tools the model could not run (`dropped_tools`) and the fields that changed nothing (`ignored`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import dataclasses
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -52,7 +57,7 @@ _POLL_S = 0.05
 _READ_TIMEOUT_S = 5.0
 
 # Fields a Responses request may carry that change nothing here: accepted and ignored (vLLM's own endpoint ignores
-# them too). Anything not listed and not translated below is refused, so a client is never silently misserved.
+# them too), as is any field not named here at all; those the record lists under `ignored`.
 _IGNORED = frozenset(
     {
         "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "reasoning",
@@ -66,6 +71,13 @@ _TRANSLATED = frozenset(
         "conversation", "prompt", "include", "metadata",
     }
 )  # fmt: skip
+# vLLM's extensions of a Responses request that its chat endpoint takes under the same names, passed on as they are.
+_PASSED = (
+    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "seed", "stop",
+    "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "structured_outputs",
+    "chat_template_kwargs", "cache_salt",
+)  # fmt: skip
+NAMESPACE_SEPARATOR = "__"  # vLLM's: a namespace's function is shown to the model as <namespace>__<name>
 
 
 # -- Responses request -> chat request -------------------------------------------------------------------------------
@@ -114,7 +126,10 @@ def _tool_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     for key in ("call_id", "name", "arguments"):
         if not isinstance(item.get(key), str):
             raise _bad(f"{where}.{key}: expected a string")
-    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    name = item["name"]
+    if isinstance(item.get("namespace"), str) and item["namespace"]:
+        name = item["namespace"] + NAMESPACE_SEPARATOR + name  # as the model called it
+    return {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": item["arguments"]}}
 
 
 def input_messages(items: list[Any], where: str = "input") -> list[dict[str, Any]]:
@@ -158,23 +173,35 @@ def input_messages(items: list[Any], where: str = "input") -> list[dict[str, Any
     return messages
 
 
-def _chat_tools(tools: Any) -> list[dict[str, Any]]:
+def _chat_function(tool: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    if not isinstance(tool.get("name"), str):
+        raise _bad(f"{where}.name: expected a string")
+    function = {k: tool[k] for k in ("description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+def _chat_tools(tools: Any) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """The chat tools the model is shown, the namespaces flattened into them, and the tools dropped (by type, or
+    `type:name`): vLLM's `get_function_tools`, which renders only what the model can call."""
     if not isinstance(tools, list):
         raise _bad("tools: expected a list")
-    out = []
+    out: list[dict[str, Any]] = []
+    namespaces: list[str] = []
+    dropped: list[str] = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise _bad(
-                f"tools[{i}]: tool type {kind!r} is not supported: trajgate serves function tools only (a built-in "
-                "tool would run server-side between generations, which vLLM does not do)",
-                "unsupported_tool",
-            )
-        if not isinstance(tool.get("name"), str):
-            raise _bad(f"tools[{i}].name: expected a string")
-        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        out.append({"type": "function", "function": function})
-    return out
+        if kind == "function":
+            out.append(_chat_function(tool, tool.get("name"), f"tools[{i}]"))
+        elif kind == "namespace" and isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list):
+            namespaces.append(tool["name"])
+            for j, inner in enumerate(tool["tools"]):
+                if isinstance(inner, dict) and inner.get("type") == "function":
+                    flat = f"{tool['name']}{NAMESPACE_SEPARATOR}{inner.get('name')}"
+                    out.append(_chat_function(inner, flat, f"tools[{i}].tools[{j}]"))
+        else:
+            name = tool.get("name") if isinstance(tool, dict) else None
+            dropped.append(f"{kind}:{name}" if isinstance(name, str) else str(kind))
+    return out, namespaces, dropped
 
 
 def _chat_tool_choice(choice: Any) -> Any:
@@ -200,9 +227,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
 def chat_request(body: dict[str, Any], previous: list[dict[str, Any]] | None) -> dict[str, Any]:
     """The chat request that asks the model what this Responses request asks; `previous` is the conversation so far
     when it continues an earlier response (without that response's instructions)."""
-    unknown = sorted(set(body) - _TRANSLATED - _IGNORED)
-    if unknown:
-        raise _bad(f"unsupported parameter: {unknown[0]}", "unknown_parameter")
+    ignored = sorted(set(body) - _TRANSLATED - _IGNORED - set(_PASSED))
     for refused in ("conversation", "prompt"):
         if body.get(refused) is not None:
             raise _bad(f"{refused}: not supported by trajgate (send the input, or use previous_response_id)")
@@ -221,9 +246,14 @@ def chat_request(body: dict[str, Any], previous: list[dict[str, Any]] | None) ->
     messages = [{"role": "system", "content": instructions}] if instructions is not None else []
     messages += list(previous or ()) + input_messages(items)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    namespaces: list[str] = []
+    dropped: list[str] = []
     if body.get("tools"):
-        chat["tools"] = _chat_tools(body["tools"])
-    if body.get("tool_choice") is not None:
+        tools, namespaces, dropped = _chat_tools(body["tools"])
+        if tools:
+            chat["tools"] = tools
+    if body.get("tool_choice") is not None and ("tools" in chat or body["tool_choice"] != "auto"):
+        # vLLM's default, said or not; only chat refuses "auto" without tools (all of them may have been dropped)
         chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
@@ -245,13 +275,20 @@ def chat_request(body: dict[str, Any], previous: list[dict[str, Any]] | None) ->
         chat["user"] = user
     if body.get("store") is False:
         chat["store"] = False
+    for key in _PASSED:
+        if body.get(key) is not None:
+            chat[key] = body[key]
     if capture.vllm_bool(body.get("stream")):
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise _bad("metadata: expected an object")
-    extra = {"instructions": instructions is not None, "metadata": metadata}
+    extra = {
+        "instructions": instructions is not None, "metadata": metadata, "namespaces": namespaces,
+        "dropped_tools": dropped, "ignored": ignored,
+        "verbosity": body["text"].get("verbosity") if isinstance(body.get("text"), dict) else None,
+    }  # fmt: skip
     chat[EXTRA] = {k: v for k, v in extra.items() if v}
     return chat
 
@@ -274,8 +311,9 @@ def _output_logprobs(entries: list[dict[str, Any]] | None) -> list[dict[str, Any
     ]
 
 
-def output_items(choice: dict[str, Any], hex_id: str) -> list[dict[str, Any]]:
-    """A chat choice as Response output items: reasoning, the message, then one function_call per tool call.
+def output_items(choice: dict[str, Any], hex_id: str, namespaces: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """A chat choice as Response output items: reasoning, the message, then one function_call per tool call (a call
+    of a namespace's function named as in the request, with its `namespace`, as vLLM names it).
     Item ids derive from the response id, so rebuilding the answer from its record gives the same ids."""
     message = choice.get("message") or {}
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
@@ -296,10 +334,13 @@ def output_items(choice: dict[str, Any], hex_id: str) -> list[dict[str, Any]]:
         )
     for i, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") or {}
-        items.append(
-            {"type": "function_call", "id": f"fc_{hex_id}_{i}", "call_id": call.get("id") or f"call_{hex_id}_{i}",
-             "name": function.get("name", ""), "arguments": function.get("arguments") or "", "status": status}
-        )  # fmt: skip
+        item = {"type": "function_call", "id": f"fc_{hex_id}_{i}", "call_id": call.get("id") or f"call_{hex_id}_{i}",
+                "name": function.get("name", ""), "arguments": function.get("arguments") or "",
+                "status": status}  # fmt: skip
+        namespace, _, name = str(item["name"]).partition(NAMESPACE_SEPARATOR)
+        if name and namespace in namespaces:
+            item.update(name=name, namespace=namespace)
+        items.append(item)
     return items
 
 
@@ -307,13 +348,19 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
     if not usage:
         return None
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    # The per-turn and tool counts are vLLM's (for built-in tools it would run between turns): one turn, no tools.
     return {
         "input_tokens": usage.get("prompt_tokens", 0),
-        "input_tokens_details": {"cached_tokens": cached},
+        "input_tokens_details": {
+            "cached_tokens": cached, "cache_write_tokens": 0, "input_tokens_per_turn": [], "cached_tokens_per_turn": [],
+        },
         "output_tokens": usage.get("completion_tokens", 0),
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [],
+            "tool_output_tokens_per_turn": [],
+        },
         "total_tokens": usage.get("total_tokens", 0),
-    }
+    }  # fmt: skip
 
 
 def _echo_tools(chat: dict[str, Any]) -> list[dict[str, Any]]:
@@ -332,11 +379,13 @@ def _echo_tool_choice(choice: Any) -> Any:
 
 def _echo_text(chat: dict[str, Any]) -> dict[str, Any]:
     fmt = chat.get("response_format")
+    verbosity = (chat.get(EXTRA) or {}).get("verbosity")
+    text: dict[str, Any] = {"verbosity": verbosity} if verbosity else {}
     if fmt is None:
-        return {"format": {"type": "text"}}
+        return {"format": {"type": "text"}, **text}
     if fmt.get("type") == "json_schema":
-        return {"format": {"type": "json_schema", **(fmt.get("json_schema") or {})}}
-    return {"format": fmt}
+        return {"format": {"type": "json_schema", **(fmt.get("json_schema") or {})}, **text}
+    return {"format": fmt, **text}
 
 
 def response_object(
@@ -367,7 +416,7 @@ def response_object(
         "instructions": instructions,
         "max_output_tokens": chat.get("max_tokens"),
         "model": chat.get("model"),
-        "output": output_items(choice, hex_id) if answer is not None else [],
+        "output": output_items(choice, hex_id, extra.get("namespaces") or ()) if answer is not None else [],
         "parallel_tool_calls": chat.get("parallel_tool_calls", True),
         "previous_response_id": previous_response_id,
         "reasoning": None,
@@ -379,6 +428,10 @@ def response_object(
         "top_logprobs": chat.get("top_logprobs"),
         "top_p": chat.get("top_p"),
         "truncation": "disabled",
+        "background": False,
+        "service_tier": "auto",
+        "presence_penalty": chat.get("presence_penalty", 0.0),
+        "frequency_penalty": chat.get("frequency_penalty", 0.0),
         "usage": _usage((answer or {}).get("usage")),
         "user": chat.get("user"),
         "metadata": extra.get("metadata") or {},
@@ -665,7 +718,7 @@ class _EventStream:
             item = {"type": "message", "id": f"msg_{self.hex_id}", "role": "assistant", "status": "in_progress",
                     "content": [], "text": "", "logprobs": []}  # fmt: skip
             self._open_item(item, out)
-            part = {"type": "output_text", "text": "", "annotations": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             self._event("response.content_part.added", out, item_id=item["id"], output_index=self.output_index,
                         content_index=0, part=part)  # fmt: skip
         assert self.open is not None
@@ -683,6 +736,9 @@ class _EventStream:
             item = {"type": "function_call", "id": f"fc_{self.hex_id}_{len(self.tool_items)}",
                     "call_id": call.get("id") or f"call_{self.hex_id}_{len(self.tool_items)}",
                     "name": function.get("name") or "", "arguments": "", "status": "in_progress"}  # fmt: skip
+            namespace, _, name = item["name"].partition(NAMESPACE_SEPARATOR)
+            if name and namespace in ((self.chat.get(EXTRA) or {}).get("namespaces") or ()):
+                item.update(name=name, namespace=namespace)
             self.tool_items[index] = item
             self._open_item(item, out)
         elif function.get("name"):
@@ -727,8 +783,9 @@ class _EventStream:
         response = response_object(self.response_id, self.chat, answer, previous_response_id=self.previous_id)
         self._close(out, response["output"])
         self.api.remember(self.chat, response)
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        self._event(kind, out, response=response)
+        # vLLM's endpoint ends every finished stream so, an incomplete one too (its status says so); Codex takes a
+        # `response.incomplete` event for a failure.
+        self._event("response.completed", out, response=response)
 
     def _failed(self, message: str, out: list[bytes]) -> None:
         if not self.started:

@@ -2,7 +2,9 @@
 
 Many agent frameworks let users set only `base_url` and `api_key` and silently drop custom headers, so three
 forms are accepted and the first present wins: headers, a URL path prefix, then a suffix on the API key.
-See DESIGN §2.
+See DESIGN §2. A call with none of them that carries a coding CLI's own session header (Claude Code's
+`X-Claude-Code-Session-Id`, Codex's `session-id`) belongs to that session's trajectory, so one CLI run is one
+trajectory (a group of one) that can be rewarded by the session id the CLI prints.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from gateway.run_names import run_name_problem
 
 ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MAX_GROUP_SIZE = 100_000
+# Session ids the coding CLIs send on every call of a run, its sub-agents' calls included.
+SESSION_HEADERS = ("x-claude-code-session-id", "session-id")
 
 # /eval?/g/{group}(/n/{size})?/t/{trajectory}/v1/...  or  /eval?/t/{trajectory}/v1/...
 PATH_RE = re.compile(
@@ -117,6 +121,9 @@ def attribute(
         trajectory, group, size, mode = prefix.trajectory_id, prefix.group_id, prefix.group_size, prefix.mode
     elif key_trajectory is not None:
         trajectory, group = key_trajectory, key_group
+    else:
+        # Not the client's attribution: a session id that is no valid trajectory id is passed over, never refused.
+        trajectory = next((headers[h] for h in SESSION_HEADERS if ID_RE.match(headers.get(h) or "")), None)
     mode = _mode(headers.get("x-mode"), mode)
     if trajectory is None:
         fresh = "tg-" + uuid.uuid4().hex

@@ -63,6 +63,8 @@ STATE_UNAVAILABLE = "state_unavailable"
 _TEXT_PART = "text"
 # A finish that ends on the end-of-turn token; vLLM's detokenizer leaves that token's text out of the answer.
 _ENDED = ("stop", "tool_calls")
+# How vLLM's chat path names a tool call (non-stream derender leaves the prefix off).
+TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
 # Most tokens a template puts after a message's end token before the next message (ChatML: one, "\n").
 MAX_SEPARATOR = 4
 # One database read of recorded turns may take this long before the call goes on without it.
@@ -430,6 +432,10 @@ class TokenIn:
             # vLLM's chat path reports a tool call this way; non-stream derender says "stop" (streaming agrees).
             if choice.get("finish_reason") == "stop" and (choice.get("message") or {}).get("tool_calls"):
                 choice["finish_reason"] = "tool_calls"
+            for tool_call in (choice.get("message") or {}).get("tool_calls") or ():
+                # Non-stream derender names a call by bare hex; vLLM's chat path as chatcmpl-tool-<hex>.
+                if isinstance(tool_call.get("id"), str) and not tool_call["id"].startswith(TOOL_CALL_ID_PREFIX):
+                    tool_call["id"] = TOOL_CALL_ID_PREFIX + tool_call["id"]
         response["usage"] = usage(len(prompt), completion_tokens)
         return response
 

@@ -176,6 +176,109 @@ def test_request_translates_as_vllms_own_endpoint_does() -> None:
     assert "stream" not in chat
 
 
+def test_claude_codes_inline_system_and_unknown_fields_pass_as_in_vllm() -> None:
+    """A system message mid-conversation stays where it is (billing header stripped, an empty one dropped), and
+    fields vLLM's endpoint ignores (context_management) are ignored and named for the record, not refused."""
+    data = {
+        "model": "agent",
+        "max_tokens": 16,
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "messages": [
+            {"role": "user", "content": "Hi", "extra": 1},
+            {"role": "system", "content": [{"type": "text", "text": "Remember: be brief."}]},
+            {"role": "system", "content": "x-anthropic-billing-header: cc_version=1"},
+            {
+                "role": "user",
+                "content": [{"type": "tool_reference", "tool_name": "Read"}, {"type": "text", "text": "Go"}],
+            },
+        ],
+        "tool_choice": {"type": "auto", "future_flag": True},
+        "output_config": {"effort": "high", "task_budget": 1},
+    }
+    chat = to_chat(api_messages.parse_request(data, MessagesRequest))
+    assert chat["messages"] == [
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": "Remember: be brief."},
+        {"role": "user", "content": "Go"},
+    ]
+    assert api_messages.ignored_fields(data) == ["context_management"]
+
+
+def test_inline_system_messages_join_the_system_prompt_where_the_template_wants_one() -> None:
+    """vLLM's endpoint asks the template to render [system, user, system, user] and, where it refuses (Qwen's
+    loop.first guard), merges later system messages into the first; the gateway asks vLLM's render endpoint the same
+    once per served model. A vLLM without a render endpoint keeps them in place; an unclear answer is asked again."""
+    from types import SimpleNamespace
+
+    from gateway.errors import GatewayError, UpstreamFailure
+
+    answers: list[int] = []
+    rendered: list[dict[str, Any]] = []
+
+    async def render(body: dict[str, Any]) -> list[int]:
+        rendered.append(body)
+        status = answers.pop(0)
+        if status != 200:
+            raise UpstreamFailure(GatewayError(status, "refused"))
+        return [1, 2]
+
+    async def base_model() -> str:
+        return "smollm2"
+
+    route = SimpleNamespace(served_name="smollm2")
+    proxy: Any = SimpleNamespace(
+        router=SimpleNamespace(resolve=lambda run, base: route), base_model=base_model,
+        token_in=SimpleNamespace(render=render),
+    )  # fmt: skip
+    data = {
+        "model": "agent", "max_tokens": 8, "system": "Be brief.",
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "system", "content": " Really."},
+                     {"role": "user", "content": "Go"}],
+    }  # fmt: skip
+    request = api_messages.parse_request(data, MessagesRequest)
+
+    async def decisions(statuses: list[int]) -> list[bool]:
+        api = api_messages.MessagesApi(proxy)
+        answers[:] = statuses
+        return [await api._merge_inline_system(request) for _ in statuses]
+
+    assert asyncio.run(decisions([400])) == [True]
+    assert [m["role"] for m in rendered[0]["messages"]] == ["system", "user", "system", "user"]
+    assert asyncio.run(decisions([503, 200])) == [False, False] and not answers  # asked again after the 503
+    assert asyncio.run(decisions([403])) == [False]
+    assert to_chat(request, merge_inline_system=True)["messages"] == [
+        {"role": "system", "content": "Be brief. Really."},
+        {"role": "user", "content": "Hi"},
+        {"role": "user", "content": "Go"},
+    ]
+    assert [m["role"] for m in to_chat(request)["messages"]] == ["system", "user", "system", "user"]
+
+
+def test_a_tool_searchs_result_and_deferred_tools_translate_as_in_vllm() -> None:
+    """A tool_result may name deferred tools it found (tool_reference) and carry item kinds vLLM skips; vLLM passes
+    the names on as a tool message of their own, and a deferred tool's flag and a typeless schema as it reads them."""
+    data = {
+        "model": "agent",
+        "max_tokens": 16,
+        "tools": [{"name": "Read", "input_schema": {"properties": {}}, "defer_loading": True}],
+        "messages": [
+            {"role": "user", "content": "Find a reader"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "text", "text": "found"}, {"type": "tool_reference", "tool_name": "Read"},
+                {"type": "document", "source": {}},
+            ]}]},  # fmt: skip
+        ],
+    }
+    chat = to_chat(api_messages.parse_request(data, MessagesRequest))
+    assert chat["messages"][2:] == [
+        {"role": "tool", "tool_call_id": "t1", "content": "found"},
+        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "tool_reference", "name": "Read"}]},
+    ]
+    function = chat["tools"][0]["function"]
+    assert function["parameters"] == {"properties": {}, "type": "object"} and function["defer_loading"] is True
+
+
 def test_stream_translator_closes_each_block_and_reports_the_stop() -> None:
     translator = StreamTranslator()
     chunks = [
@@ -250,7 +353,7 @@ def test_answer_blocks_thinking_and_a_cut_tool_call() -> None:
         {"type": "text", "text": "Checking."},
         {"type": "tool_use", "id": "c1", "name": "f", "input": {}},  # cut short: not an object yet
     ]
-    assert (message["stop_reason"], message["stop_sequence"]) == ("max_tokens", None)
+    assert message["stop_reason"] == "max_tokens" and "stop_sequence" not in message  # vLLM leaves out nulls
     assert api_messages.stop_reason("stop", "END", False, False) == ("stop_sequence", "END")
     assert api_messages.stop_reason("stop", 2, False, False) == ("end_turn", None)  # a stop token id is no sequence
     assert api_messages.error_message(b'{"detail": "Forbidden"}') == "Forbidden"
@@ -414,9 +517,8 @@ def test_bad_requests_get_anthropic_errors(gateway: RunningGateway) -> None:
         (b"{not json", "not valid JSON"),
         (b"[1, 2]", "must be a JSON object"),
         (json.dumps({k: v for k, v in good.items() if k != "max_tokens"}).encode(), "max_tokens: Field required"),
-        (json.dumps({**good, "messages": [{"role": "system", "content": "x"}]}).encode(), "messages.0.role"),
-        (json.dumps({**good, "temperature": 1.5}).encode(), "temperature"),
-        (json.dumps({**good, "mcp_servers": []}).encode(), "mcp_servers: Extra inputs are not permitted"),
+        (json.dumps({**good, "messages": [{"role": "tool", "content": "x"}]}).encode(), "messages.0.role"),
+        (json.dumps({**good, "temperature": -1}).encode(), "temperature"),
         (json.dumps({**good, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}).encode(), "tools.0"),
         (
             json.dumps({**good, "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 4000}}).encode(),

@@ -93,16 +93,42 @@ def test_output_items_sent_back_as_input_give_the_answer_back() -> None:
     assert api_responses.input_messages(items) == [message]
 
 
+def test_tools_and_fields_vllm_cannot_use_are_dropped_and_named_in_the_record() -> None:
+    """As vLLM's own endpoint: a namespace's functions are shown flat, built-in tools and unknown fields are
+    dropped, vLLM's sampling extras pass on; the chat request names what was dropped."""
+    function = {"type": "function", "name": "run", "parameters": {"type": "object"}}
+    spawn = {"type": "function", "name": "spawn", "description": "Start one.", "parameters": {"type": "object"}}
+    body = {
+        "model": "m", "input": "hi", "client_metadata": {"session_id": "s"}, "top_k": 5,
+        "tools": [function, {"type": "namespace", "name": "agents", "tools": [spawn]}, {"type": "web_search"},
+                  {"type": "mcp", "server_label": "x"}],
+    }  # fmt: skip
+    chat = api_responses.chat_request(body, None)
+    assert [tool["function"]["name"] for tool in chat["tools"]] == ["run", "agents__spawn"]
+    assert chat["tools"][1]["function"]["description"] == "Start one." and chat["top_k"] == 5
+    assert chat[api_responses.EXTRA] == {
+        "namespaces": ["agents"], "dropped_tools": ["web_search", "mcp"], "ignored": ["client_metadata"]
+    }
+    # a call of the namespaced function comes back named as the request named it, and goes back in the same way
+    message = {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "agents__spawn", "arguments": "{}"}}
+    ]}  # fmt: skip
+    response = api_responses.response_object("resp_" + "ab" * 16, chat, {"choices": [{"message": message}]})
+    [call] = response["output"]
+    assert (call["name"], call["namespace"]) == ("spawn", "agents")
+    assert api_responses.input_messages([call])[0]["tool_calls"] == message["tool_calls"]
+    # with every tool dropped, no tool_choice "auto" is sent without tools (vLLM's chat refuses that)
+    only_search = api_responses.chat_request({**body, "tools": [{"type": "web_search"}], "tool_choice": "auto"}, None)
+    assert "tools" not in only_search and "tool_choice" not in only_search
+
+
 @pytest.mark.parametrize(
     ("body", "code"),
     [
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "unsupported_tool"),
-        ({"input": "hi", "tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "unsupported_tool"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "unsupported_item"),
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "unsupported_item"),
         ({"input": 5}, "invalid_value"),
         ({"input": "hi", "background": True}, "invalid_value"),
-        ({"input": "hi", "frobnicate": 1}, "unknown_parameter"),
         ({"input": "hi", "metadata": [1]}, "invalid_value"),
         ({"input": "hi", "tool_choice": {"type": "allowed_tools", "tools": []}}, "unsupported_tool"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "invalid_value"),
@@ -294,9 +320,9 @@ def test_errors_are_openai_shaped(gateway: RunningGateway, upstream: FakeUpstrea
     with pytest.raises(openai.NotFoundError) as previous:
         sdk.responses.create(model=RUN, input="hi", previous_response_id="resp_nope")
     assert previous.value.code == "previous_response_not_found"
-    with pytest.raises(openai.BadRequestError) as builtin:
-        sdk.responses.create(model=RUN, input="hi", tools=[{"type": "web_search"}])
-    assert builtin.value.code == "unsupported_tool" and "function tools only" in builtin.value.message
+    with pytest.raises(openai.BadRequestError) as reference:
+        sdk.responses.create(model=RUN, input=[{"type": "item_reference", "id": "msg_1"}])
+    assert reference.value.code == "unsupported_item" and "item_reference" in reference.value.message
     with pytest.raises(openai.BadRequestError) as bad_run:
         sdk.responses.create(model="bad run!", input="hi")
     assert bad_run.value.code == "invalid_model"

@@ -42,6 +42,20 @@ def test_missing_ids_get_a_fresh_group_of_one() -> None:
     assert attribute({}, None, None, None).trajectory_id != got.trajectory_id
 
 
+def test_a_coding_clis_session_is_its_trajectory_when_nothing_else_says() -> None:
+    claude = {"x-claude-code-session-id": "0fe7ad68-c457-45f9-9a35-dc69b1c84720"}
+    got = attribute(claude, None, None, None)
+    assert (got.trajectory_id, got.group_id, got.group_size, got.generated) == (
+        "0fe7ad68-c457-45f9-9a35-dc69b1c84720", "0fe7ad68-c457-45f9-9a35-dc69b1c84720", 1, False
+    )
+    assert attribute({"session-id": "01a21826-e958"}, None, None, None).trajectory_id == "01a21826-e958"  # Codex
+    prefix = split_path("/g/task/t/run-1/v1/messages")
+    assert attribute(claude, prefix, None, None).trajectory_id == "run-1"  # the client's own attribution wins
+    assert attribute(claude, None, "g", "k-traj").trajectory_id == "k-traj"
+    odd = attribute({"session-id": "not an id!"}, None, None, None)  # passed over, not refused
+    assert odd.generated and odd.trajectory_id.startswith("tg-")
+
+
 def test_trajectory_without_group_is_a_group_of_one() -> None:
     got = attribute({"x-trajectory-id": "t9"}, None, None, None)
     assert (got.group_id, got.group_size, got.generated) == ("t9", 1, False)
