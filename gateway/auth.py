@@ -57,6 +57,14 @@ class Auth:
         if self._agent and not _matches(key, self._agent):
             raise GatewayError(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
 
+    def tenant(self, key: str | None) -> str | None:
+        """Who owns what an agent stores (Responses API): a fingerprint of the key it called with, so one key cannot
+        read or continue another's responses, and the owner survives restarts and other gateways reading the record
+        without the key itself being stored. None with agent auth off: everything is shared, as one user's."""
+        if self.agent_open or key is None:
+            return None
+        return hashlib.sha256(b"trajgate-tenant-v1\x00" + key.encode()).hexdigest()[:32]
+
     def check_admin(self, key: str | None) -> None:
         if self._admin and not _matches(key, self._admin):
             raise GatewayError(401, "missing or invalid admin key", "authentication_error", "invalid_api_key")

@@ -126,11 +126,12 @@ class Settings(BaseSettings):
         description="Threads for the database work of the ordinary endpoints (reads, rewards, runs): each holds a "
         "thread while SQLite's busy timeout or Postgres makes it wait, so a reward burst must not starve the reads.",
     )
-    responses_kept: int = Field(
-        4096,
+    responses_memory_bytes: int = Field(
+        256 * 1024 * 1024,
         ge=0,
-        description="OpenAI Responses API: recent stored responses kept in memory for `previous_response_id` and "
-        "`GET /v1/responses/{id}`; older ones are read back from the database.",
+        description="OpenAI Responses API: how much of the recent stored responses (their conversation and answer, "
+        "as JSON) is kept in memory for `previous_response_id` and `GET /v1/responses/{id}`, oldest dropped first; "
+        "the others are read back from the database (0: keep none).",
     )
     admission_poll_s: float = Field(
         0.5,

@@ -139,17 +139,18 @@ class Proxy:
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
         received = time.perf_counter()
         created_at = time.time()
-        request_id = f"req-{self._id_base}{next(self._ids):016x}"
+        # (the Responses API brings an unguessable id of its own: it is the response's id, which fetches the answer)
+        request_id = scope.get("trajgate.request_id") or f"req-{self._id_base}{next(self._ids):016x}"
         path = prefix.rest if prefix else scope["path"]
         endpoint = ENDPOINTS[path]
         # An API translated at the edge (gateway/api_messages.py) reaches here as a chat call under its own label.
         label = scope.get("trajgate.endpoint", endpoint)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
+            key, key_group, key_trajectory = split_api_key(presented_key(headers))
+            self.auth.check_agent(key)  # before the body: an unauthenticated caller learns nothing about it
             body = await self.read_body(receive, headers)
             request = parse_json(body)
-            key, key_group, key_trajectory = split_api_key(presented_key(headers))
-            self.auth.check_agent(key)
             attribution = attribute(headers, prefix, key_group, key_trajectory)
             retry_count, idempotency_key = _retry_headers(headers)
             run = check_run(headers.get("x-run") or request.get("model"))

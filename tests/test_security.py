@@ -1,0 +1,182 @@
+"""Issue 33, "tenants stay apart and secrets stay home": what one agent key stores is not another's to read, the
+gateway's secrets go nowhere an admin names, memory is bounded in bytes, and what the store cannot hold is refused
+before it is answered (or stored anyway), never answered and then lost."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from fastapi.routing import APIRoute
+
+from gateway.api_common import require_agent
+from tests.fake_upstream import FakeUpstream
+from tests.gateway_harness import RunningGateway, running_gateway
+from tests.responses_agent import FUNCTION_TOOL, RUN, TOOL_ITEMS, ask
+from tests.stored import stored_calls
+from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
+
+KEY_A, KEY_B = "agent-key-a", "agent-key-b"
+
+
+@pytest.fixture
+def keyed(gateway_settings: dict[str, object]) -> Iterator[RunningGateway]:
+    """A gateway with two agent keys (two tenants) and an admin key."""
+    with running_gateway(**gateway_settings, agent_keys=f"{KEY_A},{KEY_B}", admin_key="admin-key") as gw:
+        yield gw
+
+
+def sdk(gw: RunningGateway, trajectory: str, key: str) -> openai.OpenAI:
+    # eval mode: the client's greedy sampling reaches vLLM, as when the Responses exchanges were recorded
+    return openai.OpenAI(base_url=f"{gw.url}/eval/t/{trajectory}/v1", api_key=key, max_retries=0)
+
+
+def _agent_reads(gw: RunningGateway) -> list[str]:
+    """Every GET route an agent key may call that names stored state by id (a path parameter)."""
+    paths = []
+    for entry in gw.app.api.routes:
+        # (FastAPI keeps an included router whole, its dependencies on the router)
+        router = getattr(entry, "original_router", None)
+        inherited = list(router.dependencies) if router is not None else []
+        for route in router.routes if router is not None else [entry]:
+            if not isinstance(route, APIRoute) or "GET" not in route.methods or "{" not in route.path:
+                continue
+            if any(depends.dependency is require_agent for depends in [*inherited, *route.dependencies]):
+                paths.append(route.path)
+    return paths
+
+
+def _walk(gw: RunningGateway, response_id: str, key: str) -> dict[str, int]:
+    """Status of every agent read of this response id, and of continuing it, with `key`."""
+    seen = {}
+    for path in _agent_reads(gw):
+        url = gw.url + re.sub(r"\{[^}]+\}", response_id, path)
+        seen[path] = httpx.get(url, headers={"authorization": f"Bearer {key}"}).status_code
+    continued = httpx.post(
+        gw.base_url + "/responses", headers={"authorization": f"Bearer {key}"},
+        json={"model": RUN, "input": "more", "previous_response_id": response_id},
+    )  # fmt: skip
+    seen["previous_response_id"] = continued.status_code
+    return seen
+
+
+# -- 1. stored responses belong to the key that created them ---------------------------------------------------------
+
+
+def test_another_key_cannot_fetch_or_continue_a_response(keyed: RunningGateway, db_url: str) -> None:
+    first = ask(sdk(keyed, "t-tenant-a", KEY_A), False)
+    other = sdk(keyed, "t-tenant-b", KEY_B)
+    with pytest.raises(openai.NotFoundError) as fetched:
+        other.responses.retrieve(first.id)
+    assert fetched.value.body["message"].startswith("No response found")  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as continued:
+        other.responses.create(model=RUN, input="and Germany?", previous_response_id=first.id)
+    assert continued.value.code == "previous_response_not_found"
+    # the owner may, with the key alone or in its key#trajectory form
+    assert sdk(keyed, "t-tenant-a", KEY_A).responses.retrieve(first.id).output_text == first.output_text
+    assert sdk(keyed, "t-tenant-a", f"{KEY_A}#t-tenant-a").responses.retrieve(first.id).id == first.id
+    # ... and the same holds for the record read back from the database (another gateway, a restart)
+    keyed.flush()
+    keyed.app.state.responses._kept.clear()
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(first.id)
+    assert sdk(keyed, "t-tenant-a", KEY_A).responses.retrieve(first.id).output_text == first.output_text
+    # the record names its owner by a fingerprint, never the key
+    [call] = stored_calls(db_url, "t-tenant-a")
+    owner = call["request"]["trajgate_responses"]["owner"]
+    assert re.fullmatch(r"[0-9a-f]{32}", owner)
+    assert KEY_A.encode() not in orjson.dumps(call["request"])
+
+
+def test_every_agent_read_of_stored_state_is_a_404_for_another_key(keyed: RunningGateway, db_url: str) -> None:
+    """Walks every GET route an agent key can call with an id (today: GET /v1/responses/{id}) plus continuing by
+    previous_response_id: the owner's key gets 200, another key the 404 of an unknown id, from memory and from the
+    database alike."""
+    response_id = ask(sdk(keyed, "t-walk", KEY_A), False).id
+    assert _agent_reads(keyed) == ["/v1/responses/{response_id}"]
+    unknown = _walk(keyed, "resp_" + "0" * 32, KEY_B)
+    assert set(unknown.values()) == {404}
+    for from_database in (False, True):
+        if from_database:
+            keyed.flush()
+            keyed.app.state.responses._kept.clear()
+        assert _walk(keyed, response_id, KEY_B) == unknown
+        owner = _walk(keyed, response_id, KEY_A)
+        assert owner["/v1/responses/{response_id}"] == 200
+        assert owner["previous_response_id"] == 418  # found, and sent on: replay has no answer for "more"
+
+
+def test_response_ids_are_unguessable(gateway: RunningGateway) -> None:
+    """128 random bits each: not a per-process prefix and a counter, where the next id follows from the last."""
+    ids = [ask(sdk(gateway, f"t-ids-{i}", "x"), False).id for i in range(3)]
+    hexes = [i.removeprefix("resp_") for i in ids]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", h) for h in hexes)
+    assert len({h[:16] for h in hexes}) == 3 and len({h[-8:] for h in hexes}) == 3
+
+
+def test_auth_off_keeps_one_tenant(gateway: RunningGateway) -> None:
+    first = ask(sdk(gateway, "t-open", "anything"), False)
+    assert sdk(gateway, "t-open", "something else").responses.retrieve(first.id).id == first.id
+
+
+# -- 3. memory held by stored responses is bounded in bytes ----------------------------------------------------------
+
+
+def _metric(gw: RunningGateway, name: str) -> float:
+    text = httpx.get(gw.url + "/metrics").text
+    [value] = re.findall(rf"^{name} (\S+)$", text, re.M)
+    return float(value)
+
+
+def test_responses_memory_is_bounded_in_bytes_and_the_record_stays(gateway: RunningGateway, db_url: str) -> None:
+    api = gateway.app.state.responses
+    common: dict[str, Any] = {"model": RUN, "instructions": TOOL_SYSTEM, "tools": [FUNCTION_TOOL],
+                              "max_output_tokens": 48, "temperature": 0}  # fmt: skip
+    first = sdk(gateway, "t-evicted", "x").responses.create(input=TOOL_ITEMS, **common)
+    one = api.kept_bytes
+    assert api.kept_count == 1 and one > 1000
+    assert _metric(gateway, "trajgate_responses_kept_bytes") == one
+    api.memory_bytes = 2 * one  # room for about two: each later one pushes the oldest out
+    later = [ask(sdk(gateway, f"t-filler-{i}", "x"), False).id for i in range(4)]
+    assert first.id not in api._kept and later[0] not in api._kept and later[-1] in api._kept
+    assert api.kept_bytes == sum(kept.size for kept in api._kept.values()) <= api.memory_bytes
+    assert 1 <= api.kept_count < 5
+    assert _metric(gateway, "trajgate_responses_kept_bytes") == api.kept_bytes
+    assert _metric(gateway, "trajgate_responses_kept") == api.kept_count
+    # what was dropped from memory is fetched and continued from its record
+    gateway.flush()
+    client = sdk(gateway, "t-evicted", "x")
+    assert client.responses.retrieve(first.id).output[0].model_dump() == first.output[0].model_dump()
+    output = {"type": "function_call_output", "call_id": first.output[0].call_id, "output": WEATHER_RESULT}
+    second = client.responses.create(input=[output], previous_response_id=first.id, **common)
+    assert second.output_text and second.previous_response_id == first.id
+    gateway.flush()
+    assert len(stored_calls(db_url, "t-evicted")) == 2
+    # one larger than the whole bound is not kept at all (its record serves it)
+    kept_before = dict(api._kept)
+    api.memory_bytes = 10
+    big = ask(sdk(gateway, "t-too-big", "x"), False)
+    assert big.id not in api._kept and api._kept == kept_before
+
+
+# -- 6. the key is checked before the body is read, on every model route ---------------------------------------------
+
+MODEL_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses"]
+
+
+@pytest.mark.parametrize("path", MODEL_ROUTES)
+def test_no_key_is_a_401_before_the_body_is_read(keyed: RunningGateway, path: str) -> None:
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
+        headers = {"content-type": "application/json", **headers}
+        answer = httpx.post(keyed.url + path, content=b"{nope", headers=headers)
+        assert answer.status_code == 401, (path, headers, answer.text)
+        body = answer.json()
+        assert body["type"] == "error" if path.startswith("/v1/messages") else body["error"]["code"] == "invalid_api_key"
+    # with a key, the same body is the client's mistake
+    answer = httpx.post(keyed.url + path, content=b"{nope", headers={"authorization": f"Bearer {KEY_B}"})
+    assert answer.status_code == 400
