@@ -42,6 +42,15 @@ class Settings(BaseSettings):
         default_factory=list, description="Comma-separated keys agents may use; empty means no agent auth."
     )
     admin_key: SecretStr | None = Field(None, description="Key for admin and read endpoints; unset means no auth.")
+    judge_key_envs: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Environment variables a judge config may name in `api_key_env` (comma-separated), besides any "
+        "named TRAJGATE_JUDGE_KEY_*; never the database URL or the admin and agent keys (gateway/judge/policy.py).",
+    )
+    judge_api_bases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Base URLs a judge config may name in `api_base` (comma-separated), besides the vLLM upstreams.",
+    )
     spool_dir: Path = Field(
         Path("spool"), description="The write-ahead log: every record is appended here before its answer completes."
     )
@@ -173,11 +182,22 @@ class Settings(BaseSettings):
             raise ValueError("lists the same replica twice")
         return ",".join(urls)
 
-    @field_validator("agent_keys", mode="before")
+    @field_validator("agent_keys", "judge_key_envs", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
             return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    @field_validator("judge_api_bases", mode="before")
+    @classmethod
+    def _split_api_bases(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [url.strip() for url in value.split(",") if url.strip()]
+        if isinstance(value, list):
+            if not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in value):
+                raise ValueError("must be http(s) URLs such as http://judge:8000/v1 (several: comma-separated)")
+            return [url.rstrip("/") for url in value]
         return value
 
     @field_validator("agent_keys")

@@ -15,13 +15,20 @@ import pytest
 from fastapi.routing import APIRoute
 
 from gateway.api_common import require_agent
-from tests.fake_upstream import FakeUpstream
+from gateway.config import load_settings
+from gateway.judge.worker import JudgeSetupError, JudgeWorker
+from gateway.store import db
+from gateway.store.runs import upsert_run
+from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
+from tests.fake_judge import FakeJudge
 from tests.gateway_harness import RunningGateway, running_gateway
+from tests.judge_group import RUN as RUN_JUDGED
+from tests.judge_group import write_group
 from tests.responses_agent import FUNCTION_TOOL, RUN, TOOL_ITEMS, ask
 from tests.stored import stored_calls
-from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 
 KEY_A, KEY_B = "agent-key-a", "agent-key-b"
+JUDGE_GROUP = "jg-security"
 
 
 @pytest.fixture
@@ -180,3 +187,84 @@ def test_no_key_is_a_401_before_the_body_is_read(keyed: RunningGateway, path: st
     # with a key, the same body is the client's mistake
     answer = httpx.post(keyed.url + path, content=b"{nope", headers={"authorization": f"Bearer {KEY_B}"})
     assert answer.status_code == 400
+
+
+# -- 2. the judge reads keys and calls endpoints only from the operator's lists ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def listener() -> Iterator[FakeJudge]:
+    """An OpenAI-compatible server anyone could stand up: it records what reaches it."""
+    judge = FakeJudge().start()
+    yield judge
+    judge.stop()
+
+
+def _judge(gw: RunningGateway, body: dict[str, Any]) -> httpx.Response:
+    headers = {"authorization": "Bearer admin-key"}
+    return httpx.post(f"{gw.base_url}/groups/{JUDGE_GROUP}/judge", json=body, headers=headers, timeout=60)
+
+
+def test_judge_sends_no_variable_and_calls_no_endpoint_the_operator_did_not_allow(
+    gateway_settings: dict[str, object], listener: FakeJudge, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANY_VAR", "the-gateways-secret")
+    monkeypatch.setenv("LISTED_VAR", "admin-key")  # listed by mistake, but it is the admin key's value
+    monkeypatch.setenv("TRAJGATE_JUDGE_KEY_LOCAL", "sk-judge-local")
+    allowed = f"{listener.base_url}/"  # (a trailing slash makes no other endpoint)
+    settings = {**gateway_settings, "admin_key": "admin-key", "agent_keys": KEY_A,
+                "judge_key_envs": "LISTED_VAR,TRAJGATE_ADMIN_KEY,TRAJGATE_DATABASE_URL"}  # fmt: skip
+    engine = db.make_engine(db_url)
+    with running_gateway(**settings) as gw:
+        try:
+            write_group(engine, group=JUDGE_GROUP, ids=("js-1", "js-2"))
+        finally:
+            engine.dispose()
+        listener.reset(auto=True)
+        block = {"model": "hosted_vllm/x", "client": "builtin", "max_attempts": 1, "backoff_s": 0.0}
+        vllm = str(gateway_settings["upstream_url"])  # a vLLM upstream is always allowed
+        refused = [
+            ({"api_base": listener.base_url, "api_key_env": "ANY_VAR"}, "TRAJGATE_JUDGE_API_BASES"),
+            ({"api_base": listener.base_url}, "TRAJGATE_JUDGE_API_BASES"),  # where a provider's own key would go
+            ({"api_base": gw.base_url}, "TRAJGATE_JUDGE_API_BASES"),
+            ({"api_base": vllm, "api_key_env": "ANY_VAR"}, "TRAJGATE_JUDGE_KEY_ENVS"),
+            ({"api_base": vllm, "api_key_env": "LISTED_VAR"}, "own secrets"),
+            ({"api_base": vllm, "api_key_env": "TRAJGATE_ADMIN_KEY"}, "own secrets"),
+            ({"api_base": vllm, "api_key_env": "TRAJGATE_DATABASE_URL"}, "own secrets"),
+        ]
+        for override, setting in refused:
+            error = _judge(gw, {**block, **override}).json()["error"]
+            assert (error["code"], setting in error["message"]) == ("judge_not_allowed", True), error
+            assert "the-gateways-secret" not in error["message"] and "admin-key" not in error["message"]
+            run = httpx.post(
+                f"{gw.base_url}/runs", json={"name": "judged-run", "config": {"judge": {**block, **override}}},
+                headers={"authorization": "Bearer admin-key"},
+            )  # fmt: skip
+            assert (run.status_code, run.json()["error"]["code"]) == (400, "judge_not_allowed")
+        assert listener.received == [] and listener.headers == []
+        stored = httpx.get(f"{gw.base_url}/runs/judged-run", headers={"authorization": "Bearer admin-key"})
+        assert stored.status_code == 404
+    # allowed by the operator: the endpoint listed, the key from a TRAJGATE_JUDGE_KEY_ variable
+    with running_gateway(**{**settings, "judge_api_bases": allowed}) as gw:
+        answer = _judge(gw, {**block, "api_base": listener.base_url, "api_key_env": "TRAJGATE_JUDGE_KEY_LOCAL"})
+        assert answer.status_code == 200, answer.text
+        assert [h.get("Authorization") for h in listener.headers] == ["Bearer sk-judge-local"]
+
+
+def test_judge_worker_refuses_a_stored_config_the_operator_did_not_allow(db_url: str, listener: FakeJudge) -> None:
+    """A judge block stored before the lists existed is checked when the worker starts, before any call."""
+    db.upgrade(db_url)
+    engine = db.make_engine(db_url)
+    try:
+        write_group(engine, group=JUDGE_GROUP, ids=("jw-1", "jw-2"))
+        upsert_run(engine, RUN_JUDGED, {"judge": {"model": "hosted_vllm/x", "api_base": listener.base_url}})
+    finally:
+        engine.dispose()
+    listener.reset(auto=True)
+    worker = JudgeWorker(load_settings(_env_file=None, database_url=db_url), RUN_JUDGED)
+    try:
+        with pytest.raises(JudgeSetupError, match="TRAJGATE_JUDGE_API_BASES"):
+            worker.config()
+    finally:
+        worker.close()
+    assert listener.received == []
