@@ -26,7 +26,7 @@ from gateway.api_common import (
     validated,
     validation_message,
 )
-from gateway.attribution import ID_RE, check_id
+from gateway.attribution import ID_RE, ID_RULE, check_id
 from gateway.errors import GatewayError
 from gateway.store.rewards import RewardItem, RewardResult, RewardsRejected, close_group, store_rewards
 
@@ -56,7 +56,7 @@ class BatchReward(RewardBody):
     @classmethod
     def _id(cls, value: str) -> str:
         if not ID_RE.match(value):
-            raise ValueError("use 1-128 characters from [A-Za-z0-9._:-]")
+            raise ValueError(f"use {ID_RULE}")
         return value
 
 

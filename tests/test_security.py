@@ -183,7 +183,10 @@ def test_no_key_is_a_401_before_the_body_is_read(keyed: RunningGateway, path: st
         answer = httpx.post(keyed.url + path, content=b"{nope", headers=headers)
         assert answer.status_code == 401, (path, headers, answer.text)
         body = answer.json()
-        assert body["type"] == "error" if path.startswith("/v1/messages") else body["error"]["code"] == "invalid_api_key"
+        if path.startswith("/v1/messages"):  # Anthropic's shape
+            assert (body["type"], body["error"]["type"]) == ("error", "authentication_error")
+        else:
+            assert body["error"]["code"] == "invalid_api_key"
     # with a key, the same body is the client's mistake
     answer = httpx.post(keyed.url + path, content=b"{nope", headers={"authorization": f"Bearer {KEY_B}"})
     assert answer.status_code == 400
@@ -268,3 +271,42 @@ def test_judge_worker_refuses_a_stored_config_the_operator_did_not_allow(db_url:
     finally:
         worker.close()
     assert listener.received == []
+
+
+# -- 7. ids "." and ".." are refused wherever an id is accepted ------------------------------------------------------
+
+CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+MESSAGES = {"model": "smollm2", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _raw_post(gw: RunningGateway, path: str, body: Any, **headers: str) -> httpx.Response:
+    """A POST whose path reaches the gateway as written (no client-side dot-segment resolution)."""
+    url = httpx.URL(gw.url).copy_with(raw_path=path.encode())
+    return httpx.post(url, json=body, headers=headers)
+
+
+@pytest.mark.parametrize("dots", [".", ".."])
+def test_dot_ids_are_refused_everywhere(gateway: RunningGateway, dots: str) -> None:
+    encoded = dots.replace(".", "%2e")
+    calls = [
+        _raw_post(gateway, "/v1/chat/completions", CHAT, **{"x-trajectory-id": dots}),
+        _raw_post(gateway, "/v1/chat/completions", CHAT, **{"x-trajectory-id": "t-ok", "x-group-id": dots}),
+        _raw_post(gateway, f"/t/{encoded}/v1/chat/completions", CHAT),
+        _raw_post(gateway, f"/g/{encoded}/t/t-ok/v1/chat/completions", CHAT),
+        _raw_post(gateway, "/v1/chat/completions", CHAT, authorization=f"Bearer x#{dots}"),
+        _raw_post(gateway, "/v1/chat/completions", CHAT, authorization=f"Bearer x#{dots}/t-ok"),
+        _raw_post(gateway, f"/t/{encoded}/v1/responses", {"model": RUN, "input": "hi"}),
+        _raw_post(gateway, "/v1/messages", MESSAGES, **{"x-trajectory-id": dots}),
+        _raw_post(gateway, f"/v1/trajectories/{encoded}/reward", {"reward": 1.0}),
+        _raw_post(gateway, f"/v1/groups/{encoded}/close", None),
+        _raw_post(gateway, f"/v1/groups/{encoded}/judge", None),
+    ]
+    for answer in calls:
+        assert answer.status_code == 400, (answer.request.url, answer.text)
+        error = answer.json()["error"]
+        assert "invalid" in error["message"] and "'.' or '..'" in error["message"], error
+    batch = _raw_post(gateway, "/v1/rewards", [{"trajectory_id": dots, "reward": 1.0}])
+    assert batch.status_code == 422 and "'.' or '..'" in batch.text
+    # "..." is an id like any other
+    dots_id = _raw_post(gateway, "/v1/chat/completions", CHAT, **{"x-trajectory-id": "..."})
+    assert dots_id.headers["x-trajectory-id"] == "..."
