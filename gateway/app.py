@@ -220,6 +220,11 @@ class Gateway:
                 return
             if prefix is not None:
                 scope = {**scope, "path": path, "raw_path": path.encode()}
+            if b"%00" in scope["query_string"]:
+                # No parameter of these endpoints may hold a NUL (Postgres refuses one in a query): said once here.
+                error = GatewayError(400, "a query parameter holds a NUL character (%00)", code="invalid_value")
+                await send_json(send, 400, error.body(), [])
+                return
         await self.api(scope, receive, send)
 
 

@@ -121,7 +121,12 @@ class Proxy:
             models = await self.upstream_models()
             if not models:
                 raise GatewayError(502, "TRAJGATE_BASE_MODEL is unset and vLLM lists no model", "upstream_error")
-            self.router.base_model = models[0]["id"]
+            name = models[0].get("id")
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_BASE_MODEL or "\x00" in name:
+                # (it is every record's base model: one the store cannot hold would lose every call, answered)
+                message = f"vLLM's first model is not a name the store can hold: set TRAJGATE_BASE_MODEL ({name!r:.80})"
+                raise GatewayError(502, message, "upstream_error")
+            self.router.base_model = name
         return self.router.base_model
 
     async def upstream_models(self, replica: Replica | None = None) -> list[dict[str, Any]]:
@@ -442,12 +447,12 @@ class Proxy:
                     prompt_token_ids=choice.prompt_token_ids,
                     completion_token_ids=choice.completion_token_ids,
                     completion_logprobs=choice.logprobs,
-                    finish_reason=choice.finish_reason,
+                    finish_reason=_storable(choice.finish_reason),
                     usage=response.get("usage") if response else None,
                     status_code=call.status,
-                    error=call.error,
+                    error=_storable(call.error),
                     trainable=trainable,
-                    untrainable_reason=reason,
+                    untrainable_reason=_storable(reason),
                     latency_ms=latency_ms,
                     ttft_ms=ttft_ms,
                     retry_count=call.retry_count,
@@ -498,6 +503,7 @@ def parse_json(body: bytes) -> dict[str, Any]:
 # 400: a header the store cannot hold would otherwise be answered 200 and then rejected by the database.
 MAX_RETRY_COUNT = 2**31 - 1
 MAX_IDEMPOTENCY_KEY = 256
+MAX_BASE_MODEL = 512  # runs.base_model
 # orjson serialises at most this many nested arrays/objects; a deeper body could be parsed but neither forwarded
 # nor stored, so it is a 400 before anything is sent upstream.
 MAX_JSON_DEPTH = 254
@@ -515,7 +521,19 @@ def _retry_headers(headers: dict[str, str]) -> tuple[int, str | None]:
     key = headers.get("idempotency-key")
     if key is not None and len(key) > MAX_IDEMPOTENCY_KEY:
         raise GatewayError(400, f"Idempotency-Key longer than {MAX_IDEMPOTENCY_KEY} characters", code="invalid_header")
+    if key is not None and "\x00" in key:  # (HTTP/1.1 parsers refuse one; checked here for any other server)
+        raise GatewayError(400, "Idempotency-Key holds a NUL character", code="invalid_header")
     return retry_count, key
+
+
+def _storable(value: Any) -> str | None:
+    """Text from upstream as a text column can hold it: a string (vLLM's finish_reason always is; another upstream's
+    might not be) with no NUL, which Postgres text refuses. A record the store refused would be a call answered and
+    then missing from the database; U+FFFD marks the replaced character (the response column keeps what was sent)."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
 
 
 def _serialise(body: dict[str, Any]) -> bytes:

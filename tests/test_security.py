@@ -4,6 +4,9 @@ before it is answered (or stored anyway), never answered and then lost."""
 
 from __future__ import annotations
 
+import base64
+import copy
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -21,11 +24,13 @@ from gateway.store import db
 from gateway.store.runs import upsert_run
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 from tests.fake_judge import FakeJudge
+from tests.fake_upstream import FakeUpstream, load_fixtures
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.judge_group import RUN as RUN_JUDGED
 from tests.judge_group import write_group
 from tests.responses_agent import FUNCTION_TOOL, RUN, TOOL_ITEMS, ask
 from tests.stored import stored_calls
+from tests.test_gateway_faults import assert_openai_error
 
 KEY_A, KEY_B = "agent-key-a", "agent-key-b"
 JUDGE_GROUP = "jg-security"
@@ -310,3 +315,90 @@ def test_dot_ids_are_refused_everywhere(gateway: RunningGateway, dots: str) -> N
     # "..." is an id like any other
     dots_id = _raw_post(gateway, "/v1/chat/completions", CHAT, **{"x-trajectory-id": "..."})
     assert dots_id.headers["x-trajectory-id"] == "..."
+
+
+# -- 8, 9. a NUL in an admin input or a page cursor is a 4xx, not a database error -----------------------------------
+
+
+def test_a_nul_in_an_admin_body_query_or_cursor_is_a_400(gateway: RunningGateway) -> None:
+    runs = gateway.base_url + "/runs"
+    for body in (
+        {"name": "nul-run", "base_model": "a\u0000b"},
+        {"name": "nul-run", "base_model": "m", "base_weights": "/w/\u0000"},
+        {"name": "nul-run", "base_model": "m", "config": {"judge": {"model": "openai/x", "rubric": "r\u0000"}}},
+        {"name": "nul-run", "base_model": "m", "config": {"sampling": {"stop": ["\u0000"]}}},
+    ):
+        error = assert_openai_error(httpx.post(runs, json=body), 400)
+        assert error["code"] == "invalid_value" and "NUL" in error["message"]
+    assert httpx.get(runs + "/nul-run").status_code == 404  # nothing stored
+    judge = httpx.post(gateway.base_url + "/groups/g-1/judge", json={"model": "openai/x", "rubric": "\u0000"})
+    assert assert_openai_error(judge, 400)["code"] == "invalid_value"
+    for url in (runs + "?after=%00", gateway.url + "/ui/trajectories?run=x&after=%00", runs + "/x/steps?after=1%00"):
+        assert assert_openai_error(httpx.get(url), 400)["code"] == "invalid_value", url
+    # a page cursor is base64: its NUL is only seen once decoded
+    assert httpx.post(runs, json={"name": "cursor-run", "base_model": "m"}).status_code == 201
+    for raw in ("2026-01-01T00:00:00+00:00|t\x00", "\x00|t"):
+        cursor = base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+        page = httpx.get(gateway.url + "/ui/trajectories", params={"run": "cursor-run", "after": cursor})
+        assert assert_openai_error(page, 400)["message"].startswith("not a page cursor")
+    # (a reward's metadata may hold one: JSON columns store it as U+FFFD, as before)
+
+
+# -- 10. what an upstream answers, the store holds ------------------------------------------------------------------
+
+ODD_REASON = "a-finish-reason-no-vllm-ever-sent-" + "x" * 40 + "\u0000end"
+
+
+def _odd(fixture: dict[str, Any]) -> dict[str, Any]:
+    """The recording with a finish_reason longer than the old column and holding a NUL, and a NUL in the model name."""
+    fixture = copy.deepcopy(fixture)
+    fixture["request"]["messages"][0]["content"] += " (odd)"
+    if fixture.get("stream"):
+        chunks = []
+        for chunk in fixture["chunks"]:
+            if chunk != "[DONE]":
+                data = json.loads(chunk)
+                data["model"] = "small\u0000lm"
+                for choice in data["choices"]:
+                    if choice.get("finish_reason"):
+                        choice["finish_reason"] = ODD_REASON
+                chunk = json.dumps(data)
+            chunks.append(chunk)
+        fixture["chunks"] = chunks
+    else:
+        fixture["response"]["model"] = "small\u0000lm"
+        fixture["response"]["choices"][0]["finish_reason"] = ODD_REASON
+    return fixture
+
+
+@pytest.fixture(scope="module")
+def odd_upstream() -> Iterator[FakeUpstream]:
+    recorded = load_fixtures()
+    fake = FakeUpstream({"models": recorded["models"], "chat": _odd(recorded["chat"]),
+                         "chat_stream": _odd(recorded["chat_stream"])}).start()  # fmt: skip
+    yield fake
+    fake.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_odd_upstream_answer_is_answered_and_stored(
+    gateway_settings: dict[str, object], odd_upstream: FakeUpstream, db_url: str, stream: bool
+) -> None:
+    fixture = odd_upstream.fixture("chat_stream" if stream else "chat")
+    body = {k: v for k, v in fixture["request"].items() if k not in ("logprobs", "return_token_ids")}
+    trajectory = f"t-odd-{stream}"
+    with running_gateway(**{**gateway_settings, "upstream_url": odd_upstream.base_url}) as gw:
+        client = openai.OpenAI(base_url=f"{gw.url}/eval/t/{trajectory}/v1", api_key="x", max_retries=0)
+        if stream:
+            chunks = list(client.chat.completions.create(**body))
+            assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+                ODD_REASON
+            ]
+        else:
+            assert client.chat.completions.create(**body).choices[0].finish_reason == ODD_REASON
+        gw.flush()
+        writer = gw.app.state.writer
+        assert (writer.records_rejected, writer.records_lost) == (0, 0)
+    [call] = stored_calls(db_url, trajectory)
+    assert call["finish_reason"] == ODD_REASON.replace("\u0000", "\ufffd")  # whole; U+FFFD marks the NUL
+    assert call["response"]["model"] == "small\ufffdlm" and call["trainable"] is True

@@ -140,7 +140,7 @@ class Call(Base):
     prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     completion_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     completion_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
-    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    finish_reason: Mapped[str | None] = mapped_column(Text)  # the upstream's word, as sent (unbounded since 0011)
     usage: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
@@ -252,3 +252,4 @@ class GatewayPeer(Base):
     seen_at: Mapped[float] = mapped_column(Float)
     # Every call this gateway answered before this time is in the database; null until its first flush.
     flushed_through: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
