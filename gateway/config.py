@@ -149,6 +149,18 @@ class Settings(BaseSettings):
         description="How often calls waiting for admission ask the database again for room (the trainer frees it "
         "by training, dropping or publishing, which the gateway is not told of).",
     )
+    ui_session_s: float = Field(
+        12 * 3600.0,
+        gt=0,
+        le=90 * 86400,
+        description="How long a web UI login lasts; logging out, or changing the admin key, ends it sooner.",
+    )
+    forwarded_allow_ips: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["127.0.0.1"],
+        description="Reverse proxies (IP addresses, comma-separated; * for any) whose X-Forwarded-Proto: https makes "
+        "the web UI's session cookie Secure, as uvicorn's --forwarded-allow-ips; a request that reached the gateway "
+        "over https directly always gets it.",
+    )
     ui_token_text_timeout_s: float = Field(
         5.0,
         gt=0,
@@ -182,7 +194,7 @@ class Settings(BaseSettings):
             raise ValueError("lists the same replica twice")
         return ",".join(urls)
 
-    @field_validator("agent_keys", "judge_key_envs", mode="before")
+    @field_validator("agent_keys", "judge_key_envs", "forwarded_allow_ips", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):

@@ -15,7 +15,7 @@ from gateway.store.models import Base
 
 TABLES = {
     "runs", "policy_versions", "groups", "trajectories", "calls", "train_steps", "trainer_leases", "admissions",
-    "admission_refusals", "gateway_peers",
+    "admission_refusals", "gateway_peers", "ui_sessions",
 }
 HEAD = "0011_ui_sessions"
 

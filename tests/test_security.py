@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import json
 import re
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import openai
 import orjson
 import pytest
+import sqlalchemy
 from fastapi.routing import APIRoute
 
 from gateway.api_common import require_agent
 from gateway.config import load_settings
 from gateway.judge.worker import JudgeSetupError, JudgeWorker
 from gateway.store import db
+from gateway.store.models import UiSession
 from gateway.store.runs import upsert_run
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 from tests.fake_judge import FakeJudge
@@ -402,3 +406,74 @@ def test_an_odd_upstream_answer_is_answered_and_stored(
     [call] = stored_calls(db_url, trajectory)
     assert call["finish_reason"] == ODD_REASON.replace("\u0000", "\ufffd")  # whole; U+FFFD marks the NUL
     assert call["response"]["model"] == "small\ufffdlm" and call["trainable"] is True
+
+
+# -- 4, 5. UI sessions: one per login, ended by logout, expiry or a new admin key, on every gateway; Secure on https --
+
+ADMIN = "admin-key"
+
+
+def _login(gw: RunningGateway, **headers: str) -> httpx.Response:
+    answer = httpx.post(gw.url + "/ui/login", data={"key": ADMIN, "next": "/ui"}, headers=headers)
+    assert answer.status_code == 303 and answer.headers["location"] == "/ui", answer.text
+    return answer
+
+
+def _session(gw: RunningGateway) -> str:
+    cookie = _login(gw).cookies.get("trajgate_ui")
+    assert cookie
+    return cookie
+
+
+def _page_status(gw: RunningGateway, cookie: str) -> int:
+    return httpx.get(gw.url + "/ui", cookies={"trajgate_ui": cookie}).status_code  # 200, or 303 to the login form
+
+
+def test_ui_sessions_end_at_logout_expiry_and_key_change_on_every_gateway(
+    gateway_settings: dict[str, object], db_url: str, tmp_path: Any
+) -> None:
+    settings = {**gateway_settings, "admin_key": ADMIN}
+    with (
+        running_gateway(**settings) as one,
+        running_gateway(**{**settings, "spool_dir": tmp_path / "spool-two"}) as two,
+    ):
+        first, second, third = _session(one), _session(two), _session(one)
+        assert len({first, second, third}) == 3  # one session per login
+        assert ADMIN not in first and _login(one).headers["set-cookie"].count(f"Max-Age={12 * 3600}") == 1
+        assert [_page_status(gw, cookie) for gw in (one, two) for cookie in (first, second)] == [200] * 4
+        # logging out on one gateway ends that session on both; the others live on
+        out = httpx.post(one.url + "/ui/logout", cookies={"trajgate_ui": first})
+        assert out.status_code == 303 and 'trajgate_ui=""' in out.headers["set-cookie"]
+        assert [_page_status(gw, first) for gw in (one, two)] == [303, 303]
+        assert [_page_status(gw, second) for gw in (one, two)] == [200, 200]
+        # an expired session is refused (its expiry moved to the past, rather than waiting for it)
+        engine = db.make_engine(db_url)
+        try:
+            with engine.begin() as conn:
+                stored = {row.id_hash for row in conn.execute(sqlalchemy.select(UiSession.id_hash))}
+                assert first not in stored and len(stored) == 4  # only hashes are kept
+                digest = hashlib.sha256(second.encode()).hexdigest()
+                conn.execute(
+                    sqlalchemy.update(UiSession)
+                    .where(UiSession.id_hash == digest)
+                    .values(expires_at=datetime.now(UTC) - timedelta(seconds=1))
+                )
+        finally:
+            engine.dispose()
+        assert [_page_status(gw, second) for gw in (one, two)] == [303, 303]
+        assert _page_status(two, third) == 200
+    # a new admin key ends every session made with the old one
+    with running_gateway(**{**settings, "admin_key": "another-admin-key"}) as changed:
+        assert _page_status(changed, third) == 303
+
+
+def test_ui_cookie_is_secure_when_the_login_came_over_https(gateway_settings: dict[str, object]) -> None:
+    with running_gateway(**{**gateway_settings, "admin_key": ADMIN}) as gw:  # trusts a proxy on 127.0.0.1
+        assert "Secure" not in _login(gw).headers["set-cookie"]
+        assert "Secure" in _login(gw, **{"x-forwarded-proto": "https"}).headers["set-cookie"]
+        assert "Secure" not in _login(gw, **{"x-forwarded-proto": "http"}).headers["set-cookie"]
+    with running_gateway(**{**gateway_settings, "admin_key": ADMIN, "forwarded_allow_ips": "10.1.2.3"}) as gw:
+        # not from a trusted proxy: the header is anyone's to send
+        assert "Secure" not in _login(gw, **{"x-forwarded-proto": "https"}).headers["set-cookie"]
+    with running_gateway(**{**gateway_settings, "admin_key": ADMIN, "forwarded_allow_ips": "*"}) as gw:
+        assert "Secure" in _login(gw, **{"x-forwarded-proto": "https"}).headers["set-cookie"]

@@ -253,3 +253,15 @@ class GatewayPeer(Base):
     # Every call this gateway answered before this time is in the database; null until its first flush.
     flushed_through: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
 
+
+class UiSession(Base):
+    """A web UI login (gateway/store/ui_sessions.py): the cookie is a random id, of which only the SHA-256 is kept. It ends
+    at `expires_at`, at logout (`revoked_at`), or when the admin key changes (`admin_key_hash` no longer matches)."""
+
+    __tablename__ = "ui_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    admin_key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
