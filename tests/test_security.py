@@ -477,3 +477,25 @@ def test_ui_cookie_is_secure_when_the_login_came_over_https(gateway_settings: di
         assert "Secure" not in _login(gw, **{"x-forwarded-proto": "https"}).headers["set-cookie"]
     with running_gateway(**{**gateway_settings, "admin_key": ADMIN, "forwarded_allow_ips": "*"}) as gw:
         assert "Secure" in _login(gw, **{"x-forwarded-proto": "https"}).headers["set-cookie"]
+
+
+@pytest.mark.parametrize("served", ["m" * 513, "small\u0000lm"])
+def test_a_base_model_name_the_store_cannot_hold_is_refused_before_any_answer(
+    gateway_settings: dict[str, object], db_url: str, served: str
+) -> None:
+    """With TRAJGATE_BASE_MODEL unset the gateway takes vLLM's first model, which names every record's run: one the
+    runs table cannot hold would have every call answered and then refused by the store."""
+    recorded = load_fixtures()
+    models = copy.deepcopy(recorded["models"])
+    models["response"]["data"][0]["id"] = served
+    fake = FakeUpstream({"models": models, "chat": recorded["chat"]}).start()
+    try:
+        with running_gateway(**{**gateway_settings, "upstream_url": fake.base_url, "base_model": None}) as gw:
+            answer = httpx.post(gw.base_url + "/chat/completions", json=CHAT, headers={"x-trajectory-id": "t-base"})
+            error = assert_openai_error(answer, 502)
+            assert "TRAJGATE_BASE_MODEL" in error["message"]
+            assert fake.received == []  # refused before vLLM was asked to answer
+            gw.flush()
+            assert gw.app.state.writer.records_rejected == 0
+    finally:
+        fake.stop()
