@@ -240,6 +240,7 @@ def test_judge_sends_no_variable_and_calls_no_endpoint_the_operator_did_not_allo
             ({"api_base": listener.base_url}, "TRAJGATE_JUDGE_API_BASES"),  # where a provider's own key would go
             ({"api_base": gw.base_url}, "TRAJGATE_JUDGE_API_BASES"),
             ({"api_base": vllm, "api_key_env": "ANY_VAR"}, "TRAJGATE_JUDGE_KEY_ENVS"),
+            ({"api_base": vllm, "api_key_env": "TRAJGATE_JUDGE_KEY_ENVS"}, "TRAJGATE_JUDGE_KEY_ENVS"),  # a setting
             ({"api_base": vllm, "api_key_env": "LISTED_VAR"}, "own secrets"),
             ({"api_base": vllm, "api_key_env": "TRAJGATE_ADMIN_KEY"}, "own secrets"),
             ({"api_base": vllm, "api_key_env": "TRAJGATE_DATABASE_URL"}, "own secrets"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from gateway.config import Settings
+from gateway.config import ENV_PREFIX, Settings
 
 KEY_PREFIX = "TRAJGATE_JUDGE_KEY_"
 # The gateway's own secrets, by name; their values are refused under any other name too.
@@ -51,7 +51,7 @@ class JudgePolicy:
                 "TRAJGATE_JUDGE_API_BASES (the vLLM upstreams, TRAJGATE_UPSTREAM_URL, are allowed)"
             )
         if isinstance(api_key_env, str):
-            if api_key_env not in self.key_envs and not api_key_env.startswith(KEY_PREFIX):
+            if api_key_env not in self.key_envs and not _judge_key_name(api_key_env):
                 raise JudgeNotAllowed(
                     f"{where}.api_key_env: {api_key_env!r} is not a variable the judge may read: list it in "
                     f"TRAJGATE_JUDGE_KEY_ENVS or name it {KEY_PREFIX}..."
@@ -61,3 +61,8 @@ class JudgePolicy:
                     f"{where}.api_key_env: {api_key_env!r} holds one of the gateway's own secrets (database URL, "
                     "admin or agent key), which never goes to a judge"
                 )
+
+
+def _judge_key_name(name: str) -> bool:
+    """TRAJGATE_JUDGE_KEY_*, other than a setting of the gateway's own (TRAJGATE_JUDGE_KEY_ENVS)."""
+    return name.startswith(KEY_PREFIX) and name.removeprefix(ENV_PREFIX).lower() not in Settings.model_fields
