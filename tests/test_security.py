@@ -222,10 +222,11 @@ def test_judge_sends_no_variable_and_calls_no_endpoint_the_operator_did_not_allo
 ) -> None:
     monkeypatch.setenv("ANY_VAR", "the-gateways-secret")
     monkeypatch.setenv("LISTED_VAR", "admin-key")  # listed by mistake, but it is the admin key's value
+    monkeypatch.setenv("DB_VAR", str(gateway_settings["database_url"]).replace("postgresql+psycopg://", "postgres://"))
     monkeypatch.setenv("TRAJGATE_JUDGE_KEY_LOCAL", "sk-judge-local")
     allowed = f"{listener.base_url}/"  # (a trailing slash makes no other endpoint)
     settings = {**gateway_settings, "admin_key": "admin-key", "agent_keys": KEY_A,
-                "judge_key_envs": "LISTED_VAR,TRAJGATE_ADMIN_KEY,TRAJGATE_DATABASE_URL"}  # fmt: skip
+                "judge_key_envs": "LISTED_VAR,DB_VAR,TRAJGATE_ADMIN_KEY,TRAJGATE_DATABASE_URL"}  # fmt: skip
     engine = db.make_engine(db_url)
     with running_gateway(**settings) as gw:
         try:
@@ -243,6 +244,7 @@ def test_judge_sends_no_variable_and_calls_no_endpoint_the_operator_did_not_allo
             ({"api_base": vllm, "api_key_env": "TRAJGATE_JUDGE_KEY_ENVS"}, "TRAJGATE_JUDGE_KEY_ENVS"),  # a setting
             ({"api_base": vllm, "api_key_env": "LISTED_VAR"}, "own secrets"),
             ({"api_base": vllm, "api_key_env": "TRAJGATE_ADMIN_KEY"}, "own secrets"),
+            ({"api_base": vllm, "api_key_env": "DB_VAR"}, "own secrets"),  # the database URL, as users write it
             ({"api_base": vllm, "api_key_env": "TRAJGATE_DATABASE_URL"}, "own secrets"),
         ]
         for override, setting in refused:

@@ -56,11 +56,22 @@ class JudgePolicy:
                     f"{where}.api_key_env: {api_key_env!r} is not a variable the judge may read: list it in "
                     f"TRAJGATE_JUDGE_KEY_ENVS or name it {KEY_PREFIX}..."
                 )
-            if api_key_env in NEVER or os.environ.get(api_key_env) in self.secrets:
+            if api_key_env in NEVER or self._secret(os.environ.get(api_key_env)):
                 raise JudgeNotAllowed(
                     f"{where}.api_key_env: {api_key_env!r} holds one of the gateway's own secrets (database URL, "
                     "admin or agent key), which never goes to a judge"
                 )
+
+
+    def _secret(self, value: str | None) -> bool:
+        """Whether a variable's value is one of the gateway's secrets (a database URL in any form it accepts)."""
+        if value is None:
+            return False
+        value = value.strip()
+        for prefix in ("postgres://", "postgresql://"):
+            if value.startswith(prefix):
+                value = "postgresql+psycopg://" + value.removeprefix(prefix)
+        return value in self.secrets
 
 
 def _judge_key_name(name: str) -> bool:
