@@ -317,6 +317,11 @@ def test_dot_ids_are_refused_everywhere(gateway: RunningGateway, dots: str) -> N
         assert answer.status_code == 400, (answer.request.url, answer.text)
         error = answer.json()["error"]
         assert "invalid" in error["message"] and "'.' or '..'" in error["message"], error
+    # a run is named by `model` or X-Run; a part '.' or '..' was already refused
+    for run in (_raw_post(gateway, "/v1/chat/completions", {**CHAT, "model": dots}),
+                _raw_post(gateway, "/v1/chat/completions", CHAT, **{"x-run": f"org/{dots}"})):  # fmt: skip
+        assert assert_openai_error(run, 400)["code"] == "invalid_model"
+    assert assert_openai_error(_raw_post(gateway, "/v1/runs", {"name": dots}), 422)["code"] == "invalid_value"
     batch = _raw_post(gateway, "/v1/rewards", [{"trajectory_id": dots, "reward": 1.0}])
     assert batch.status_code == 422 and "'.' or '..'" in batch.text
     # "..." is an id like any other
