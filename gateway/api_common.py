@@ -36,8 +36,10 @@ async def require_admin(request: Request) -> None:
     gateway_state(request).auth.check_admin(presented_key(dict(request.headers)))
 
 
-async def read_json(request: Request) -> Any:
-    """The body as JSON (None if empty), refusing anything over the gateway's body limit."""
+async def read_json(request: Request, nul_ok: bool = False) -> Any:
+    """The body as JSON (None if empty), refusing anything over the gateway's body limit, and any string holding a NUL
+    character unless `nul_ok`: Postgres text cannot hold one, so a name or a setting with one would be a 500 (JSON
+    columns store it as U+FFFD, which is what a reward's metadata may have)."""
     limit = gateway_state(request).settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
@@ -59,7 +61,19 @@ async def read_json(request: Request) -> Any:
         orjson.dumps(data)  # what every JSON column is written with
     except orjson.JSONEncodeError as exc:
         raise GatewayError(400, f"request body cannot be stored: {exc}", code="invalid_json") from None
+    if not nul_ok and b"\\u0000" in body and _holds_nul(data):  # (JSON spells a NUL only as that escape)
+        raise GatewayError(400, "request body: a string holds a NUL character (\\u0000)", code="invalid_value")
     return data
+
+
+def _holds_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_holds_nul(k) or _holds_nul(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_nul(item) for item in value)
+    return False
 
 
 class _OutOfRange(Exception):

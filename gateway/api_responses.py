@@ -5,11 +5,16 @@ messages internally anyway; so the gateway does that conversion itself and sends
 path (`Proxy.handle` with a chat scope, body and a `send` that converts back). Attribution, retries, the token_in
 mode, records and the trainer then work as for any chat call; only the record's endpoint label says `responses`.
 
-- The response id is the gateway's request id (`req-<hex>` -> `resp_<hex>`), so a recorded answer can be found again.
-- `previous_response_id`: the earlier call's chat messages plus its answer, then this input. Kept in a bounded map in
-  memory; otherwise read from the database (the record of another gateway, or of this one before a restart), waiting
-  up to TRAJGATE_TOKEN_STATE_WAIT_S for a record still in a writer's queue. `store: false` is honoured: such an
-  answer is recorded for training but cannot be continued or fetched.
+- The response id is the gateway's request id (`req-<hex>` -> `resp_<hex>`), so a recorded answer can be found again;
+  for this API it is 128 random bits, not the per-process base and counter of other calls, so it cannot be guessed.
+- A stored response belongs to the agent key that created it (its fingerprint, `Auth.tenant`, kept with the record
+  under `trajgate_responses` and never sent upstream): fetched or continued with another key it is a 404, exactly as
+  an unknown id. With agent auth off there is one tenant.
+- `previous_response_id`: the earlier call's chat messages plus its answer, then this input. Kept in memory up to
+  TRAJGATE_RESPONSES_MEMORY_BYTES (oldest dropped first); otherwise read from the database (the record of another
+  gateway, or of this one before a restart), waiting up to TRAJGATE_TOKEN_STATE_WAIT_S for a record still in a
+  writer's queue. `store: false` is honoured: such an answer is recorded for training but cannot be continued or
+  fetched.
 - Tools as vLLM's own endpoint treats them: function tools are served, a namespace's functions are flattened to
   `<namespace>__<name>` (and a call of one comes back with its `namespace`), and every other tool type (web search,
   file search, MCP, code interpreter...) is dropped: it would run server-side between generations, which vLLM doesn't
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -51,6 +57,7 @@ ENDPOINT = "responses"  # the record's endpoint label
 PATH = "/v1/responses"
 CHAT_PATH = "/v1/chat/completions"
 EXTRA = "trajgate_responses"  # what the chat request carries for this API (see the module's docstring)
+OWNER = "owner"  # the key of EXTRA naming the tenant; capture.prepare_upstream leaves it out of what vLLM gets
 RESPONSE_ID_RE = re.compile(r"^resp_([0-9a-f]{32})$")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _POLL_S = 0.05
@@ -454,27 +461,64 @@ def continuation(chat: dict[str, Any], response: dict[str, Any]) -> list[dict[st
 class _Kept:
     conversation: list[dict[str, Any]]
     response: dict[str, Any]
+    owner: str | None  # Auth.tenant of the key that created it
+    size: int = 0  # bytes of the conversation and the response as JSON: what it counts against the memory bound
+
+
+def owner_of(chat: dict[str, Any]) -> str | None:
+    """The tenant a recorded Responses call belongs to (None: made with agent auth off)."""
+    extra = chat.get(EXTRA)
+    owner = extra.get(OWNER) if isinstance(extra, dict) else None
+    return owner if isinstance(owner, str) else None
 
 
 class ResponsesAPI:
-    """Holds recent stored responses (bounded) and runs each Responses call through the proxy's chat path."""
+    """Holds recent stored responses (up to `memory_bytes` of them as JSON, oldest dropped first: the record stays
+    the fallback) and runs each Responses call through the proxy's chat path."""
 
-    def __init__(self, proxy: Proxy, engine: Engine | None, wait_s: float, keep: int) -> None:
+    def __init__(self, proxy: Proxy, engine: Engine | None, wait_s: float, memory_bytes: int) -> None:
         self.proxy = proxy
         self.engine = engine
         self.wait_s = wait_s
-        self.keep = keep
+        self.memory_bytes = memory_bytes
+        self.kept_bytes = 0
         self._kept: OrderedDict[str, _Kept] = OrderedDict()
 
-    def remember(self, chat: dict[str, Any], response: dict[str, Any]) -> None:
-        if chat.get("store") is False or self.keep == 0:
-            return
-        self._kept[response["id"]] = _Kept(continuation(chat, response), response)
-        while len(self._kept) > self.keep:
-            self._kept.popitem(last=False)
+    @property
+    def kept_count(self) -> int:
+        return len(self._kept)
 
-    async def find(self, response_id: str) -> _Kept | None:
-        """A stored response by id: memory first, then the record (polled briefly: it may still be on its way)."""
+    def remember(self, chat: dict[str, Any], response: dict[str, Any]) -> None:
+        if chat.get("store") is False or self.memory_bytes == 0:
+            return
+        kept = _Kept(continuation(chat, response), response, owner_of(chat))
+        # The JSON size stands for the memory held: what a client controls (its input, the answer it asked for)
+        # is what grows, and orjson measures it in C at a fraction of the call's own serialising.
+        kept.size = len(orjson.dumps(kept.conversation)) + len(orjson.dumps(response))
+        if kept.size > self.memory_bytes:
+            return  # would evict everything else; read back from its record instead
+        self.forget(response["id"])
+        self._kept[response["id"]] = kept
+        self.kept_bytes += kept.size
+        while self.kept_bytes > self.memory_bytes:
+            _, oldest = self._kept.popitem(last=False)
+            self.kept_bytes -= oldest.size
+
+    def forget(self, response_id: str) -> None:
+        """Drop a response from memory (its record remains)."""
+        kept = self._kept.pop(response_id, None)
+        if kept is not None:
+            self.kept_bytes -= kept.size
+
+    async def find(self, response_id: str, owner: str | None) -> _Kept | None:
+        """A stored response by id, if `owner` (Auth.tenant of the caller's key) may see it: memory first, then the
+        record (polled briefly: it may still be on its way). Another tenant's response is None, as an unknown id."""
+        kept = await self._find(response_id)
+        if kept is None or (owner is not None and kept.owner != owner):
+            return None
+        return kept
+
+    async def _find(self, response_id: str) -> _Kept | None:
         kept = self._kept.get(response_id)
         if kept is not None:
             return kept
@@ -503,13 +547,18 @@ class ResponsesAPI:
     async def create(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
+            # The key first: an unauthenticated caller learns nothing about its body.
+            key = split_api_key(presented_key(headers))[0]
+            self.proxy.auth.check_agent(key)
+            owner = self.proxy.auth.tenant(key)
             body = await self.proxy.read_body(receive, headers)  # the same body limit as every model call
             request = parse_json(body)
-            self.proxy.auth.check_agent(split_api_key(presented_key(headers))[0])
             previous = None
             if request.get("previous_response_id") is not None:
-                previous = await self._previous(request["previous_response_id"])
+                previous = await self._previous(request["previous_response_id"], owner)
             chat = chat_request(request, previous)
+            if owner is not None:
+                chat[EXTRA][OWNER] = owner
             chat_body = _serialise(chat)
         except GatewayError as exc:
             self.proxy.metrics.count_request(ENDPOINT, exc.status)
@@ -523,6 +572,8 @@ class ResponsesAPI:
             "raw_path": CHAT_PATH.encode(),
             "headers": chat_headers,
             "trajgate.endpoint": ENDPOINT,
+            # The response id is this request id: 128 random bits, where other calls' ids are a counter.
+            "trajgate.request_id": "req-" + secrets.token_hex(16),
         }
         chat_prefix = dataclasses.replace(prefix, rest=CHAT_PATH) if prefix else None
         sent = False
@@ -537,10 +588,10 @@ class ResponsesAPI:
         answer = _Answer(self, chat, request.get("previous_response_id"), send)
         await self.proxy.handle(chat_scope, chat_receive, answer, chat_prefix)
 
-    async def _previous(self, response_id: Any) -> list[dict[str, Any]]:
+    async def _previous(self, response_id: Any, owner: str | None) -> list[dict[str, Any]]:
         if not isinstance(response_id, str):
             raise _bad("previous_response_id: expected a string")
-        kept = await self.find(response_id)
+        kept = await self.find(response_id, owner)
         if kept is None:
             raise GatewayError(
                 404, f"Previous response with id '{response_id[:80]}' not found.", code="previous_response_not_found"
@@ -555,7 +606,7 @@ def _from_record(response_id: str, exchange: RecordedExchange) -> _Kept | None:
     if chat.get("store") is False:
         return None
     response = response_object(response_id, chat, exchange.response)
-    return _Kept(continuation(chat, response), response)
+    return _Kept(continuation(chat, response), response, owner_of(chat))
 
 
 def _serialise(chat: dict[str, Any]) -> bytes:
@@ -807,8 +858,10 @@ router = APIRouter(dependencies=[Depends(require_agent)])
 @router.get("/v1/responses/{response_id}")
 async def retrieve(response_id: str, request: Request) -> Response:
     """A stored response, rebuilt from its record when this process no longer holds it; 404 in OpenAI's shape for an
-    unknown id or one created with `store: false`."""
-    kept = await gateway_state(request).responses.find(response_id)
+    unknown id, one created with `store: false`, or one another agent key created."""
+    gw = gateway_state(request)
+    owner = gw.auth.tenant(split_api_key(presented_key(dict(request.headers)))[0])
+    kept = await gw.responses.find(response_id, owner)
     if kept is None:
         raise GatewayError(404, f"No response found with id '{response_id[:80]}'.", code="not_found")
     return json_response(kept.response)

@@ -114,7 +114,8 @@ def build_state(settings: Settings) -> GatewayState:
         admission_poll_s=settings.admission_poll_s,
     )
     metrics.watch_replicas(lambda: [(r.url, r.healthy, r.in_flight) for r in proxy.replicas.all])
-    responses = ResponsesAPI(proxy, engine, settings.token_state_wait_s, settings.responses_kept)
+    responses = ResponsesAPI(proxy, engine, settings.token_state_wait_s, settings.responses_memory_bytes)
+    metrics.watch_responses(lambda: responses.kept_count, lambda: responses.kept_bytes)
     messages = MessagesApi(proxy)
     peers = Peers(engine, writer, metrics, settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s)
     return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy, responses, messages, peers)
@@ -219,6 +220,11 @@ class Gateway:
                 return
             if prefix is not None:
                 scope = {**scope, "path": path, "raw_path": path.encode()}
+            if b"%00" in scope["query_string"]:
+                # No parameter of these endpoints may hold a NUL (Postgres refuses one in a query): said once here.
+                error = GatewayError(400, "a query parameter holds a NUL character (%00)", code="invalid_value")
+                await send_json(send, 400, error.body(), [])
+                return
         await self.api(scope, receive, send)
 
 

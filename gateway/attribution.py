@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from gateway.errors import GatewayError
 from gateway.run_names import run_name_problem
 
-ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# Not "." or "..": a path or a URL resolves those away, so such a trajectory could never be rewarded by its URL.
+ID_RE = re.compile(r"^(?!\.\.?\Z)[A-Za-z0-9._:-]{1,128}\Z")  # (\Z: "$" would let a trailing newline in)
+ID_RULE = "1-128 characters from [A-Za-z0-9._:-], not '.' or '..'"
 MAX_GROUP_SIZE = 100_000
 # Session ids the coding CLIs send on every call of a run, its sub-agents' calls included.
 SESSION_HEADERS = ("x-claude-code-session-id", "session-id")
@@ -73,7 +75,7 @@ def split_api_key(raw: str | None) -> tuple[str | None, str | None, str | None]:
 def check_id(value: str, what: str) -> str:
     if not ID_RE.match(value):
         raise GatewayError(
-            400, f"invalid {what} {value[:160]!r}: use 1-128 characters from [A-Za-z0-9._:-]", code="invalid_id"
+            400, f"invalid {what} {value[:160]!r}: use {ID_RULE}", code="invalid_id"
         )
     return value
 

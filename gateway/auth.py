@@ -57,22 +57,26 @@ class Auth:
         if self._agent and not _matches(key, self._agent):
             raise GatewayError(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
 
+    def tenant(self, key: str | None) -> str | None:
+        """Who owns what an agent stores (Responses API): a fingerprint of the key it called with, so one key cannot
+        read or continue another's responses, and the owner survives restarts and other gateways reading the record
+        without the key itself being stored. None with agent auth off: everything is shared, as one user's."""
+        if self.agent_open or key is None:
+            return None
+        return hashlib.sha256(b"trajgate-tenant-v1\x00" + key.encode()).hexdigest()[:32]
+
     def check_admin(self, key: str | None) -> None:
         if self._admin and not _matches(key, self._admin):
             raise GatewayError(401, "missing or invalid admin key", "authentication_error", "invalid_api_key")
 
-    def ui_session(self) -> str | None:
-        """The web UI's session cookie value: derived from the admin key (HMAC), so the browser never holds the key
-        itself and changing the key logs every browser out. None when there is no admin key."""
+    def is_admin(self, key: str | None) -> bool:
+        """The admin key itself (a script's header on UI pages); always True with auth off."""
+        return not self._admin or _matches(key, self._admin)
+
+    @property
+    def admin_fingerprint(self) -> str | None:
+        """What a UI session records of the admin key it was made with (never the key), so changing the key ends
+        every session; None when there is no admin key."""
         if not self._admin:
             return None
-        return hmac.new(self._admin[0], b"trajgate-ui-session-v1", hashlib.sha256).hexdigest()
-
-    def admin_session_ok(self, cookie: str | None, key: str | None) -> bool:
-        """The UI's check: the session cookie, or the admin key itself in a header; always True with auth off."""
-        if not self._admin:
-            return True
-        session = self.ui_session()
-        assert session is not None
-        cookie_ok = cookie is not None and hmac.compare_digest(cookie.encode(), session.encode())
-        return _matches(key, self._admin) or cookie_ok
+        return hashlib.sha256(b"trajgate-ui-admin-v1\x00" + self._admin[0]).hexdigest()

@@ -61,6 +61,10 @@ def prepare_upstream(
         asks_logprobs = body.get("logprobs") is not None
     asks = ClientAsks(logprobs=asks_logprobs, token_ids=vllm_bool(body.get("return_token_ids")))
     upstream = dict(body)
+    extra = upstream.get("trajgate_responses")
+    if isinstance(extra, dict) and "owner" in extra:
+        # The Responses API's record of who owns the answer (a key fingerprint) is for the gateway, not for vLLM.
+        upstream["trajgate_responses"] = {k: v for k, v in extra.items() if k != "owner"}
     if overrides:
         upstream.update(overrides)
         if "max_tokens" in overrides and "max_completion_tokens" in upstream:

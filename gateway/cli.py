@@ -77,6 +77,7 @@ def uvicorn_config(
         # X-Forwarded-For only changes the client address the access log prints; without the log, rewriting every
         # request's scope for it is work on the hot path for nothing.
         proxy_headers=access_log,
+        forwarded_allow_ips=settings.forwarded_allow_ips,  # the proxies the UI trusts for https, too
         log_level=log_level,
         timeout_keep_alive=settings.keep_alive_s,
         timeout_graceful_shutdown=graceful_s,

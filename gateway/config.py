@@ -42,6 +42,15 @@ class Settings(BaseSettings):
         default_factory=list, description="Comma-separated keys agents may use; empty means no agent auth."
     )
     admin_key: SecretStr | None = Field(None, description="Key for admin and read endpoints; unset means no auth.")
+    judge_key_envs: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Environment variables a judge config may name in `api_key_env` (comma-separated), besides any "
+        "named TRAJGATE_JUDGE_KEY_*; never the database URL or the admin and agent keys (gateway/judge/policy.py).",
+    )
+    judge_api_bases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Base URLs a judge config may name in `api_base` (comma-separated), besides the vLLM upstreams.",
+    )
     spool_dir: Path = Field(
         Path("spool"), description="The write-ahead log: every record is appended here before its answer completes."
     )
@@ -126,11 +135,12 @@ class Settings(BaseSettings):
         description="Threads for the database work of the ordinary endpoints (reads, rewards, runs): each holds a "
         "thread while SQLite's busy timeout or Postgres makes it wait, so a reward burst must not starve the reads.",
     )
-    responses_kept: int = Field(
-        4096,
+    responses_memory_bytes: int = Field(
+        256 * 1024 * 1024,
         ge=0,
-        description="OpenAI Responses API: recent stored responses kept in memory for `previous_response_id` and "
-        "`GET /v1/responses/{id}`; older ones are read back from the database.",
+        description="OpenAI Responses API: how much of the recent stored responses (their conversation and answer, "
+        "as JSON) is kept in memory for `previous_response_id` and `GET /v1/responses/{id}`, oldest dropped first; "
+        "the others are read back from the database (0: keep none).",
     )
     admission_poll_s: float = Field(
         0.5,
@@ -138,6 +148,18 @@ class Settings(BaseSettings):
         le=60,
         description="How often calls waiting for admission ask the database again for room (the trainer frees it "
         "by training, dropping or publishing, which the gateway is not told of).",
+    )
+    ui_session_s: float = Field(
+        12 * 3600.0,
+        gt=0,
+        le=90 * 86400,
+        description="How long a web UI login lasts; logging out, or changing the admin key, ends it sooner.",
+    )
+    forwarded_allow_ips: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["127.0.0.1"],
+        description="Reverse proxies (IP addresses, comma-separated; * for any) whose X-Forwarded-Proto: https makes "
+        "the web UI's session cookie Secure, as uvicorn's --forwarded-allow-ips; a request that reached the gateway "
+        "over https directly always gets it.",
     )
     ui_token_text_timeout_s: float = Field(
         5.0,
@@ -172,11 +194,22 @@ class Settings(BaseSettings):
             raise ValueError("lists the same replica twice")
         return ",".join(urls)
 
-    @field_validator("agent_keys", mode="before")
+    @field_validator("agent_keys", "judge_key_envs", "forwarded_allow_ips", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
             return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    @field_validator("judge_api_bases", mode="before")
+    @classmethod
+    def _split_api_bases(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [url.strip() for url in value.split(",") if url.strip()]
+        if isinstance(value, list):
+            if not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in value):
+                raise ValueError("must be http(s) URLs such as http://judge:8000/v1 (several: comma-separated)")
+            return [url.rstrip("/") for url in value]
         return value
 
     @field_validator("agent_keys")

@@ -21,6 +21,7 @@ from gateway.api_common import gateway_state, json_response, read_json, require_
 from gateway.attribution import check_id
 from gateway.errors import GatewayError
 from gateway.judge.core import GroupFrozen, GroupJudgement, GroupNotFound, JudgeFailed, judge_group
+from gateway.judge.policy import JudgeNotAllowed, JudgePolicy
 from gateway.judge.prompt import PromptTooLong
 from gateway.run_config import JudgeConfig
 from gateway.store.judging import load_group, run_judge_block
@@ -64,7 +65,8 @@ def _judge_error(status: int, message: str, code: str, attempts: list[str] | Non
 @router.post("/v1/groups/{group_id}/judge")
 async def judge_now(group_id: str, request: Request) -> Response:
     """Score every trajectory of the group with the LLM judge and store the scores as rewards (all or none).
-    404 unknown group; 409 the trainer has claimed it; 422 no judge configured or a bad override; 502 the judge
+    400 a key variable or api_base the operator has not allowed (gateway/judge/policy.py); 404 unknown group; 409
+    the trainer has claimed it; 422 no judge configured or a bad override; 502 the judge
     model failed or never answered validly (nothing stored; `attempts` says why); 501 the model needs litellm."""
     check_id(group_id, "group id")
     overrides = await read_json(request)
@@ -90,6 +92,10 @@ async def judge_now(group_id: str, request: Request) -> Response:
         config = JudgeConfig.model_validate(settings)
     except ValidationError as exc:
         raise GatewayError(422, validation_message(exc, "judge"), code="invalid_value") from None
+    try:
+        JudgePolicy.from_settings(gw.settings).check(config.api_key_env, config.api_base)
+    except JudgeNotAllowed as exc:
+        raise GatewayError(400, str(exc), code="judge_not_allowed") from None
     try:
         outcome = await judge_group(gw.engine, group_id, config, loaded=group)
     except GroupNotFound:

@@ -173,6 +173,17 @@ class GatewayMetrics:
         """(url, healthy, calls in flight) per vLLM replica, read at scrape time."""
         self.registry.register(_ReplicaCollector(replicas))
 
+    def watch_responses(self, count: Callable[[], int], size: Callable[[], int]) -> None:
+        """The Responses API's stored responses held in memory (TRAJGATE_RESPONSES_MEMORY_BYTES bounds the bytes)."""
+        Gauge(
+            "trajgate_responses_kept", "Stored Responses API answers held in memory", registry=self.registry
+        ).set_function(count)
+        Gauge(
+            "trajgate_responses_kept_bytes",
+            "Bytes (as JSON) of the stored Responses API answers held in memory",
+            registry=self.registry,
+        ).set_function(size)
+
     def watch_writer(self, stats: Callable[[], dict[str, float]]) -> None:
         self.registry.register(_WriterCollector(stats))
 

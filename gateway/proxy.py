@@ -121,7 +121,12 @@ class Proxy:
             models = await self.upstream_models()
             if not models:
                 raise GatewayError(502, "TRAJGATE_BASE_MODEL is unset and vLLM lists no model", "upstream_error")
-            self.router.base_model = models[0]["id"]
+            name = models[0].get("id")
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_BASE_MODEL or "\x00" in name:
+                # (it is every record's base model: one the store cannot hold would lose every call, answered)
+                message = f"vLLM's first model is not a name the store can hold: set TRAJGATE_BASE_MODEL ({name!r:.80})"
+                raise GatewayError(502, message, "upstream_error")
+            self.router.base_model = name
         return self.router.base_model
 
     async def upstream_models(self, replica: Replica | None = None) -> list[dict[str, Any]]:
@@ -139,17 +144,18 @@ class Proxy:
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
         received = time.perf_counter()
         created_at = time.time()
-        request_id = f"req-{self._id_base}{next(self._ids):016x}"
+        # (the Responses API brings an unguessable id of its own: it is the response's id, which fetches the answer)
+        request_id = scope.get("trajgate.request_id") or f"req-{self._id_base}{next(self._ids):016x}"
         path = prefix.rest if prefix else scope["path"]
         endpoint = ENDPOINTS[path]
         # An API translated at the edge (gateway/api_messages.py) reaches here as a chat call under its own label.
         label = scope.get("trajgate.endpoint", endpoint)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
+            key, key_group, key_trajectory = split_api_key(presented_key(headers))
+            self.auth.check_agent(key)  # before the body: an unauthenticated caller learns nothing about it
             body = await self.read_body(receive, headers)
             request = parse_json(body)
-            key, key_group, key_trajectory = split_api_key(presented_key(headers))
-            self.auth.check_agent(key)
             attribution = attribute(headers, prefix, key_group, key_trajectory)
             retry_count, idempotency_key = _retry_headers(headers)
             run = check_run(headers.get("x-run") or request.get("model"))
@@ -441,12 +447,12 @@ class Proxy:
                     prompt_token_ids=choice.prompt_token_ids,
                     completion_token_ids=choice.completion_token_ids,
                     completion_logprobs=choice.logprobs,
-                    finish_reason=choice.finish_reason,
+                    finish_reason=_storable(choice.finish_reason),
                     usage=response.get("usage") if response else None,
                     status_code=call.status,
-                    error=call.error,
+                    error=_storable(call.error),
                     trainable=trainable,
-                    untrainable_reason=reason,
+                    untrainable_reason=_storable(reason),
                     latency_ms=latency_ms,
                     ttft_ms=ttft_ms,
                     retry_count=call.retry_count,
@@ -497,6 +503,7 @@ def parse_json(body: bytes) -> dict[str, Any]:
 # 400: a header the store cannot hold would otherwise be answered 200 and then rejected by the database.
 MAX_RETRY_COUNT = 2**31 - 1
 MAX_IDEMPOTENCY_KEY = 256
+MAX_BASE_MODEL = 512  # runs.base_model
 # orjson serialises at most this many nested arrays/objects; a deeper body could be parsed but neither forwarded
 # nor stored, so it is a 400 before anything is sent upstream.
 MAX_JSON_DEPTH = 254
@@ -514,7 +521,19 @@ def _retry_headers(headers: dict[str, str]) -> tuple[int, str | None]:
     key = headers.get("idempotency-key")
     if key is not None and len(key) > MAX_IDEMPOTENCY_KEY:
         raise GatewayError(400, f"Idempotency-Key longer than {MAX_IDEMPOTENCY_KEY} characters", code="invalid_header")
+    if key is not None and "\x00" in key:  # (HTTP/1.1 parsers refuse one; checked here for any other server)
+        raise GatewayError(400, "Idempotency-Key holds a NUL character", code="invalid_header")
     return retry_count, key
+
+
+def _storable(value: Any) -> str | None:
+    """Text from upstream as a text column can hold it: a string (vLLM's finish_reason always is; another upstream's
+    might not be) with no NUL, which Postgres text refuses. A record the store refused would be a call answered and
+    then missing from the database; U+FFFD marks the replaced character (the response column keeps what was sent)."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    return text.replace("\x00", "\ufffd") if "\x00" in text else text
 
 
 def _serialise(body: dict[str, Any]) -> bytes:

@@ -26,7 +26,7 @@ from gateway.api_common import (
     validated,
     validation_message,
 )
-from gateway.attribution import ID_RE, check_id
+from gateway.attribution import ID_RE, ID_RULE, check_id
 from gateway.errors import GatewayError
 from gateway.store.rewards import RewardItem, RewardResult, RewardsRejected, close_group, store_rewards
 
@@ -56,7 +56,7 @@ class BatchReward(RewardBody):
     @classmethod
     def _id(cls, value: str) -> str:
         if not ID_RE.match(value):
-            raise ValueError("use 1-128 characters from [A-Za-z0-9._:-]")
+            raise ValueError(f"use {ID_RULE}")
         return value
 
 
@@ -79,7 +79,7 @@ async def _store(gw: GatewayState, items: Sequence[RewardItem]) -> list[RewardRe
 async def post_reward(trajectory_id: str, request: Request) -> dict[str, Any]:
     """Reward one trajectory. 404 unknown trajectory, 409 a different reward once its group was claimed."""
     check_id(trajectory_id, "trajectory id")
-    body = validated(RewardBody, await read_json(request))
+    body = validated(RewardBody, await read_json(request, nul_ok=True))
     item = RewardItem(trajectory_id, body.reward, body.metrics, body.metadata)
     try:
         (result,) = await _store(gateway_state(request), [item])
@@ -94,7 +94,7 @@ async def post_reward(trajectory_id: str, request: Request) -> dict[str, Any]:
 async def post_rewards(request: Request) -> Response:
     """Reward many trajectories, all or nothing: if any item is refused, nothing is stored and the response lists
     every refused item with its own status (422 invalid, 404 unknown, 409 conflict)."""
-    data = await read_json(request)
+    data = await read_json(request, nul_ok=True)
     if not isinstance(data, list) or not data:
         raise GatewayError(422, "body: expected a non-empty JSON array of rewards", code="invalid_value")
     items: list[RewardItem] = []

@@ -20,6 +20,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from gateway.api_common import gateway_state, json_response, read_json, require_admin, validated, validation_message
 from gateway.errors import GatewayError
+from gateway.judge.policy import JudgeNotAllowed, JudgePolicy
 from gateway.run_names import run_name_problem
 from gateway.store.export import iter_trajectories
 from gateway.store.runs import MissingBaseModel, list_runs, run_exists, run_view, steps_after, upsert_run
@@ -57,6 +58,13 @@ async def post_run(request: Request) -> Response:
     201 when created, 200 when updated; sampling overrides apply to the run's next call."""
     body = validated(RunBody, await read_json(request))
     gw = gateway_state(request)
+    judge = body.config.get("judge")
+    if isinstance(judge, dict):  # (anything else is refused by the config's own validation)
+        policy = JudgePolicy.from_settings(gw.settings)
+        try:
+            policy.check(judge.get("api_key_env"), judge.get("api_base"), "config.judge")
+        except JudgeNotAllowed as exc:
+            raise GatewayError(400, str(exc), code="judge_not_allowed") from None
     default_base_model = gw.router.base_model
     if body.base_model is None and default_base_model is None:
         try:

@@ -2,9 +2,12 @@
 with its tool calls and logprob-coloured tokens, and a trajectory search. Server-rendered HTML (Jinja2, autoescaped)
 plus one small script drawing the SVG charts; no build step, nothing fetched from elsewhere at run time.
 
-Admin auth: the admin key in a header, or the HttpOnly session cookie the login form sets (derived from the key,
-gateway.auth.Auth.ui_session), never in the URL. Pages without it redirect to the login form; assets and the event
-stream answer 401. With no admin key configured the UI is open and says so on every page.
+Admin auth: the admin key in a header, or the HttpOnly session cookie the login form sets, never in the URL. The
+cookie is a random session id kept in the database (gateway/store/ui_sessions.py): it lasts TRAJGATE_UI_SESSION_S,
+ends at logout or when the admin key changes, on every gateway sharing the database, and is `Secure` when the login
+came over https (directly, or by X-Forwarded-Proto from a proxy in TRAJGATE_FORWARDED_ALLOW_IPS). Pages without it
+redirect to the login form; assets and the event stream answer 401. With no admin key configured the UI is open and
+says so on every page.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from gateway.store.ui_reads import (
     search_trajectories,
     trajectory_page,
 )
+from gateway.store.ui_sessions import create_session, revoke_session, session_valid
 from gateway.token_text import token_texts
 from gateway.ui_tree import layout as tree_layout
 
@@ -127,13 +131,29 @@ _env.filters["lpclass"] = _logprob_class
 _env.globals["url"] = _url
 
 
-def _authorized(request: Request) -> bool:
-    auth = gateway_state(request).auth
-    return auth.admin_session_ok(request.cookies.get(COOKIE), presented_key(dict(request.headers)))
+async def _authorized(request: Request) -> bool:
+    """The admin key in a header, or a live session cookie; always with auth off."""
+    gw = gateway_state(request)
+    if gw.auth.is_admin(presented_key(dict(request.headers))):
+        return True
+    cookie, fingerprint = request.cookies.get(COOKIE), gw.auth.admin_fingerprint
+    return cookie is not None and fingerprint is not None and await asyncio.to_thread(
+        session_valid, gw.engine, cookie, fingerprint
+    )
 
 
-def _deny_asset(request: Request) -> None:
-    if not _authorized(request):
+def _over_https(request: Request) -> bool:
+    """Whether the browser reached us over https: directly, or through a trusted proxy that says so."""
+    if request.url.scheme == "https":
+        return True
+    trusted = gateway_state(request).settings.forwarded_allow_ips
+    client = request.client.host if request.client else None
+    proto = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+    return proto == "https" and ("*" in trusted or client in trusted)
+
+
+async def _deny_asset(request: Request) -> None:
+    if not await _authorized(request):
         raise GatewayError(401, "missing or invalid admin key (log in at /ui/login)", "authentication_error", "invalid_api_key")
 
 
@@ -173,27 +193,33 @@ async def login(request: Request) -> Response:
     form = parse_qs(body.decode("utf-8", "replace"))
     key = (form.get("key") or [""])[0]
     target = _safe_next((form.get("next") or [None])[0])
-    auth = gateway_state(request).auth
-    if not auth.admin_session_ok(None, key):
+    gw = gateway_state(request)
+    if not gw.auth.is_admin(key):
         return _page(request, "login.html", status=401, next=target, error="That is not the admin key.")
     response = RedirectResponse(target, status_code=303, headers=SECURITY_HEADERS)
-    session = auth.ui_session()
-    if session is not None:
-        response.set_cookie(COOKIE, session, httponly=True, samesite="strict", path="/ui",
-                            secure=request.url.scheme == "https")  # fmt: skip
+    fingerprint = gw.auth.admin_fingerprint
+    if fingerprint is not None:
+        lifetime_s = gw.settings.ui_session_s
+        session = await asyncio.to_thread(create_session, gw.engine, fingerprint, lifetime_s)
+        response.set_cookie(COOKIE, session, max_age=int(lifetime_s), httponly=True, samesite="strict", path="/ui",
+                            secure=_over_https(request))  # fmt: skip
     return response
 
 
 @router.post("/logout")
-async def logout() -> Response:
+async def logout(request: Request) -> Response:
+    """End the session for good (every gateway on the database refuses its cookie from now on)."""
+    cookie = request.cookies.get(COOKIE)
+    if cookie is not None:
+        await asyncio.to_thread(revoke_session, gateway_state(request).engine, cookie)
     response = RedirectResponse("/ui/login", status_code=303, headers=SECURITY_HEADERS)
-    response.delete_cookie(COOKIE, path="/ui")
+    response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict", secure=_over_https(request))
     return response
 
 
 @router.get("/static/{name}")
 async def static(name: str, request: Request) -> Response:
-    _deny_asset(request)
+    await _deny_asset(request)
     path = UI_DIR / "static" / name
     if "/" in name or name.startswith(".") or not path.is_file():
         raise GatewayError(404, f"no asset {name!r}", code="not_found")
@@ -202,7 +228,7 @@ async def static(name: str, request: Request) -> Response:
 
 @router.get("")
 async def runs(request: Request) -> Response:
-    if not _authorized(request):
+    if not await _authorized(request):
         return _login_redirect(request)
     overview = await asyncio.to_thread(runs_overview, gateway_state(request).engine)
     return _page(request, "runs.html", runs=overview)
@@ -210,7 +236,7 @@ async def runs(request: Request) -> Response:
 
 @router.get("/run")
 async def run(request: Request, name: str) -> Response:
-    if not _authorized(request):
+    if not await _authorized(request):
         return _login_redirect(request)
     runs_api._check_run_name(name)
     view = await asyncio.to_thread(run_page, gateway_state(request).engine, name)
@@ -228,13 +254,13 @@ async def run(request: Request, name: str) -> Response:
 @router.get("/events")
 async def events(request: Request, run: str, after: str | None = None) -> Response:
     """The run's step event stream (GET /v1/runs/{run}/events) for the run page, under the UI's cookie auth."""
-    _deny_asset(request)
+    await _deny_asset(request)
     return await runs_api.get_events(run, request, after, "sse")
 
 
 @router.get("/group")
 async def group(request: Request, id: str) -> Response:
-    if not _authorized(request):
+    if not await _authorized(request):
         return _login_redirect(request)
     check_id(id, "group id")
     view = await asyncio.to_thread(group_page, gateway_state(request).engine, id)
@@ -247,7 +273,7 @@ async def group(request: Request, id: str) -> Response:
 async def trajectory(request: Request, id: str) -> Response:
     """A trajectory: its call tree, then each call with the messages it added (against its tree parent's request,
     or the previous call's for a root) and its completion tokens, as text when vLLM can say it (gateway.token_text)."""
-    if not _authorized(request):
+    if not await _authorized(request):
         return _login_redirect(request)
     check_id(id, "trajectory id")
     gw = gateway_state(request)
@@ -304,7 +330,7 @@ async def trajectories(
     limit: int = Query(PAGE_SIZE, ge=1, le=500),
 ) -> Response:
     """Search: by run and/or group, mode, reward range, untrainable; newest first, keyset pages (`after`)."""
-    if not _authorized(request):
+    if not await _authorized(request):
         return _login_redirect(request)
     gw = gateway_state(request)
     run, group, mode = run or None, group or None, mode or None

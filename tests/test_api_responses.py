@@ -143,11 +143,11 @@ def test_what_cannot_be_served_is_a_400(body: dict[str, Any], code: str) -> None
 async def test_an_unreachable_database_is_a_503_not_a_404(tmp_path: Any) -> None:
     engine = make_engine(f"sqlite:///{tmp_path}/missing/dir/trajgate.db")
     try:
-        api = api_responses.ResponsesAPI(proxy=None, engine=engine, wait_s=0, keep=0)  # type: ignore[arg-type]
+        api = api_responses.ResponsesAPI(proxy=None, engine=engine, wait_s=0, memory_bytes=0)  # type: ignore[arg-type]
         with pytest.raises(GatewayError) as error:
-            await api.find("resp_" + "a" * 32)
+            await api.find("resp_" + "a" * 32, None)
         assert (error.value.status, error.value.code) == (503, "database_unavailable")
-        assert await api.find("resp_not-one-of-ours") is None
+        assert await api.find("resp_not-one-of-ours", None) is None
     finally:
         engine.dispose()
 

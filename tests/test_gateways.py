@@ -147,7 +147,7 @@ def test_rewards_on_the_other_gateway_wait_for_its_writer(
 def test_close_and_judge_on_the_other_gateway(
     upstream: FakeUpstream, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_judge: FakeJudge
 ) -> None:
-    with two_gateways(upstream, pg_url, tmp_path) as (a, b):
+    with two_gateways(upstream, pg_url, tmp_path, judge_api_bases=fake_judge.base_url) as (a, b):
         judge = judge_block(fake_judge)
         created = httpx.post(f"{a.base_url}/runs", json={"name": "my-agent", "config": {"judge": judge}})
         assert created.status_code in (200, 201), created.text
@@ -179,7 +179,7 @@ def test_judge_worker_waits_for_every_gateway(
 ) -> None:
     """`trajgate judge` judges a group once it reaches its size; a trajectory's last call still in B's writer must
     be in what the judge reads."""
-    with two_gateways(upstream, pg_url, tmp_path) as (a, b):
+    with two_gateways(upstream, pg_url, tmp_path, judge_api_bases=fake_judge.base_url) as (a, b):
         judge = judge_block(fake_judge, settle_s=0)  # judge a group as soon as it has its size
         created = httpx.post(f"{a.base_url}/runs", json={"name": "my-agent", "config": {"judge": judge}})
         assert created.status_code in (200, 201), created.text
@@ -189,7 +189,9 @@ def test_judge_worker_waits_for_every_gateway(
         make_calls(b, upstream, ["jw-b"], group="g-worker", size=2)  # jw-b's second, last call
         a.flush()
         threading.Timer(0.5, gate.set).start()
-        worker = JudgeWorker(load_settings(_env_file=None, database_url=pg_url), "my-agent")
+        worker = JudgeWorker(
+            load_settings(_env_file=None, database_url=pg_url, judge_api_bases=fake_judge.base_url), "my-agent"
+        )
         try:
             assert asyncio.run(worker.judge_pending()).judged == 1
         finally:

@@ -40,6 +40,16 @@ def fake_judge() -> Iterator[FakeJudge]:
     judge.stop()
 
 
+UNREACHABLE = "http://127.0.0.1:9/v1"  # nobody listens
+
+
+@pytest.fixture
+def gateway_settings(gateway_settings: dict[str, object], fake_judge: FakeJudge) -> dict[str, object]:
+    """The operator allows the fake judge (and a dead port) as judge endpoints, and these tests' key variables."""
+    return {**gateway_settings, "judge_api_bases": f"{fake_judge.base_url},{UNREACHABLE}",
+            "judge_key_envs": "JUDGE_KEY,MY_JUDGE_KEY"}  # fmt: skip
+
+
 def judge_block(fake: FakeJudge, **overrides: Any) -> dict[str, Any]:
     """The built-in client, so these tests behave the same with or without litellm installed."""
     return {"model": "hosted_vllm/smollm2", "api_base": fake.base_url, "client": "builtin", "backoff_s": 0.0,
@@ -187,7 +197,7 @@ def test_provider_errors_leave_the_group_unrewarded(judged: RunningGateway, fake
     assert "maximum context length" in error["message"] and len(fake_judge.received) == 1
 
     # Nobody listening: a connection error, retried, then the same 502.
-    configure(judged, fake_judge, api_base="http://127.0.0.1:9/v1", max_attempts=2)
+    configure(judged, fake_judge, api_base=UNREACHABLE, max_attempts=2)
     error = assert_openai_error(judge_now(judged), 502)
     assert error["code"] == "judge_provider_error" and "127.0.0.1:9" in error["message"]
     assert_unrewarded(judged)
@@ -340,7 +350,7 @@ def test_worker_judges_complete_unrewarded_groups_only(
         ]  # fmt: skip
 
         fake_judge.reset(auto=True)
-        worker = JudgeWorker(db_settings(db_url), RUN)
+        worker = JudgeWorker(db_settings(db_url, fake_judge), RUN)
         try:
             with caplog.at_level(logging.INFO, logger="trajgate.judge"):
                 result = asyncio.run(worker.judge_pending())
@@ -359,10 +369,10 @@ def test_worker_judges_complete_unrewarded_groups_only(
         engine.dispose()
 
 
-def db_settings(db_url: str) -> Any:
+def db_settings(db_url: str, fake_judge: FakeJudge) -> Any:
     from gateway.config import load_settings
 
-    return load_settings(_env_file=None, database_url=db_url)
+    return load_settings(_env_file=None, database_url=db_url, judge_api_bases=fake_judge.base_url)
 
 
 def test_worker_failure_is_logged_and_retried_later(
@@ -375,7 +385,7 @@ def test_worker_failure_is_logged_and_retried_later(
         upsert_run(engine, RUN, {"judge": judge_block(fake_judge, max_attempts=2)})
         down = (503, {"error": {"message": "no capacity", "code": 503}})
         fake_judge.reset(down, down)
-        worker = JudgeWorker(db_settings(db_url), RUN)
+        worker = JudgeWorker(db_settings(db_url, fake_judge), RUN)
         try:
             with caplog.at_level(logging.INFO, logger="trajgate.judge"):
                 result = asyncio.run(worker.judge_pending())
@@ -398,6 +408,7 @@ def test_cli_judge_once(sqlite_url: str, fake_judge: FakeJudge, monkeypatch: pyt
     from gateway.cli import main
 
     monkeypatch.setenv("TRAJGATE_DATABASE_URL", sqlite_url)
+    monkeypatch.setenv("TRAJGATE_JUDGE_API_BASES", fake_judge.base_url)
     db.upgrade(sqlite_url)
     engine = db.make_engine(sqlite_url)
     try:

@@ -15,9 +15,9 @@ from gateway.store.models import Base
 
 TABLES = {
     "runs", "policy_versions", "groups", "trajectories", "calls", "train_steps", "trainer_leases", "admissions",
-    "admission_refusals", "gateway_peers",
+    "admission_refusals", "gateway_peers", "ui_sessions",
 }
-HEAD = "0010"
+HEAD = "0011_ui_sessions"
 
 
 def _tables(url: str) -> set[str]:

@@ -318,11 +318,11 @@ def test_a_value_longer_than_its_column_is_refused_not_cut(pg_url: str) -> None:
     try:
         db.upgrade(pg_url)
         with pytest.raises(DataError):
-            write_calls(engine, [make_record(finish_reason="x" * 40)])
+            write_calls(engine, [make_record(idempotency_key="k" * 257)])
         with pytest.raises(DataError):  # text cannot hold a NUL: refused, as a row-by-row insert refuses it
             write_calls(engine, [make_record(error="a \x00 b")])
-        write_calls(engine, [make_record(finish_reason="x" * 32)])
-        assert _calls(engine, "traj-1")[0]["finish_reason"] == "x" * 32
+        write_calls(engine, [make_record(idempotency_key="k" * 256)])
+        assert _calls(engine, "traj-1")[0]["idempotency_key"] == "k" * 256
     finally:
         engine.dispose()
 

@@ -21,6 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.config import Settings
 from gateway.judge.core import GroupFrozen, GroupNotFound, JudgeFailed, judge_group
+from gateway.judge.policy import JudgeNotAllowed, JudgePolicy
 from gateway.judge.prompt import PromptTooLong
 from gateway.peers import others_caught_up
 from gateway.run_config import JudgeConfig
@@ -58,6 +59,7 @@ class JudgeWorker:
         self.poll_s = poll_s
         self.batch = batch
         self.engine = make_engine(settings.database_url)
+        self.policy = JudgePolicy.from_settings(settings)
         self._peers = (settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s)
         self._later: dict[str, Backoff] = {}
         self.judged = 0
@@ -76,9 +78,14 @@ class JudgeWorker:
                 f'{{"name": "{self.run}", "config": {{"judge": {{"model": "provider/name", ...}}}}}}'
             )
         try:
-            return JudgeConfig.model_validate(block)
+            config = JudgeConfig.model_validate(block)
         except ValidationError as exc:
             raise JudgeSetupError(f"run {self.run!r}: invalid judge config: {exc.errors()[0]['msg']}") from None
+        try:  # (a config stored before the operator's lists existed, or changed since, is checked here too)
+            self.policy.check(config.api_key_env, config.api_base)
+        except JudgeNotAllowed as exc:
+            raise JudgeSetupError(f"run {self.run!r}: {exc}") from None
+        return config
 
     def _defer(self, group_id: str, seconds: float | None = None) -> float:
         failures = self._later[group_id].failures + 1 if group_id in self._later else 1

@@ -140,7 +140,7 @@ class Call(Base):
     prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     completion_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     completion_logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
-    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    finish_reason: Mapped[str | None] = mapped_column(Text)  # the upstream's word, as sent (unbounded since 0011)
     usage: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
@@ -252,3 +252,16 @@ class GatewayPeer(Base):
     seen_at: Mapped[float] = mapped_column(Float)
     # Every call this gateway answered before this time is in the database; null until its first flush.
     flushed_through: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+
+class UiSession(Base):
+    """A web UI login (gateway/store/ui_sessions.py): the cookie is a random id, of which only the SHA-256 is kept. It ends
+    at `expires_at`, at logout (`revoked_at`), or when the admin key changes (`admin_key_hash` no longer matches)."""
+
+    __tablename__ = "ui_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    admin_key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -298,6 +298,8 @@ def encode_cursor(created_at: datetime, trajectory_id: str) -> str:
 def decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        if "\x00" in raw:  # no cursor of ours holds one, and Postgres would refuse it in the query
+            raise ValueError("a NUL character")
         stamp, trajectory_id = raw.split("|", 1)
         created_at = datetime.fromisoformat(stamp)
     except ValueError as exc:  # binascii.Error and UnicodeDecodeError are ValueErrors
