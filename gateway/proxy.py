@@ -154,8 +154,8 @@ class Proxy:
             retry_count, idempotency_key = _retry_headers(headers)
             run = check_run(headers.get("x-run") or request.get("model"))
             route = self.router.resolve(run, await self.base_model())
-            if self.admission.needed(route, attribution):  # only the first call of a group this process hasn't seen
-                route = await self.admission.admit(route, attribution, receive)
+            if self.admission.applies(route, attribution):  # a group's version, admitted first if new here
+                route = await self.admission.route(route, attribution, receive)
             plan = sampling.plan(request, attribution.mode, route.sampling, route.on_policy_sampling)
             upstream_body, asks = capture.prepare_upstream(
                 request, endpoint, route.served_name, overrides=plan.upstream

@@ -34,6 +34,9 @@ class RouteRow(NamedTuple):
     admission_timeout_s: float
     # A trainer holds the run or has committed a step: admission has something to pace against.
     trained: bool
+    max_staleness: int
+    # Every version vLLM serves the run by, oldest first, as (step, served name); step 0 is the base model.
+    loaded: tuple[tuple[int, str], ...]
 
 
 def _insert(conn: Connection) -> Callable[..., Any]:
@@ -68,14 +71,28 @@ def _route_query() -> Any:
     ).outerjoin(current, current.c.run == Run.name)
 
 
+@functools.cache
+def _loaded_query() -> Any:
+    return select(PolicyVersion.run, PolicyVersion.step, PolicyVersion.served_name).where(
+        PolicyVersion.status == "loaded"
+    )
+
+
 def route_table(engine: Engine) -> list[RouteRow]:
-    """Everything the gateway's in-memory router needs, in one query (it runs every second)."""
+    """Everything the gateway's in-memory router needs, in two queries on one connection (it runs every second):
+    the runs, and every loaded version (a group is served by a version its staleness bound allows, which is not
+    always the newest: gateway/admission.py)."""
     with engine.connect() as conn:
         rows = conn.execute(_route_query()).all()
+        versions = conn.execute(_loaded_query()).all()
+    loaded: dict[str, dict[int, str]] = {}
+    for version in versions:
+        loaded.setdefault(version.run, {})[version.step] = version.served_name
     defaults = RunConfig.model_fields
     routes = []
     for row in rows:
         config = row.config or {}  # a run the gateway created on a first call stores {}: the defaults apply
+        served = {0: row.base_model, **loaded.get(row.name, {})}
         routes.append(
             RouteRow(
                 row.name,
@@ -88,6 +105,8 @@ def route_table(engine: Engine) -> list[RouteRow]:
                 config.get("admission", defaults["admission"].default),
                 config.get("admission_timeout_s", defaults["admission_timeout_s"].default),
                 bool(row.trained),
+                config.get("max_staleness", defaults["max_staleness"].default),
+                tuple(sorted(served.items())),
             )
         )
     return routes
