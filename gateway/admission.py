@@ -196,11 +196,17 @@ class Admission:
         while len(self._admitted) > REMEMBERED_GROUPS:
             self._admitted.popitem(last=False)
 
-    async def _catch_up(self, route: Route, version: int) -> Route:
+    async def reloaded(self, route: Route) -> Route:
+        """The run's route after reloading the table now (vLLM no longer serves `route`'s adapter); reloads already
+        under way are waited for and count."""
+        return await self._catch_up(route, route.version + 1, count=False)
+
+    async def _catch_up(self, route: Route, version: int, count: bool = True) -> Route:
         """The run's route once this process's table holds `version` (a group was admitted on it, here or by another
         gateway): one reload at a time, which every call waiting here shares. If the database cannot be read, the
         table as it is (the group's call is then served by an older version and the trainer may drop the group)."""
-        self.metrics.route_catchups.inc()
+        if count:
+            self.metrics.route_catchups.inc()
         async with self._refresh_lock:
             current = self.router.resolve(route.run, route.served_name)
             if current.version >= version or self.engine is None:

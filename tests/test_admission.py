@@ -32,12 +32,13 @@ from gateway.store.training import (
     count_ready_groups,
     drop_groups,
     load_groups,
+    mark_unloaded,
     publish_version,
 )
 from tests.examples import load_example
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
-from tests.test_gateway_capture import sdk_kwargs
+from tests.test_gateway_capture import client_body, sdk_kwargs
 from tests.test_gateway_faults import assert_openai_error
 from tests.waiting import wait_until
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
@@ -497,6 +498,40 @@ def test_a_call_of_a_group_being_admitted_waits_for_its_version(
             gate.set()
             router.refresh = real_refresh  # type: ignore[method-assign]
     assert versions == [2, 2], versions
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_routed_to_a_retired_adapter_is_served_by_the_run_version_now(
+    gateway: RunningGateway, upstream: FakeUpstream, db_url: str, stream: bool
+) -> None:
+    """The trainer publishes version 2 and unloads version 1 while this gateway's route table still names version
+    1's adapter: vLLM answers 404 for it, and the gateway, having generated nothing, reloads its routes and sends the
+    call to version 2, recorded with and answered under the version that answered it."""
+    create_run(gateway)
+    old = f"{RUN}@1"
+    with engine_on(db_url) as engine:
+        publish_version(engine, RUN, 1, old, "/adapters/1")
+        wait_until(lambda: _routed(gateway) == 1, 10, "the gateway to route version 1")
+
+        async def frozen() -> None:
+            return None
+
+        gateway.app._refresh_routes = frozen  # type: ignore[method-assign]  # the table keeps naming version 1
+        publish_version(engine, RUN, 2, "smollm2", "/adapters/2")
+        mark_unloaded(engine, RUN, 1)
+        upstream.retired.add(old)
+        try:
+            body = client_body(upstream.fixture("chat_stream" if stream else "chat"))
+            response = httpx.post(f"{gateway.url}/g/r/t/r-t0/v1/chat/completions", json=body, timeout=30)
+        finally:
+            upstream.retired.discard(old)
+        gateway.flush()
+        with engine.connect() as conn:
+            stored = conn.execute(select(Call.policy_version, Call.status_code)).all()
+    assert response.status_code == 200, response.text
+    assert response.headers["x-policy-version"] == "2"
+    assert [tuple(row) for row in stored] == [(2, 200)]
+    assert _counted(gateway.app.state.metrics, "retired_adapter_retries") == 1
 
 
 def _routed(gw: RunningGateway) -> int:
