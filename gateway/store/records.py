@@ -943,11 +943,17 @@ def _in_tree(
         tree_parent = (compared.seq, 0)
     else:
         reason, divergence = _root_reason(record.prompt_token_ids, own, compared, lineage, same_agent)
+    parent_seq, prefix_len = lineage.parent_seq, lineage.prefix_len
+    if parent is not None and parent.choice_index == 0 and parent.tokens_len > prefix_len:
+        # Stored against the tree parent, not the call before it: a supervisor resuming after its sub-agent's calls
+        # stores its new turn, not its whole history again, so stored ids stay about the trajectory's distinct ids
+        # whatever its shape. (Rebuilder keeps choice 0's ids per seq; a parent at another choice keeps the above.)
+        parent_seq, prefix_len = parent.seq, parent.tokens_len
     return Lineage(
         reason=reason,
         divergence=divergence,
-        parent_seq=lineage.parent_seq,
-        prefix_len=lineage.prefix_len,
+        parent_seq=parent_seq,
+        prefix_len=prefix_len,
         messages_parent_seq=lineage.messages_parent_seq,
         messages_prefix_len=lineage.messages_prefix_len,
         tree_parent=tree_parent,
