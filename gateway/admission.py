@@ -12,11 +12,12 @@ whose route table (reloaded once a second) is older than V reloads it before rou
 serve a group a version older than the one it was admitted on.
 
 The hot path stays off the database. A group this process admitted is remembered in memory, with its version, and
-its calls pass with a dictionary lookup. Only a group this process has not seen asks the database, and the asks of one run are batched:
-one task per run and process (the pump) decides every waiting group in one transaction, oldest first, then sleeps
-until a new group arrives or `poll_s` passes (the trainer frees room by training or dropping groups and by serving a
-new version, neither of which the gateway is told of). A later call of a group another gateway admitted is answered
-by that same transaction as already admitted, without waiting for room.
+its calls pass with a dictionary lookup. Only a group this process has not seen asks the database, and the asks of
+one run are batched: one task per run and process (the pump) decides every waiting group in one transaction, oldest
+first, then sleeps until a new group arrives or `poll_s` passes (the trainer frees room by training or dropping
+groups and by serving a new version, neither of which the gateway is told of). A later call of a group another
+gateway admitted is answered by that same transaction as already admitted, with its version, without waiting for
+room.
 
 If the database cannot be asked, the group is admitted (and remembered): the bound exists to keep training
 on-policy, and the trainer cannot train while the database is away either, whereas refusing would stop every agent.

@@ -420,7 +420,10 @@ def test_a_group_is_served_by_its_admitted_version_on_every_gateway(
     version 1 on both gateways after version 2 is published; group h, admitted on version 2 while B's table still
     says 1, makes B reload before routing, so h is served by version 2 everywhere."""
     settings = {"database_url": db_url, "upstream_url": upstream.base_url, "base_model": "smollm2"}
-    with running_gateway(**settings, spool_dir=tmp_path / "a") as a, running_gateway(**settings, spool_dir=tmp_path / "b") as b:
+    with (
+        running_gateway(**settings, spool_dir=tmp_path / "a") as a,
+        running_gateway(**settings, spool_dir=tmp_path / "b") as b,
+    ):
         create_run(a, groups_per_step=1, max_staleness=0, admission="reject")
         with engine_on(db_url) as engine:
             take_run(engine, a, b)
@@ -451,8 +454,10 @@ def test_a_group_is_served_by_its_admitted_version_on_every_gateway(
                 gw.flush()
             with engine.connect() as conn:
                 stored = conn.execute(
-                    select(Trajectory.group_id, Call.policy_version).join(Call, Call.trajectory_id == Trajectory.trajectory_id)
-                ).all()  # fmt: skip
+                    select(Trajectory.group_id, Call.policy_version).join(
+                        Call, Call.trajectory_id == Trajectory.trajectory_id
+                    )
+                ).all()
     assert served_h == [2, 2, 2], served_h
     assert sorted(set(stored)) == [("g", 1), ("h", 2)]
 
