@@ -116,7 +116,10 @@ def build_state(settings: Settings) -> GatewayState:
     metrics.watch_replicas(lambda: [(r.url, r.healthy, r.in_flight) for r in proxy.replicas.all])
     responses = ResponsesAPI(proxy, engine, settings.token_state_wait_s, settings.responses_kept)
     messages = MessagesApi(proxy)
-    peers = Peers(engine, writer, metrics, settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s)
+    peers = Peers(
+        engine, writer, metrics, settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s,
+        lambda: policy_router.read_at,
+    )  # fmt: skip
     return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy, responses, messages, peers)
 
 

@@ -59,6 +59,9 @@ class PolicyRouter:
     def __init__(self, base_model: str | None) -> None:
         self.base_model = base_model
         self._routes: dict[str, Route] = {}
+        # The database's clock before the table was last read (None: never): published in this gateway's heartbeat,
+        # so the trainer unloads a retired adapter only once no gateway can still route to it.
+        self.read_at: float | None = None
 
     def resolve(self, run: str, base_model: str) -> Route:
         route = self._routes.get(run)
@@ -73,6 +76,7 @@ class PolicyRouter:
     def refresh(self, engine: Engine) -> None:
         """Reload the table from the database (blocking: call it off the event loop); raises SQLAlchemyError.
         A run with no loaded adapter is served by its base model at version 0."""
+        rows, read_at = route_table(engine)
         self.update(
             [
                 Route(
@@ -87,6 +91,7 @@ class PolicyRouter:
                     else None,
                     row.loaded,
                 )
-                for row in route_table(engine)
+                for row in rows
             ]
         )
+        self.read_at = read_at

@@ -17,7 +17,7 @@ TABLES = {
     "runs", "policy_versions", "groups", "trajectories", "calls", "train_steps", "trainer_leases", "admissions",
     "admission_refusals", "gateway_peers",
 }
-HEAD = "0010"
+HEAD = "0011"
 
 
 def _tables(url: str) -> set[str]:

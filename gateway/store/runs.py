@@ -15,6 +15,7 @@ from gateway.run_config import RunConfig, merged_config
 from gateway.store.admission import admission_view
 from gateway.store.db import write_transaction
 from gateway.store.models import Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory, utcnow
+from gateway.store.peers import clock
 from gateway.store.reads import iso
 
 
@@ -78,11 +79,13 @@ def _loaded_query() -> Any:
     )
 
 
-def route_table(engine: Engine) -> list[RouteRow]:
+def route_table(engine: Engine) -> tuple[list[RouteRow], float]:
     """Everything the gateway's in-memory router needs, in two queries on one connection (it runs every second):
     the runs, and every loaded version (a group is served by a version its staleness bound allows, which is not
-    always the newest: gateway/admission.py)."""
+    always the newest: gateway/admission.py); and the database's clock before they ran (a version retired before it
+    is not in the table: the gateway's heartbeat says so, gateway/store/peers.py `routes_behind`)."""
     with engine.connect() as conn:
+        read_at = clock(conn)
         rows = conn.execute(_route_query()).all()
         versions = conn.execute(_loaded_query()).all()
     loaded: dict[str, dict[int, str]] = {}
@@ -109,7 +112,7 @@ def route_table(engine: Engine) -> list[RouteRow]:
                 tuple(sorted(served.items())),
             )
         )
-    return routes
+    return routes, read_at
 
 
 def upsert_run(
