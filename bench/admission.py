@@ -7,7 +7,11 @@ scripted trainer on the real store API: it waits as trainer/loop.py does (enough
 playing), claims, drops groups staler than max_staleness with trainer/samples.py's rule, sleeps `--step-s` for the
 optimizer step, commits and publishes the next version. No model: the figures are about scheduling.
 
-    python bench/admission.py [--fleet 64] [--group-size 4] [--steps 12] [--step-s 1.0] [--call-s 0.3]
+`--gateways 2` runs that many gateways on one database (give a Postgres `--database-url`: gateways on SQLite do not
+wait for each other's writers before a reward), each episode sending its turns to them in turn, so the calls of one
+group alternate gateways, as behind a load balancer without sticky sessions.
+
+    python bench/admission.py [--fleet 64] [--group-size 4] [--steps 12] [--step-s 1.0] [--call-s 0.3] [--gateways 1]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -98,20 +103,23 @@ class Trainer:
             idle = 0.0
 
 
-def episode(base: str, group: str, trajectory: str, size: int, turns: int, call_s: float, body: dict[str, Any],
-            rng: random.Random, waits: list[float]) -> None:  # fmt: skip
-    client = openai.OpenAI(base_url=f"{base}/g/{group}/n/{size}/t/{trajectory}/v1", api_key="k", max_retries=0,
-                           timeout=600)  # fmt: skip
+def episode(bases: list[str], group: str, trajectory: str, size: int, turns: int, call_s: float,
+            body: dict[str, Any], rng: random.Random, waits: list[float]) -> None:  # fmt: skip
+    """One episode; turn t goes to gateway (start + t) % len(bases), start drawn per episode."""
+    start = rng.randrange(len(bases)) if len(bases) > 1 else 0
+    clients = [openai.OpenAI(base_url=f"{base}/g/{group}/n/{size}/t/{trajectory}/v1", api_key="k", max_retries=0,
+                             timeout=600) for base in bases]  # fmt: skip
+    base = bases[start]
     for turn in range(turns):
         asked = time.perf_counter()
-        client.chat.completions.create(**body)
+        clients[(start + turn) % len(bases)].chat.completions.create(**body)
         if turn == 0:
             waits.append(time.perf_counter() - asked)  # the fake answers at once: this is the admission wait
         time.sleep(call_s * rng.uniform(0.5, 1.5))
     httpx.post(f"{base}/v1/trajectories/{trajectory}/reward", json={"reward": float(rng.random() < 0.5)}, timeout=60)
 
 
-def fleet_member(base: str, index: int, args: argparse.Namespace, body: dict[str, Any], stop: threading.Event,
+def fleet_member(bases: list[str], index: int, args: argparse.Namespace, body: dict[str, Any], stop: threading.Event,
                  waits: list[float], played: list[float]) -> None:  # fmt: skip
     """One group at a time, its `group_size` episodes in parallel, until told to stop."""
     rng = random.Random(index)
@@ -120,7 +128,7 @@ def fleet_member(base: str, index: int, args: argparse.Namespace, body: dict[str
         group = f"f{index}-r{round_no}"
         started = time.perf_counter()
         threads = [
-            threading.Thread(target=episode, args=(base, group, f"{group}-t{t}", args.group_size, args.turns,
+            threading.Thread(target=episode, args=(bases, group, f"{group}-t{t}", args.group_size, args.turns,
                                                    args.call_s, body, random.Random(rng.random()), waits))  # fmt: skip
             for t in range(args.group_size)
         ]
@@ -137,20 +145,27 @@ def measure(admission: str, args: argparse.Namespace, upstream: FakeUpstream, wo
     settings = {"database_url": url, "upstream_url": upstream.base_url, "base_model": "smollm2",
                 "spool_dir": workdir / f"spool-{admission}", "admission_poll_s": 0.1}  # fmt: skip
     body = sdk_kwargs(upstream.fixture("chat"))
-    with running_gateway(**settings) as gw:
+    with ExitStack() as stack:
+        gateways = [
+            stack.enter_context(running_gateway(**{**settings, "spool_dir": workdir / f"spool-{admission}-{n}"}))
+            for n in range(args.gateways)
+        ]
+        gw = gateways[0]
         config = {"groups_per_step": args.groups_per_step, "max_staleness": args.max_staleness,
                   "admission": admission, "admission_timeout_s": 600}  # fmt: skip
         assert httpx.post(gw.base_url + "/runs", json={"name": RUN, "config": config}).status_code in (200, 201)
         engine = db.make_engine(url)
         acquire_run_lease(engine, RUN, TRAINER, 3600)
-        while admission != "off" and gw.app.state.router.resolve(RUN, "smollm2").admission is None:
+        while admission != "off" and any(g.app.state.router.resolve(RUN, "smollm2").admission is None
+                                         for g in gateways):  # fmt: skip
             time.sleep(0.05)
         trainer = Trainer(engine, args.groups_per_step, args.max_staleness, args.step_s)
         stop = threading.Event()
         waits: list[float] = []
         played: list[float] = []
         members = [
-            threading.Thread(target=fleet_member, args=(gw.url, i, args, body, stop, waits, played), daemon=True)
+            threading.Thread(target=fleet_member, args=([g.url for g in gateways], i, args, body, stop, waits, played),
+                             daemon=True)  # fmt: skip
             for i in range(args.fleet // args.group_size)
         ]
         started = time.perf_counter()
@@ -199,6 +214,7 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=2, help="model calls per episode")
     parser.add_argument("--modes", default="off,wait")
     parser.add_argument("--database-url", help="default: a fresh SQLite file per mode")
+    parser.add_argument("--gateways", type=int, default=1, help="gateways on the one database (default 1)")
     args = parser.parse_args()
     upstream = FakeUpstream().start()
     rows = []
@@ -210,7 +226,7 @@ def main() -> int:
         upstream.stop()
     print(f"fleet {args.fleet} episodes ({args.fleet // args.group_size} groups x {args.group_size}), "
           f"{args.groups_per_step} groups/step, max_staleness {args.max_staleness}, step {args.step_s}s, "
-          f"call {args.call_s}s x {args.turns}, {args.steps} steps per mode")  # fmt: skip
+          f"call {args.call_s}s x {args.turns}, {args.steps} steps per mode, {args.gateways} gateway(s)")  # fmt: skip
     keys = [k for k in rows[0] if k != "admission"]
     print(f"| figure | {' | '.join('admission ' + r['admission'] for r in rows)} |")
     print(f"|---|{'---|' * len(rows)}")

@@ -13,8 +13,13 @@ row holds its whole prompt and whole request, exactly what a row held before 000
 trajectory. Columns: ids = prompt + completion ids and logprobs (bytes), request and response = JSON text length,
 total = the three; on Postgres also the on-disk size of those columns after TOAST compression (`pg_column_size`).
 
-Run: `python bench/storage.py [--turns 1 8 16 32 64] [--pg-url URL | --no-pg]` (without --pg-url it starts a
-throwaway Postgres with tests.pgcluster, as the tests do).
+Shapes (`--shapes`): the same store, one trajectory per shape of tests/trajectory_shapes.py (linear, supervisor with a
+sub-agent every 8th call, two alternating forks, compaction every 8 calls; ~470 ids a call) at 16/32/64 calls:
+bytes of stored prompt ids, all stored ids (prompt + completion) over the trajectory's distinct ids, and request JSON
+bytes. A trajectory of any shape should store about its distinct ids, growing linearly with its calls.
+
+Run: `python bench/storage.py [--turns 1 8 16 32 64] [--shapes 16 32 64] [--pg-url URL | --no-pg]` (without --pg-url
+it starts a throwaway Postgres with tests.pgcluster, as the tests do).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from gateway.records import CallRecord  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store.models import Call  # noqa: E402
 from gateway.store.records import write_calls  # noqa: E402
+from tests.trajectory_shapes import SHAPES, shaped  # noqa: E402
 
 USER_TOKENS = 300
 COMPLETION_TOKENS = 160
@@ -244,17 +250,62 @@ def _run(url: str, turns: list[int]) -> list[dict[str, Any]]:
         engine.dispose()
 
 
+def measure_shapes(url: str, turns: list[int]) -> list[dict[str, Any]]:
+    """Per shape and length: stored prompt-id bytes, stored ids over distinct ids, request bytes."""
+    db.upgrade(url)
+    engine = db.make_engine(url)
+    results = []
+    try:
+        for shape in SHAPES:
+            for n in turns:
+                trajectory = shaped(shape, n, seed=n, new_tokens=USER_TOKENS + 6, completion_tokens=COMPLETION_TOKENS)
+                for record in trajectory.records:
+                    write_calls(engine, [record])
+                with engine.connect() as conn:
+                    prompt, completion, request = conn.execute(
+                        select(
+                            func.sum(func.length(Call.prompt_token_ids)),
+                            func.sum(func.length(Call.completion_token_ids)),
+                            func.sum(func.length(cast(Call.request, Text))),
+                        ).where(Call.trajectory_id == trajectory.records[0].trajectory_id)
+                    ).one()
+                results.append(
+                    {"shape": shape, "turns": n, "prompt_bytes": prompt, "ratio": (prompt + completion) / 4 /
+                     trajectory.distinct, "request_bytes": request}
+                )  # fmt: skip
+    finally:
+        engine.dispose()
+    return results
+
+
+def _report_shapes(name: str, results: list[dict[str, Any]]) -> None:
+    print(f"\n{name}: per shape, bytes of stored prompt ids, stored ids / distinct ids, request bytes")
+    print(f"{'shape':>11} {'calls':>5} {'prompt ids B':>13} {'ids/distinct':>12} {'request B':>10}")
+    for r in results:
+        print(f"{r['shape']:>11} {r['turns']:>5} {r['prompt_bytes']:>13,} {r['ratio']:>12.2f} {r['request_bytes']:>10,}")
+    for shape in SHAPES:
+        rows = [r for r in results if r["shape"] == shape]
+        if len(rows) > 1:
+            print(f"  {shape}: prompt ids x{rows[-1]['prompt_bytes'] / rows[0]['prompt_bytes']:.2f} for "
+                  f"x{rows[-1]['turns'] / rows[0]['turns']:.0f} the calls")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     parser.add_argument("--pg-url", help="an empty Postgres database (default: start a throwaway cluster)")
+    parser.add_argument("--shapes", type=int, nargs="*", default=[16, 32, 64], help="calls per shape (none: skip)")
     parser.add_argument("--no-pg", action="store_true", help="SQLite only")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         _report("SQLite", _run(f"sqlite:///{Path(tmp) / 'storage.db'}", args.turns))
+        if args.shapes:
+            _report_shapes("SQLite", measure_shapes(f"sqlite:///{Path(tmp) / 'shapes.db'}", args.shapes))
     if not args.no_pg:
         with _postgres(args.pg_url) as url:
             _report("Postgres", _run(url, args.turns))
+            if args.shapes:
+                _report_shapes("Postgres", measure_shapes(url, args.shapes))
 
 
 if __name__ == "__main__":

@@ -5,12 +5,19 @@ The unit is the group, not the trajectory: a GRPO group is only trainable whole,
 its slot, and every later call of the group, whichever trajectory it belongs to, proceeds without asking. An episode
 is never stranded half-way: once its group is admitted nothing here waits again.
 
-The hot path stays off the database. A group this process admitted is remembered in memory and its calls pass with
-a dictionary lookup. Only a group this process has not seen asks the database, and the asks of one run are batched:
-one task per run and process (the pump) decides every waiting group in one transaction, oldest first, then sleeps
-until a new group arrives or `poll_s` passes (the trainer frees room by training or dropping groups and by serving a
-new version, neither of which the gateway is told of). A later call of a group another gateway admitted is answered
-by that same transaction as already admitted, without waiting for room.
+Admission and routing are one decision: a group is admitted on the version serving the run when the database decides
+(stored in its `admissions` row), and every call of it, on any gateway, is served by a version its bound allows:
+the newest loaded one of V .. V + max_staleness for a group admitted on V (max_staleness 0: exactly V). A process
+whose route table (reloaded once a second) is older than V reloads it before routing the call, so no stale cache can
+serve a group a version older than the one it was admitted on.
+
+The hot path stays off the database. A group this process admitted is remembered in memory, with its version, and
+its calls pass with a dictionary lookup. Only a group this process has not seen asks the database, and the asks of
+one run are batched: one task per run and process (the pump) decides every waiting group in one transaction, oldest
+first, then sleeps until a new group arrives or `poll_s` passes (the trainer frees room by training or dropping
+groups and by serving a new version, neither of which the gateway is told of). A later call of a group another
+gateway admitted is answered by that same transaction as already admitted, with its version, without waiting for
+room.
 
 If the database cannot be asked, the group is admitted (and remembered): the bound exists to keep training
 on-policy, and the trainer cannot train while the database is away either, whereas refusing would stop every agent.
@@ -69,25 +76,41 @@ class Admission:
         self.router = router
         self.metrics = metrics
         self.poll_s = poll_s
-        self._admitted: OrderedDict[str, None] = OrderedDict()
+        # Group -> the version it was admitted on (None: unknown, e.g. decided without the database).
+        self._admitted: OrderedDict[str, int | None] = OrderedDict()
         self._queues: dict[str, _RunQueue] = {}
         self._refresh_lock = asyncio.Lock()
 
-    def needed(self, route: Route, attribution: Attribution) -> bool:
-        """Whether this call must be admitted: a train-mode call, of a run with a bound, whose group this process
-        has not admitted yet. Eval calls and calls with no trajectory id of the client's (never trained) pass."""
+    def applies(self, route: Route, attribution: Attribution) -> bool:
+        """Whether this call is admitted and routed by its group: a train-mode call of a run with a bound. Eval
+        calls and calls with no trajectory id of the client's (never trained) go to the newest version unasked."""
         return (
             route.admission is not None
             and attribution.mode == "train"
             and not attribution.generated
-            and attribution.group_id not in self._admitted
             and self.engine is not None
         )
 
-    async def admit(self, route: Route, attribution: Attribution, receive: Any) -> Route:
-        """Wait until the call's group is admitted and return the route to serve it by (a newer one if the
-        decision saw a version this process has not loaded yet); raise Refused when the run says reject and there
-        is no room, or the wait timed out. A client that hangs up while waiting gives up its place."""
+    async def route(self, route: Route, attribution: Attribution, receive: Any) -> Route:
+        """The route to serve a call `applies` holds for: its group's first call on this process is admitted first
+        (Refused as `admit` says); every call is served by a version its group's bound allows, after reloading the
+        route table if the group was admitted on a version this process has not loaded yet."""
+        group = attribution.group_id
+        if group in self._admitted:
+            admitted = self._admitted[group]
+        else:
+            admitted = await self.admit(route, attribution, receive)
+            route = self.router.resolve(route.run, route.served_name)  # the wait may have seen a new version
+        if admitted is None:
+            return route
+        if route.version < admitted:
+            route = await self._catch_up(route, admitted)
+        return route.for_group(admitted)
+
+    async def admit(self, route: Route, attribution: Attribution, receive: Any) -> int | None:
+        """Wait until the call's group is admitted and return the version it was admitted on (None: unknown);
+        raise Refused when the run says reject and there is no room, or the wait timed out. A client that hangs up
+        while waiting gives up its place."""
         policy = route.admission
         assert policy is not None
         ask = _Ask(attribution.group_id, reject=policy.mode == "reject", since=time.monotonic())
@@ -126,8 +149,9 @@ class Admission:
                 decision.retry_after_s,
             )
         self.metrics.admission_wait.labels(route.run).observe(waited)
-        self._remember(ask.group_id)
-        return await self._route_at_least(route, decision.version)
+        version = decision.versions.get(ask.group_id)
+        self._remember(ask.group_id, version)
+        return version
 
     async def _pump(self, run: str, queue: _RunQueue) -> None:
         """Decide the run's waiting groups, oldest first, until none waits."""
@@ -157,7 +181,7 @@ class Admission:
             log.warning("admission for run %r cannot reach the database (%s): admitting", run, type(exc).__name__)
             self.metrics.admission_errors.inc()
             groups = {group for group, _ in asks}
-            return Decision(groups, set(), 0, 0, 0, 1)
+            return Decision(groups, set(), 0, 0, 1)
 
     async def _refused(self, run: str, kind: str) -> None:
         self.metrics.admission_refused.labels(run, kind).inc()
@@ -167,24 +191,32 @@ class Admission:
         except SQLAlchemyError as exc:
             log.warning("could not count a refused call of run %r: %s", run, type(exc).__name__)
 
-    def _remember(self, group_id: str) -> None:
-        self._admitted[group_id] = None
+    def _remember(self, group_id: str, version: int | None) -> None:
+        self._admitted[group_id] = version
         self._admitted.move_to_end(group_id)
         while len(self._admitted) > REMEMBERED_GROUPS:
             self._admitted.popitem(last=False)
 
-    async def _route_at_least(self, route: Route, version: int) -> Route:
-        """The run's route once this process serves at least `version`: the group was admitted against it, and a
-        call sampled by the previous version could be stale on arrival (max_staleness 0)."""
-        if route.version >= version:
-            return route
+    async def reloaded(self, route: Route) -> Route:
+        """The run's route after reloading the table now (vLLM no longer serves `route`'s adapter); reloads already
+        under way are waited for and count."""
+        return await self._catch_up(route, route.version + 1, count=False)
+
+    async def _catch_up(self, route: Route, version: int, count: bool = True) -> Route:
+        """The run's route once this process's table holds `version` (a group was admitted on it, here or by another
+        gateway): one reload at a time, which every call waiting here shares. If the database cannot be read, the
+        table as it is (the group's call is then served by an older version and the trainer may drop the group)."""
+        if count:
+            self.metrics.route_catchups.inc()
         async with self._refresh_lock:
             current = self.router.resolve(route.run, route.served_name)
-            if current.version < version and self.engine is not None:
-                try:
-                    await asyncio.to_thread(self.router.refresh, self.engine)
-                except SQLAlchemyError as exc:
-                    log.warning("could not reload routes after an admission: %s", type(exc).__name__)
+            if current.version >= version or self.engine is None:
+                return current
+            try:
+                await asyncio.to_thread(self.router.refresh, self.engine)
+            except SQLAlchemyError as exc:
+                log.warning("could not reload routes for a group admitted on version %d: %s", version,
+                            type(exc).__name__)  # fmt: skip
             return self.router.resolve(route.run, route.served_name)
 
 

@@ -117,7 +117,10 @@ def build_state(settings: Settings) -> GatewayState:
     responses = ResponsesAPI(proxy, engine, settings.token_state_wait_s, settings.responses_memory_bytes)
     metrics.watch_responses(lambda: responses.kept_count, lambda: responses.kept_bytes)
     messages = MessagesApi(proxy)
-    peers = Peers(engine, writer, metrics, settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s)
+    peers = Peers(
+        engine, writer, metrics, settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s,
+        lambda: policy_router.read_at,
+    )  # fmt: skip
     return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy, responses, messages, peers)
 
 

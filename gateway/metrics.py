@@ -129,6 +129,19 @@ class GatewayMetrics:
             "Admission decisions the database could not make (the group was admitted)",
             registry=self.registry,
         )
+        # Routing a group by its admitted version (gateway/admission.py): calls that waited for this process's route
+        # table to catch up with a version their group was admitted on elsewhere, and calls vLLM answered 404 for an
+        # adapter the trainer had retired, served again by the run's version now (gateway/proxy.py).
+        self.route_catchups = Counter(
+            "trajgate_route_catchups",
+            "Calls that reloaded this gateway's routes before routing: their group's version was newer",
+            registry=self.registry,
+        )
+        self.retired_adapter_retries = Counter(
+            "trajgate_retired_adapter_retries",
+            "Calls answered 404 for a retired adapter and sent again to a version vLLM serves",
+            registry=self.registry,
+        )
 
         # Several gateways on one database (gateway/peers.py): how long rewards, closes and judge requests waited
         # for the other gateways' writers, and how often that wait ran out.

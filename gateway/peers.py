@@ -31,6 +31,7 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Callable
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -57,6 +58,7 @@ class Peers:
         poll_s: float,
         alive_s: float,
         wait_s: float,
+        routes_read_at: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"[-128:]
         self.enabled = engine.dialect.name == "postgresql"
@@ -66,6 +68,7 @@ class Peers:
         self._poll_s = poll_s
         self._alive_s = alive_s
         self._wait_s = wait_s
+        self._routes_read_at = routes_read_at
         # A beat's moment and the writer's mark taken right after it: published once the mark is reached.
         self._pending: tuple[int, int] | None = None
         self._failing = False
@@ -74,7 +77,8 @@ class Peers:
         """One heartbeat; a database that is away is logged once and tried again at the next beat."""
         try:
             await asyncio.to_thread(
-                store.beat, self._engine, self.gateway_id, self._flushed_through, self._alive_s * FORGET_AFTER_ALIVE
+                store.beat, self._engine, self.gateway_id, self._flushed_through, self._alive_s * FORGET_AFTER_ALIVE,
+                self._routes_read_at(),
             )
         except SQLAlchemyError as exc:
             if not self._failing:

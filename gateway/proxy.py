@@ -160,8 +160,8 @@ class Proxy:
             retry_count, idempotency_key = _retry_headers(headers)
             run = check_run(headers.get("x-run") or request.get("model"))
             route = self.router.resolve(run, await self.base_model())
-            if self.admission.needed(route, attribution):  # only the first call of a group this process hasn't seen
-                route = await self.admission.admit(route, attribution, receive)
+            if self.admission.applies(route, attribution):  # a group's version, admitted first if new here
+                route = await self.admission.route(route, attribution, receive)
             plan = sampling.plan(request, attribution.mode, route.sampling, route.on_policy_sampling)
             upstream_body, asks = capture.prepare_upstream(
                 request, endpoint, route.served_name, overrides=plan.upstream
@@ -219,15 +219,25 @@ class Proxy:
         """Chat and completions calls: vLLM's own endpoint, answered as it arrives."""
         assert call.lease is not None
         call.upstream_started = time.perf_counter()
-        try:
-            upstream = await call.lease.post(self.upstream, path.removeprefix("/v1"), payload)
-        except TimeoutError:
-            await self.fail(send, call, out_headers, GatewayError(504, "vLLM timed out", "upstream_error", "timeout"))
+        upstream = await self._post(call, path, payload, send, out_headers)
+        if upstream is None:
             return
-        except UpstreamError as exc:
-            message = f"vLLM unreachable: {type(exc).__name__}: {exc}"
-            await self.fail(send, call, out_headers, GatewayError(502, message, "upstream_error", "upstream_error"))
-            return
+        body: bytes | None = None  # a 404's body, read to see whether it names a retired adapter
+        if upstream.status == 404 and call.route.version > 0:
+            try:
+                body = await upstream.read()
+            except (UpstreamError, TimeoutError) as exc:
+                upstream.release()
+                status, message = (504, "vLLM timed out") if isinstance(exc, TimeoutError) else (502, str(exc))
+                await self.fail(send, call, out_headers, GatewayError(status, message, "upstream_error"))
+                return
+            again = await self._reroute_retired(call, payload, body, out_headers)
+            if again is not None:
+                upstream.release()
+                upstream = await self._post(call, path, again, send, out_headers)
+                if upstream is None:
+                    return
+                body = None
 
         call.lease.answered(upstream.status)
         try:
@@ -235,9 +245,43 @@ class Proxy:
             if call.stream and upstream.status == 200 and is_sse:
                 await self._relay_stream(upstream, call, asks, receive, send, out_headers)
             else:
-                await self._relay_whole(upstream, call, asks, send, out_headers)
+                await self._relay_whole(upstream, call, asks, send, out_headers, body)
         finally:
             upstream.release()
+
+    async def _post(
+        self, call: Call, path: str, payload: bytes, send: Any, out_headers: list[tuple[bytes, bytes]]
+    ) -> UpstreamResponse | None:
+        """POST the call to its replica; None once a failure to reach vLLM has been answered and recorded."""
+        assert call.lease is not None
+        try:
+            return await call.lease.post(self.upstream, path.removeprefix("/v1"), payload)
+        except TimeoutError:
+            await self.fail(send, call, out_headers, GatewayError(504, "vLLM timed out", "upstream_error", "timeout"))
+        except UpstreamError as exc:
+            message = f"vLLM unreachable: {type(exc).__name__}: {exc}"
+            await self.fail(send, call, out_headers, GatewayError(502, message, "upstream_error", "upstream_error"))
+        return None
+
+    async def _reroute_retired(
+        self, call: Call, payload: bytes, body: bytes, out_headers: list[tuple[bytes, bytes]]
+    ) -> bytes | None:
+        """vLLM answered 404 naming the adapter the call was routed to: the trainer retired (unloaded) it after this
+        gateway's route table was read. Nothing was generated, so the call is routed again, to the run's version
+        after a reload of the table, and recorded with (and answered under) that version: the new payload. None
+        (vLLM's 404 is the answer) for any other 404, or when the reload names the same adapter."""
+        if call.route.served_name.encode() not in body:
+            return None
+        now = await self.admission.reloaded(call.route)
+        if now.served_name == call.route.served_name:
+            return None
+        request = orjson.loads(payload)
+        request["model"] = now.served_name
+        call.route = now
+        version = str(now.version).encode()
+        out_headers[:] = [(name, version if name == b"x-policy-version" else value) for name, value in out_headers]
+        self.metrics.retired_adapter_retries.inc()
+        return orjson.dumps(request)
 
     async def _relay_whole(
         self,
@@ -246,10 +290,12 @@ class Proxy:
         asks: capture.ClientAsks,
         send: Any,
         out_headers: list[tuple[bytes, bytes]],
+        body: bytes | None = None,
     ) -> None:
-        """Non-stream responses, and any upstream error: read the body, record, answer."""
+        """Non-stream responses, and any upstream error: read the body (unless `body` was read already), record,
+        answer."""
         try:
-            raw = await upstream.read()
+            raw = body if body is not None else await upstream.read()
         except (UpstreamError, TimeoutError) as exc:
             status, message = (504, "vLLM timed out") if isinstance(exc, TimeoutError) else (502, str(exc))
             await self.fail(send, call, out_headers, GatewayError(status, message, "upstream_error"))

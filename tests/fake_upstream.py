@@ -81,6 +81,8 @@ class FakeUpstream:
         self.received: list[dict[str, Any]] = []
         # LoRA adapters /v1/models lists besides the recorded base model (a replica that restarted has none).
         self.adapters: list[str] = []
+        # Adapters unloaded from this vLLM: a call naming one is answered 404 as vLLM answers it.
+        self.retired: set[str] = set()
         self.cancelled_streams = 0
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -124,6 +126,11 @@ class FakeUpstream:
             return web.json_response(
                 {"error": {"message": "EngineCore died", "type": "InternalServerError", "param": None, "code": 500}},
                 status=500,
+            )
+        if body.get("model") in self.retired:
+            message = f"The model `{body['model']}` does not exist."
+            return web.json_response(
+                {"object": "error", "message": message, "type": "NotFoundError", "param": None, "code": 404}, status=404
             )
         if self.mode == "hang":
             await asyncio.sleep(3600)

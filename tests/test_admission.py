@@ -32,12 +32,13 @@ from gateway.store.training import (
     count_ready_groups,
     drop_groups,
     load_groups,
+    mark_unloaded,
     publish_version,
 )
 from tests.examples import load_example
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
-from tests.test_gateway_capture import sdk_kwargs
+from tests.test_gateway_capture import client_body, sdk_kwargs
 from tests.test_gateway_faults import assert_openai_error
 from tests.waiting import wait_until
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
@@ -409,6 +410,147 @@ def test_two_gateways_share_one_bound(upstream: FakeUpstream, db_url: str, tmp_p
                 assert conn.execute(select(Admission.group_id).order_by(Admission.group_id)).scalars().all() == [
                     "g1", "g2"
                 ]  # fmt: skip
+
+
+def test_a_group_is_served_by_its_admitted_version_on_every_gateway(
+    upstream: FakeUpstream, db_url: str, tmp_path: Any
+) -> None:
+    """max_staleness 0 over two gateways, calls of one group alternating between them, and gateway B's route table
+    left a version behind (its background reload stopped): group g, admitted on version 1, is served by exactly
+    version 1 on both gateways after version 2 is published; group h, admitted on version 2 while B's table still
+    says 1, makes B reload before routing, so h is served by version 2 everywhere."""
+    settings = {"database_url": db_url, "upstream_url": upstream.base_url, "base_model": "smollm2"}
+    with (
+        running_gateway(**settings, spool_dir=tmp_path / "a") as a,
+        running_gateway(**settings, spool_dir=tmp_path / "b") as b,
+    ):
+        create_run(a, groups_per_step=1, max_staleness=0, admission="reject")
+        with engine_on(db_url) as engine:
+            take_run(engine, a, b)
+            publish_version(engine, RUN, 1, "smollm2", "/adapters/1")
+            for gw in (a, b):
+                wait_until(lambda gw=gw: _routed(gw) == 1, 10, "the gateway to route version 1")
+
+            async def frozen() -> None:
+                return None
+
+            b.app._refresh_routes = frozen  # type: ignore[method-assign]  # B's table now only moves on demand
+            assert _version(call(a, upstream, "g", "g-t0")) == 1
+            publish_version(engine, RUN, 2, "smollm2", "/adapters/2")
+            wait_until(lambda: _routed(a) == 2, 10, "gateway A to route version 2")
+            served_g = [
+                _version(call(b, upstream, "g", "g-t1")),  # new to B: asks the database, which says version 1
+                _version(call(a, upstream, "g", "g-t0")),  # A's table says 2; g was admitted on 1
+                _version(call(b, upstream, "g", "g-t1")),
+            ]
+            assert served_g == [1, 1, 1], served_g
+            assert _routed(b) == 1  # B's cache is still stale
+            served_h = [
+                _version(call(b, upstream, "h", "h-t0")),  # admitted on 2: B reloads before routing it
+                _version(call(a, upstream, "h", "h-t1")),
+                _version(call(b, upstream, "h", "h-t0")),
+            ]
+            for gw in (a, b):
+                gw.flush()
+            with engine.connect() as conn:
+                stored = conn.execute(
+                    select(Trajectory.group_id, Call.policy_version).join(
+                        Call, Call.trajectory_id == Trajectory.trajectory_id
+                    )
+                ).all()
+    assert served_h == [2, 2, 2], served_h
+    assert sorted(set(stored)) == [("g", 1), ("h", 2)]
+
+
+def test_a_call_of_a_group_being_admitted_waits_for_its_version(
+    gateway: RunningGateway, upstream: FakeUpstream, db_url: str
+) -> None:
+    """A group's first call is admitted on version 2 while this gateway's table says 1; its route reload is held.
+    A second call of the same group arriving meanwhile must not be served by the stale table (version 1): it waits
+    for the same reload, and both are served by version 2."""
+    create_run(gateway, groups_per_step=1, max_staleness=0, admission="reject")
+    router = gateway.app.state.router
+    with engine_on(db_url) as engine:
+        take_run(engine, gateway)
+        publish_version(engine, RUN, 1, "smollm2", "/adapters/1")
+        wait_until(lambda: _routed(gateway) == 1, 10, "the gateway to route version 1")
+
+        async def frozen() -> None:
+            return None
+
+        gateway.app._refresh_routes = frozen  # type: ignore[method-assign]  # only admission reloads routes now
+        entered, gate = threading.Event(), threading.Event()
+        real_refresh = router.refresh
+
+        def held_refresh(engine: Engine) -> None:
+            entered.set()
+            gate.wait(30)
+            real_refresh(engine)
+
+        router.refresh = held_refresh  # type: ignore[method-assign]
+        publish_version(engine, RUN, 2, "smollm2", "/adapters/2")
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                first = pool.submit(call, gateway, upstream, "g", "g-t0")
+                wait_until(entered.is_set, 10, "the first call's route reload")
+                second = pool.submit(call, gateway, upstream, "g", "g-t1")
+                metrics = gateway.app.state.metrics
+                wait_until(lambda: second.done() or _counted(metrics, "route_catchups") >= 2, 10,
+                           "the second call to be served or to wait for the reload")  # fmt: skip
+                gate.set()
+                versions = [_version(first.result(timeout=30)), _version(second.result(timeout=30))]
+        finally:
+            gate.set()
+            router.refresh = real_refresh  # type: ignore[method-assign]
+    assert versions == [2, 2], versions
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_routed_to_a_retired_adapter_is_served_by_the_run_version_now(
+    gateway: RunningGateway, upstream: FakeUpstream, db_url: str, stream: bool
+) -> None:
+    """The trainer publishes version 2 and unloads version 1 while this gateway's route table still names version
+    1's adapter: vLLM answers 404 for it, and the gateway, having generated nothing, reloads its routes and sends the
+    call to version 2, recorded with and answered under the version that answered it."""
+    create_run(gateway)
+    old = f"{RUN}@1"
+    with engine_on(db_url) as engine:
+        publish_version(engine, RUN, 1, old, "/adapters/1")
+        wait_until(lambda: _routed(gateway) == 1, 10, "the gateway to route version 1")
+
+        async def frozen() -> None:
+            return None
+
+        gateway.app._refresh_routes = frozen  # type: ignore[method-assign]  # the table keeps naming version 1
+        publish_version(engine, RUN, 2, "smollm2", "/adapters/2")
+        mark_unloaded(engine, RUN, 1)
+        upstream.retired.add(old)
+        try:
+            body = client_body(upstream.fixture("chat_stream" if stream else "chat"))
+            response = httpx.post(f"{gateway.url}/g/r/t/r-t0/v1/chat/completions", json=body, timeout=30)
+        finally:
+            upstream.retired.discard(old)
+        gateway.flush()
+        with engine.connect() as conn:
+            stored = conn.execute(select(Call.policy_version, Call.status_code)).all()
+    assert response.status_code == 200, response.text
+    assert response.headers["x-policy-version"] == "2"
+    assert [tuple(row) for row in stored] == [(2, 200)]
+    assert _counted(gateway.app.state.metrics, "retired_adapter_retries") == 1
+
+
+def _routed(gw: RunningGateway) -> int:
+    return gw.app.state.router.resolve(RUN, "smollm2").version
+
+
+def _version(response: httpx.Response) -> int:
+    assert response.status_code == 200, response.text
+    return int(response.headers["x-policy-version"])
+
+
+def _counted(metrics: Any, name: str) -> float:
+    counter = getattr(metrics, name, None)  # absent before routes were caught up per group
+    return counter._value.get() if counter is not None else 0.0
 
 
 def test_staleness_figures_of_a_step() -> None:

@@ -30,7 +30,8 @@ from gateway.store import peers as peer_store
 from gateway.store.db import READY_CHANNEL, make_engine
 from gateway.config import load_settings
 from gateway.judge.worker import JudgeWorker
-from gateway.store.models import GatewayPeer
+from gateway.store.models import GatewayPeer, PolicyVersion
+from gateway.store.training import acquire_run_lease, commit_step
 from gateway.writer import RecordWriter
 from tests.fake_judge import FakeJudge
 from tests.fake_upstream import FakeUpstream
@@ -39,7 +40,10 @@ from tests.stored import stored_calls
 from tests.test_gateway_faults import assert_openai_error
 from tests.test_gateway_capture import client_body
 from tests.test_judge import judge_block
+from tests.test_replicas import FakeAdmin
 from tests.trajectories import group, make_calls, reward
+from tests.waiting import wait_until
+from trainer.publish import Publisher
 
 
 @pytest.fixture(scope="module")
@@ -300,3 +304,77 @@ def test_two_serve_processes(upstream: FakeUpstream, pg_url: str, tmp_path: Path
             assert conn.execute(select(GatewayPeer.gateway_id)).all() == []  # a clean stop removes the row
     finally:
         engine.dispose()
+
+
+def test_a_retired_adapter_is_unloaded_only_once_every_gateway_stopped_routing_to_it(
+    upstream: FakeUpstream, pg_url: str, tmp_path: Path
+) -> None:
+    """keep 1: publishing step 2 retires step 1's adapter. Gateway B's route table still names it (its background
+    reload is stopped), so the trainer leaves it loaded in vLLM, however often it looks, until B has reloaded its
+    routes and said so in its heartbeat; then it is unloaded. Unloading at once left B routing calls to an adapter
+    vLLM no longer had (404s)."""
+    run, trainer = "my-agent", "trainer"
+    with two_gateways(upstream, pg_url, tmp_path) as (a, b):
+        assert httpx.post(a.base_url + "/runs", json={"name": run}, timeout=30).status_code in (200, 201)
+        engine = make_engine(pg_url)
+        try:
+            acquire_run_lease(engine, run, trainer, 600)
+            vllm = FakeAdmin("vllm")
+            publisher = Publisher(engine, vllm, run, lambda step: tmp_path / f"{step}", keep=1, echo=lambda _: None,
+                                  alive_s=60)  # type: ignore[arg-type]  # fmt: skip
+
+            def step(n: int) -> None:
+                commit_step(engine, run, n, trainer, [], {}, trajectory_ids=[], lease_holder=trainer)
+                assert publisher.publish(n, time.perf_counter())
+
+            step(1)
+            for gw in (a, b):
+                wait_until(lambda gw=gw: gw.app.state.router.resolve(run, "smollm2").version == 1, 10,
+                           "the gateway to route step 1")  # fmt: skip
+
+            async def frozen() -> None:
+                return None
+
+            b.app._refresh_routes = frozen  # type: ignore[method-assign]  # B keeps routing step 1
+            step(2)
+            wait_until(lambda: a.app.state.router.resolve(run, "smollm2").version == 2, 10, "A to route step 2")
+            retired_at = _retired_at(engine, run, 1)
+            wait_until(lambda: _routes_read_at(engine, a) > retired_at, 10, "A's heartbeat past the retirement")
+            publisher.reconcile()  # only B holds the adapter now
+            assert f"{run}@1" in vllm.served
+            assert b.app.state.router.resolve(run, "smollm2").served_name == f"{run}@1"
+            assert _version_status(engine, run, 1) == "retiring"
+
+            b.app.state.router.refresh(b.app.state.engine)  # B reloads its routes: step 1 is gone from them
+
+            def unloaded() -> bool:
+                publisher.reconcile()
+                return f"{run}@1" not in vllm.served
+
+            wait_until(unloaded, 10, "step 1's adapter to be unloaded once B reloaded its routes")
+            assert _version_status(engine, run, 1) == "unloaded"
+            assert vllm.served == {f"{run}@2"}
+        finally:
+            engine.dispose()
+
+
+def _version_status(engine: Any, run: str, step: int) -> str:
+    with engine.connect() as conn:
+        return conn.execute(
+            select(PolicyVersion.status).where(PolicyVersion.run == run, PolicyVersion.step == step)
+        ).scalar_one()
+
+
+def _retired_at(engine: Any, run: str, step: int) -> float:
+    with engine.connect() as conn:
+        return conn.execute(
+            select(PolicyVersion.retired_at).where(PolicyVersion.run == run, PolicyVersion.step == step)
+        ).scalar_one()
+
+
+def _routes_read_at(engine: Any, gw: RunningGateway) -> float:
+    with engine.connect() as conn:
+        read_at = conn.execute(
+            select(GatewayPeer.routes_read_at).where(GatewayPeer.gateway_id == gw.app.state.peers.gateway_id)
+        ).scalar_one_or_none()
+    return read_at or 0.0

@@ -17,7 +17,7 @@ TABLES = {
     "runs", "policy_versions", "groups", "trajectories", "calls", "train_steps", "trainer_leases", "admissions",
     "admission_refusals", "gateway_peers", "ui_sessions",
 }
-HEAD = "0011_ui_sessions"
+HEAD = "0012"
 
 
 def _tables(url: str) -> set[str]:

@@ -216,6 +216,22 @@ def test_compacted_truncated_and_edited_histories_are_roots_with_their_reason(en
     ]
 
 
+def test_one_reason_per_cause_whatever_the_ids_length(engine: Engine) -> None:
+    """The ids only say a root's prompt is shorter or not; the messages say why. An earlier message shortened in place
+    is `history_edited` although the prompt got shorter, and old messages dropped by a sliding window that appends as
+    many are `truncated` although the prompt got longer."""
+    system = sys("Agent.")
+    history = [system, user("first question, asked at length"), bot("a1"), user("u2")]
+    edited = [system, user("first q"), bot("a1"), user("u2")]  # shorter ids, as many messages
+    window = [system, bot("a1"), user("u2"), bot("a2"), user("a much longer third question than the first")]
+    write_calls(engine, [call(1, history, "a2"), call(2, edited, "a2'"),
+                         call(3, history, "a2", "traj-2"), call(4, [*history, bot("a2")], "x", "traj-2"),
+                         call(5, window, "a3", "traj-2")])  # fmt: skip
+    assert len(render(edited)) < len(render(history)) < len(render(window))
+    assert [reason for _, reason, _ in _tree(engine)] == ["first_call", "history_edited"]
+    assert [reason for _, reason, _ in _tree(engine, "traj-2")] == ["first_call", "extends", "truncated"]
+
+
 def test_ties_go_to_the_lowest_seq_in_any_arrival_order(engine: Engine) -> None:
     first = [sys("S"), user("q")]
     specs = [(1, first, "same"), (2, first, "same"), (3, [*first, bot("same"), user("next")], "r")]

@@ -362,6 +362,7 @@ class Trainer:
             lambda step: checkpoint_dir(self.checkpoints, self.spec.name, step).resolve(),
             keep=self.options.keep_adapters,
             echo=self.echo,
+            alive_s=self.settings.peer_alive_s,
         )
 
     def _resume(self) -> int:

@@ -3,6 +3,10 @@
 Publishing is what closes the loop: once the policy_versions row exists, gateways route the run's calls to the new
 adapter within a second. Order matters: the row is written only after vLLM answers with the adapter, so no call is
 ever routed to a name vLLM doesn't serve. The same code repairs a restarted vLLM, which forgets runtime adapters.
+Unloading goes the other way round: an old version is retired in the database first (gateways stop routing to it at
+their next route reload, once a second) and unloaded from vLLM only once every live gateway's heartbeat says it has
+reloaded its routes since (Postgres; gateways on SQLite do not beat, and a call that still meets an unloaded adapter
+is sent again to the run's version by the gateway, gateway/proxy.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from gateway.store.training import (
     loaded_versions,
     mark_unloaded,
     publish_version,
+    retire_version,
+    unloadable_versions,
 )
 
 log = logging.getLogger("trajgate.publish")
@@ -168,6 +174,7 @@ class Publisher:
         checkpoint_path: Callable[[int], Path],
         keep: int = 2,
         echo: Callable[[str], None] = print,
+        alive_s: float = 10.0,
     ) -> None:
         self.engine = engine
         self.admin = admin
@@ -175,6 +182,7 @@ class Publisher:
         self.checkpoint_path = checkpoint_path
         self.keep = keep
         self.echo = echo
+        self.alive_s = alive_s  # TRAJGATE_PEER_ALIVE_S: a gateway silent this long no longer holds an adapter loaded
         self._backoff_s = 1.0
         self._next_try = 0.0
 
@@ -206,14 +214,22 @@ class Publisher:
         self._backoff_s = min(self._backoff_s * 2, 60.0)
 
     def _unload_old(self, newest: int) -> None:
+        """Retire the versions past the newest `keep`, and unload those no gateway can route to any more."""
         for version in loaded_versions(self.engine, self.run):
             if version.step <= newest - self.keep:
-                try:
-                    self.admin.unload(version.served_name)
-                except PublishError as exc:
-                    log.warning("could not unload %s: %s", version.served_name, exc)
-                    continue
-                mark_unloaded(self.engine, self.run, version.step)
+                retire_version(self.engine, self.run, version.step)
+        self._unload_retired()
+
+    def _unload_retired(self) -> None:
+        """Unload from vLLM the retired versions every live gateway has stopped routing to; the others stay loaded
+        until a later call (reconcile runs while the trainer waits for groups)."""
+        for version in unloadable_versions(self.engine, self.run, self.alive_s):
+            try:
+                self.admin.unload(version.served_name)
+            except PublishError as exc:
+                log.warning("could not unload %s: %s", version.served_name, exc)
+                continue
+            mark_unloaded(self.engine, self.run, version.step)
 
     def pending(self) -> int | None:
         """The newest committed step if it is not published yet (its publication failed), else None."""
@@ -227,6 +243,7 @@ class Publisher:
         """Publish a committed step that isn't served yet, and reload adapters a restarted vLLM forgot."""
         if time.monotonic() < self._next_try:
             return
+        self._unload_retired()
         versions = loaded_versions(self.engine, self.run)
         step = self._unpublished(versions)
         if step is not None:

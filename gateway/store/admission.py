@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -39,10 +39,12 @@ class Decision:
 
     admitted: set[str]  # admitted now or before (by any gateway)
     newly_admitted: set[str]
-    version: int  # the version serving the run when it decided
     in_flight: int  # after this decision
     slots: int
     retry_after_s: int  # a hint for refused calls: about one training step
+    # The version each admitted group was admitted on (its calls are served within its bound of it); a group
+    # missing here (no run row yet, no database) is served by the newest version.
+    versions: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,13 @@ def admit_groups(engine: Engine, run: str, asks: Sequence[tuple[str, float]]) ->
             select(Run.config).where(Run.name == run).with_for_update(key_share=True)
         ).first()
         if config is None:
-            return Decision(set(ids), set(), 0, 0, 0, 1)
-        known = set(conn.execute(select(Admission.group_id).where(Admission.group_id.in_(ids))).scalars())
+            return Decision(set(ids), set(), 0, 0, 1)
+        versions: dict[str, int] = dict(
+            conn.execute(  # type: ignore[arg-type]
+                select(Admission.group_id, Admission.policy_version).where(Admission.group_id.in_(ids))
+            ).all()
+        )
+        known = set(versions)
         bound = _bound(conn, run, config[0] or {}, now)
         fresh = [group for group in ids if group not in known][: max(0, bound.slots - bound.in_flight)]
         if fresh:
@@ -137,12 +144,13 @@ def admit_groups(engine: Engine, run: str, asks: Sequence[tuple[str, float]]) ->
                 )
                 .on_conflict_do_nothing(index_elements=["group_id"])
             )
+            versions.update((group, bound.version) for group in fresh)
         refused = len(ids) > len(known) + len(fresh)
         retry_after = _retry_after(conn, run) if refused else 1
     return Decision(
         admitted=known | set(fresh),
         newly_admitted=set(fresh),
-        version=bound.version,
+        versions=versions,
         in_flight=bound.in_flight + len(fresh),
         slots=bound.slots,
         retry_after_s=retry_after,

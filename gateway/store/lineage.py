@@ -17,14 +17,19 @@ when its prompt ids start with the predecessor's prompt + completion ids; the tr
   template that trims reasoning).
 - `truncated`: the prompt is shorter than the predecessor's prompt and diverges inside it (history was cut).
 - `history_edited`: the prompt diverges inside the predecessor's prompt (messages changed or removed).
+  These two are told by the ids' length only; where both requests carry messages, gateway.store.tree.root_reason
+  tells them by the messages instead (messages dropped: `truncated`; a message changed, shortened or not:
+  `history_edited`).
 - `new_root`, `compacted`: a call that extends no recorded call of its trajectory and shares no message with its
   predecessor (a sub-agent), or whose shorter history goes on with a message its predecessor never held (a summary);
   see gateway.store.tree, which also makes `extends` mean "extends its tree parent", any earlier call.
 
 `divergence` is the index of the first prompt token that differs from predecessor prompt + completion (null when
 the call extends it or has no predecessor). Storage: a call stores only its prompt ids past the prefix it shares with
-the predecessor's prompt + completion (`prefix_len` tokens, taken from the row at `parent_seq`), so a trajectory's
-stored ids grow with its length, not with the square of its turns; `Rebuilder` puts full prompts back together.
+the predecessor's prompt + completion (`prefix_len` tokens, taken from the row at `parent_seq`), or with its call-tree
+parent's where that is longer (gateway.store.records: a supervisor resuming after a sub-agent), so a trajectory's
+stored ids grow with its length, not with the square of its turns; `Rebuilder` puts full prompts back together from
+any earlier seq.
 The request's chat messages are stored the same way against the same predecessor (gateway.store.messages): only the
 messages past those it shares with the predecessor's request, `messages_prefix_len` of them from
 `messages_parent_seq`. That holds even when the ids do not extend (a template that drops tool calls still sees the

@@ -69,8 +69,11 @@ class PolicyVersion(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     served_name: Mapped[str] = mapped_column(String(512))
     adapter_path: Mapped[str | None] = mapped_column(String(1024))
+    # loaded -> retiring (no longer routed to; still in vLLM until every live gateway reloaded its routes) -> unloaded
     status: Mapped[str] = mapped_column(String(16), default="loaded")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Seconds since the epoch on the database's clock, taken once the retirement committed (trainer/publish.py).
+    retired_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Group(Base):
@@ -252,6 +255,9 @@ class GatewayPeer(Base):
     seen_at: Mapped[float] = mapped_column(Float)
     # Every call this gateway answered before this time is in the database; null until its first flush.
     flushed_through: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # The database's clock just before this gateway last read its route table: versions retired before it are no
+    # longer routed to by this gateway (trainer/publish.py unloads them once every live gateway is past them).
+    routes_read_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class UiSession(Base):

@@ -52,7 +52,7 @@ def _moment_query(dialect: str) -> Any:
 @functools.cache
 def _beat_statements(dialect: str, with_flushed: bool) -> tuple[Any, Any]:
     insert = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(_peers)
-    updates: dict[str, Any] = {"seen_at": insert.excluded.seen_at}
+    updates: dict[str, Any] = {"seen_at": insert.excluded.seen_at, "routes_read_at": insert.excluded.routes_read_at}
     if with_flushed:
         updates["flushed_through"] = insert.excluded.flushed_through
     upsert = insert.on_conflict_do_update(index_elements=["gateway_id"], set_=updates)
@@ -71,16 +71,22 @@ def moment(conn: Connection) -> int:
 
 
 def beat(
-    engine: Engine, gateway_id: str, flushed_through: Callable[[int], int | None], forget_after_s: float
+    engine: Engine,
+    gateway_id: str,
+    flushed_through: Callable[[int], int | None],
+    forget_after_s: float,
+    routes_read_at: float | None = None,
 ) -> None:
-    """Say this gateway is alive and how far its writer got: `flushed_through(moment)`, called with a moment taken
-    at the beat, returns a moment before which every call this gateway answered is written (or None: no news). Rows
+    """Say this gateway is alive, how far its writer got, and when it last read its route table: `flushed_through
+    (moment)`, called with a moment taken at the beat, returns a moment before which every call this gateway answered
+    is written (or None: no news); `routes_read_at` is the database's clock before that read (`routes_behind`). Rows
     of gateways silent for `forget_after_s` are deleted (a process killed without a chance to remove its own)."""
     with engine.begin() as conn:
         now = clock(conn)
         flushed = flushed_through(moment(conn))
         upsert, forget = _beat_statements(conn.dialect.name, flushed is not None)
-        row = {"gateway_id": gateway_id, "started_at": now, "seen_at": now, "flushed_through": flushed}
+        row = {"gateway_id": gateway_id, "started_at": now, "seen_at": now, "flushed_through": flushed,
+               "routes_read_at": routes_read_at}  # fmt: skip
         conn.execute(upsert, row)
         conn.execute(forget, {"before": now - forget_after_s})
 
@@ -109,3 +115,22 @@ def leave(engine: Engine, gateway_id: str) -> None:
     """Remove this gateway's row after its last records are written: no one waits for a gateway that stopped."""
     with engine.begin() as conn:
         conn.execute(delete(_peers).where(_peers.c.gateway_id == gateway_id))
+
+
+def routes_behind(conn: Connection, since: float, alive_s: float) -> list[str]:
+    """The gateways seen in the last `alive_s` seconds that have not read their route table since the database's
+    clock said `since` (they may still route to what was retired then), at most `alive_s` after `since`: a gateway
+    that cannot reload its routes for that long is waited for no longer than a silent one (a call it then routes to
+    an unloaded adapter is sent again by its proxy to the run's version)."""
+    now = clock(conn)
+    if now - since > alive_s:
+        return []
+    rows = conn.execute(
+        select(_peers.c.gateway_id)
+        .where(
+            _peers.c.seen_at > now - alive_s,
+            func.coalesce(_peers.c.routes_read_at, 0.0) <= since,
+        )
+        .order_by(_peers.c.gateway_id)
+    )
+    return list(rows.scalars())

@@ -871,9 +871,15 @@ def _lineages(
                 lineage = classify(record.prompt_token_ids, previous)
                 lineage = _with_messages(lineage, digests[record.id], previous)
                 anchor = partial(same_agent_before, record.seq, digests[record.id])
-                lineages.append(
-                    _in_tree(lineage, record, packed[record.id], candidates, None, digests[record.id], previous, anchor)
+                lineage = _in_tree(
+                    lineage, record, packed[record.id], candidates, None, digests[record.id], previous, anchor
                 )
+                at = lineage.parent_seq
+                if at is not None and lineage.tree_parent == (at, 0) and at != lineage.messages_parent_seq:
+                    # Its ids are stored against its tree parent (_in_tree): its messages too, where that shares more
+                    # (a supervisor resuming after its sub-agent: its agent's newest call, which the cache holds).
+                    lineage = _with_messages(lineage, digests[record.id], predecessor_at(at, 0), longer=True)
+                lineages.append(lineage)
                 continue
             # A token_in call names the recorded choice its prompt was built on: classify against that one (a retry
             # or a parallel branch of a turn extends the turn before it, not its sibling at the previous seq). Its
@@ -943,11 +949,17 @@ def _in_tree(
         tree_parent = (compared.seq, 0)
     else:
         reason, divergence = _root_reason(record.prompt_token_ids, own, compared, lineage, same_agent)
+    parent_seq, prefix_len = lineage.parent_seq, lineage.prefix_len
+    if parent is not None and parent.choice_index == 0 and parent.tokens_len > prefix_len:
+        # Stored against the tree parent, not the call before it: a supervisor resuming after its sub-agent's calls
+        # stores its new turn, not its whole history again, so stored ids stay about the trajectory's distinct ids
+        # whatever its shape. (Rebuilder keeps choice 0's ids per seq; a parent at another choice keeps the above.)
+        parent_seq, prefix_len = parent.seq, parent.tokens_len
     return Lineage(
         reason=reason,
         divergence=divergence,
-        parent_seq=lineage.parent_seq,
-        prefix_len=lineage.prefix_len,
+        parent_seq=parent_seq,
+        prefix_len=prefix_len,
         messages_parent_seq=lineage.messages_parent_seq,
         messages_prefix_len=lineage.messages_prefix_len,
         tree_parent=tree_parent,
@@ -1151,12 +1163,15 @@ def _predecessor_at(
     )
 
 
-def _with_messages(lineage: Lineage, own: bytes | None, predecessor: Predecessor | None) -> Lineage:
-    """The lineage with the messages' storage prefix: the leading messages shared with the predecessor's request."""
+def _with_messages(
+    lineage: Lineage, own: bytes | None, predecessor: Predecessor | None, longer: bool = False
+) -> Lineage:
+    """The lineage with the messages' storage prefix: the leading messages shared with the predecessor's request
+    (`longer`: only if that is more than the lineage's prefix already)."""
     if predecessor is None:
         return lineage
     shared = shared_messages(own, predecessor.messages)
-    if not shared:
+    if not shared or (longer and shared <= lineage.messages_prefix_len):
         return lineage
     return replace(lineage, messages_parent_seq=predecessor.seq, messages_prefix_len=shared)
 

@@ -15,6 +15,7 @@ from gateway.run_config import RunConfig, merged_config
 from gateway.store.admission import admission_view
 from gateway.store.db import write_transaction
 from gateway.store.models import Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory, utcnow
+from gateway.store.peers import clock
 from gateway.store.reads import iso
 
 
@@ -34,6 +35,9 @@ class RouteRow(NamedTuple):
     admission_timeout_s: float
     # A trainer holds the run or has committed a step: admission has something to pace against.
     trained: bool
+    max_staleness: int
+    # Every version vLLM serves the run by, oldest first, as (step, served name); step 0 is the base model.
+    loaded: tuple[tuple[int, str], ...]
 
 
 def _insert(conn: Connection) -> Callable[..., Any]:
@@ -68,14 +72,30 @@ def _route_query() -> Any:
     ).outerjoin(current, current.c.run == Run.name)
 
 
-def route_table(engine: Engine) -> list[RouteRow]:
-    """Everything the gateway's in-memory router needs, in one query (it runs every second)."""
+@functools.cache
+def _loaded_query() -> Any:
+    return select(PolicyVersion.run, PolicyVersion.step, PolicyVersion.served_name).where(
+        PolicyVersion.status == "loaded"
+    )
+
+
+def route_table(engine: Engine) -> tuple[list[RouteRow], float]:
+    """Everything the gateway's in-memory router needs, in two queries on one connection (it runs every second):
+    the runs, and every loaded version (a group is served by a version its staleness bound allows, which is not
+    always the newest: gateway/admission.py); and the database's clock before they ran (a version retired before it
+    is not in the table: the gateway's heartbeat says so, gateway/store/peers.py `routes_behind`)."""
     with engine.connect() as conn:
+        read_at = clock(conn)
         rows = conn.execute(_route_query()).all()
+        versions = conn.execute(_loaded_query()).all()
+    loaded: dict[str, dict[int, str]] = {}
+    for version in versions:
+        loaded.setdefault(version.run, {})[version.step] = version.served_name
     defaults = RunConfig.model_fields
     routes = []
     for row in rows:
         config = row.config or {}  # a run the gateway created on a first call stores {}: the defaults apply
+        served = {0: row.base_model, **loaded.get(row.name, {})}
         routes.append(
             RouteRow(
                 row.name,
@@ -88,9 +108,11 @@ def route_table(engine: Engine) -> list[RouteRow]:
                 config.get("admission", defaults["admission"].default),
                 config.get("admission_timeout_s", defaults["admission_timeout_s"].default),
                 bool(row.trained),
+                config.get("max_staleness", defaults["max_staleness"].default),
+                tuple(sorted(served.items())),
             )
         )
-    return routes
+    return routes, read_at
 
 
 def upsert_run(

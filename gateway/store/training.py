@@ -27,6 +27,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.lineage import Rebuilder
 from gateway.store.db import READY_CHANNEL, write_transaction
+from gateway.store import peers
 from gateway.store.models import Admission, Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory
 from gateway.store.rewards import lock_groups, settle_group
 from gateway.store.runs import record_train_step
@@ -471,6 +472,45 @@ def mark_unloaded(engine: Engine, run: str, step: int) -> None:
         conn.execute(
             update(PolicyVersion).where(PolicyVersion.run == run, PolicyVersion.step == step).values(status="unloaded")
         )
+
+
+@dataclass(frozen=True)
+class RetiredVersion:
+    step: int
+    served_name: str
+    retired_at: float  # the database's clock once the retirement committed
+
+
+def retire_version(engine: Engine, run: str, step: int) -> None:
+    """Stop routing to a loaded version (gateways drop it at their next route reload) without unloading it yet.
+    `retired_at` is read after the status change committed, so a gateway that read its routes later than that (its
+    heartbeat's `routes_read_at`) certainly read them without the version."""
+    with engine.begin() as conn:
+        changed = conn.execute(
+            update(PolicyVersion)
+            .where(PolicyVersion.run == run, PolicyVersion.step == step, PolicyVersion.status == "loaded")
+            .values(status="retiring")
+        ).rowcount
+    if changed:
+        with engine.begin() as conn:
+            conn.execute(
+                update(PolicyVersion)
+                .where(PolicyVersion.run == run, PolicyVersion.step == step)
+                .values(retired_at=peers.clock(conn))
+            )
+
+
+def unloadable_versions(engine: Engine, run: str, alive_s: float) -> list[RetiredVersion]:
+    """The run's retiring versions that no gateway can route to any more: every gateway seen in the last `alive_s`
+    seconds has read its route table since the version was retired (gateway/store/peers.py `routes_behind`)."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(PolicyVersion.step, PolicyVersion.served_name, PolicyVersion.retired_at)
+            .where(PolicyVersion.run == run, PolicyVersion.status == "retiring")
+            .order_by(PolicyVersion.step)
+        ).all()
+        retired = [RetiredVersion(row.step, row.served_name, row.retired_at or 0.0) for row in rows]
+        return [version for version in retired if not peers.routes_behind(conn, version.retired_at, alive_s)]
 
 
 def annotate_step(engine: Engine, run: str, step: int, extra: dict[str, Any]) -> None:

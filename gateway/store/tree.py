@@ -17,7 +17,10 @@ A root (a call extending nothing) keeps the reason gateway.store.lineage gives a
 the requests' messages: `new_root` when it shares no message with it (a sub-agent with its own system prompt, a fresh
 conversation), and `compacted` when its ids diverge inside the previous prompt, it holds fewer messages, and the first
 message that differs is one the previous request never held (a summary in place of the cut history), as opposed to
-`truncated` (old messages only dropped) and `history_edited` (as many messages, one changed). Several agents' calls
+`truncated` (messages dropped: the first that differs is one the previous request held, also in a sliding window
+that appends as many) and `history_edited` (as many messages or more, the first that differs new: a message changed
+in place, also one shortened). Without messages to compare (a completions call) the ids alone decide: `truncated`
+when the prompt is shorter than the previous one, else `history_edited`. Several agents' calls
 interleave in one trajectory, so a root sharing no message with the previous call is also compared with the latest
 earlier call whose request starts with the same message (root_anchor), and takes the reason against that one when it
 plainly continues it (OWN_AGENT_REASONS): it compacts that call's history, or holds that call's whole prompt (a
@@ -146,10 +149,15 @@ def root_reason(reason: str, own: bytes | None, previous: bytes | None) -> str:
     if shared == 0:
         return NEW_ROOT
     if reason in (TRUNCATED, HISTORY_EDITED) and len(own) > shared * DIGEST_BYTES:
+        # The ids diverge inside the previous prompt, shorter (TRUNCATED) or not: the messages say why, whatever the
+        # ids' length. The first message past the shared ones is one the previous request held: messages were dropped
+        # (a sliding window too). A new one: a summary if there are fewer messages, else a message changed in place
+        # (an edit that shortens a message is an edit, not a truncation).
         first_new = own[shared * DIGEST_BYTES : (shared + 1) * DIGEST_BYTES]
         known = {previous[i : i + DIGEST_BYTES] for i in range(0, len(previous), DIGEST_BYTES)}
-        if first_new not in known and len(own) < len(previous):
-            return COMPACTED
+        if first_new in known:
+            return TRUNCATED
+        return COMPACTED if len(own) < len(previous) else HISTORY_EDITED
     return reason
 
 
