@@ -118,6 +118,7 @@ def build_state(settings: Settings) -> GatewayState:
     responses = ResponsesAPI(proxy, engine, settings.token_state_wait_s, settings.responses_kept)
     messages = MessagesApi(proxy)
     peers = Peers(engine, writer, metrics, settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s)
+    proxy.token_in.peers = peers
     return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy, responses, messages, peers)
 
 

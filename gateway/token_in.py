@@ -44,6 +44,7 @@ from gateway.store.token_state import RecordedTurn, recorded_turns
 from gateway.upstream_client import UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
+    from gateway.peers import Peers
     from gateway.proxy import Call, Proxy
 
 log = logging.getLogger("trajgate.token_in")
@@ -299,6 +300,9 @@ class TokenIn:
         self.registry = chat_templates.load_registry(templates_file)
         # Per served model name: its template's entry, or the fingerprint of a template not qualified.
         self._templates: dict[str, TemplateInfo | str] = {}
+        # Several gateways on one Postgres (set by the app): a call waits for the others' writers before it decides
+        # that its history was never answered.
+        self.peers: Peers | None = None
 
     async def template(self, model: str, lease: Lease | None) -> TemplateInfo:
         """The qualified template vLLM serves `model` with (one probe render per model and process, the same answer
@@ -343,6 +347,7 @@ class TokenIn:
             return best[0], best[1], None
         known = self.states.knows(trajectory_id)
         deadline = time.monotonic() + self.wait_s
+        peers_waited = False
         while True:
             wanted = [length for length in candidates if best is None or length > best[1]]
             try:
@@ -359,8 +364,16 @@ class TokenIn:
                     break
             if best is not None and best[1] == candidates[0]:
                 break
-            if not (known or recorded) or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 break
+            if not (known or recorded):
+                # Nothing says this trajectory was answered before, but another gateway may have answered its last
+                # turn a moment ago with the record still in its writer: once every live gateway has written what
+                # it answered before now, one more read decides (a first call costs that one wait, no poll).
+                if peers_waited or self.peers is None or not await self.peers.others_written(self.wait_s):
+                    break
+                peers_waited = True
+                continue
             await asyncio.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0)))
         if best is None:
             return None, 0, NO_MATCH if (known or recorded) else FIRST_CALL
