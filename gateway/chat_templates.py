@@ -72,10 +72,13 @@ def template_info(entry: dict[str, Any]) -> TemplateInfo:
     ends = frozenset(int(t) for t in entry.get("end_token_ids") or ())
     if not ends:
         raise ValueError(f"template entry {entry.get('name')!r} lists no end_token_ids")
-    return TemplateInfo(str(entry.get("name") or "?"), ends, ends | frozenset(int(t) for t in entry.get("turn_end_ids") or ()))
+    turn_ends = ends | frozenset(int(t) for t in entry.get("turn_end_ids") or ())
+    return TemplateInfo(str(entry.get("name") or "?"), ends, turn_ends)
 
 
-def end_token_ids(generation_config: dict[str, Any], tokenizer_config: dict[str, Any], vocab: dict[str, int]) -> list[int]:
+def end_token_ids(
+    generation_config: dict[str, Any], tokenizer_config: dict[str, Any], vocab: dict[str, int]
+) -> list[int]:
     """A model's end tokens from its files: generation_config.json's `eos_token_id` (one id or a list) and the
     tokenizer's `eos_token` (a string or an AddedToken dict), looked up in `vocab` (tokenizer.json's added tokens)."""
     ids: list[int] = []

