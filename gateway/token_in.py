@@ -4,14 +4,18 @@ In `chat` mode vLLM renders every call's messages with the chat template, and te
 model generated (SmolLM2's drops the assistant's tool calls), so the model never sees its own actions and every turn
 trains as a separate row. Here the gateway builds the prompt itself from vLLM's scale-out endpoints:
 
+0. Know the template: a probe render fingerprints the template vLLM serves the model with; only one the
+   qualification suite passed (or the operator vouches for) is served, with the model's end tokens from the
+   registry (gateway/chat_templates.py), so every gateway decides alike before any generation ends.
 1. Find the predecessor *by content*: every token_in record carries a `history_key`, a hash of the messages the call
-   answered plus the assistant message it returned (one per choice). A new call hashes its message prefixes that
-   end at an assistant message and takes the longest recorded one: this gateway's memory first, then the database.
-   Content, not order or process, decides, so retries, concurrent calls and several gateways all stay correct.
-2. Prompt = predecessor prompt ids + its completion ids + the bridge: the template's tokens for the messages after
-   the matched assistant message and the generation prompt, taken from two renders (history up to the assistant
-   message without a generation prompt, and the full request), preceded by what the template puts after the
-   assistant's end token, and by the end token itself if the completion did not end with it.
+   answered plus the assistant message it returned (one per choice), each as the template receives it. A new call
+   hashes its message prefixes that end at an assistant message and takes the longest recorded one: this gateway's
+   memory first, then the database. Content, not order or process, decides, so retries, concurrent calls and
+   several gateways all stay correct.
+2. Prompt = predecessor prompt ids + its completion ids + the bridge: the template's tokens after the matched
+   assistant message in the render of the whole request (separator, new messages, generation prompt), located by
+   the tail of that message's content in a render of the history up to it (`bridge_ids`); the template's closing
+   token comes first if the completion did not end on one of the model's end tokens.
 3. Generate from those ids (`/inference/v1/generate`), derender the ids into a normal ChatCompletion or chunk stream
    (`/v1/chat/completions/derender`, tool parser applied), and record the exact ids and logprobs.
 
@@ -237,7 +241,6 @@ class TurnState:
     choice_index: int
     prompt_ids: list[int]
     completion_ids: list[int]
-    finish_reason: str | None
 
 
 class TokenStates:
@@ -546,10 +549,7 @@ class TokenIn:
             if message is not None and ids:
                 key = extend_key(messages_key, message)
                 call.history_keys[index] = key
-                # The state keeps how generation ended (a tool call cut by max_tokens is "length" there, not
-                # the "tool_calls" the client is told), which decides whether the end token is still to come.
-                ended = generated.get("finish_reason") or finish_reason
-                self.states.put(call.attribution.trajectory_id, key, TurnState(call.seq, index, prompt, ids, ended))
+                self.states.put(call.attribution.trajectory_id, key, TurnState(call.seq, index, prompt, ids))
         call.captured = captured
         self.proxy.submit(call, response)
 

@@ -247,8 +247,8 @@ def test_predecessor_lookup_prefers_the_longest_recorded_history() -> None:
     reply2 = {"role": "assistant", "content": "a2"}
     messages = [user, reply1, user, reply2, user]
     keys = token_in.history_keys(messages)
-    owner.states.put("t", keys[1], token_in.TurnState(1, 0, [1], [2], "stop"))
-    owner.states.put("t", keys[3], token_in.TurnState(2, 0, [3], [4], "stop"))
+    owner.states.put("t", keys[1], token_in.TurnState(1, 0, [1], [2]))
+    owner.states.put("t", keys[3], token_in.TurnState(2, 0, [3], [4]))
     state, length, reason = asyncio.run(owner.predecessor("t", messages, keys))
     assert (state.seq, length, reason) == (2, 4, None)  # type: ignore[union-attr]
     edited = [user, reply1, user, {"role": "assistant", "content": "a2 (edited)"}, user]
