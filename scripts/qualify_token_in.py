@@ -19,7 +19,8 @@ tokens, turn-end tokens, the table) and the render exchanges of every planned ca
 
     python scripts/qualify_token_in.py            # print the table
     python scripts/qualify_token_in.py --write    # and regenerate the registry and the fixture
-    python scripts/qualify_token_in.py --write --with-vllm  # and tokenizers as vLLM's venv loads them
+    python scripts/qualify_token_in.py --write --with-vllm --vllm gpt-oss=http://127.0.0.1:8001
+        # and tokenizers as vLLM's venv loads them, and gpt-oss through a live vLLM serving it
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import json
 import os
 import subprocess
 import tarfile
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +65,11 @@ class Template:
     turn_end_ids: list[int] = field(default_factory=list)
     tool_call: Callable[[str, dict[str, Any]], str] | None = None  # native text of one call; None: no tool turns
     tools: bool = True  # whether the template renders a tool loop at all
+    think: Callable[[str], str] = lambda r: f"<think>\n{r}\n</think>\n\n"  # reasoning before the answer
+    answer: Callable[[str], str] = lambda text: text  # a text answer as generated
+    # The end tokens a tool call and an answer stop on where the format says which (harmony); None: any of them.
+    call_end: int | None = None
+    answer_end: int | None = None
 
 
 def hermes(name: str, arguments: dict[str, Any]) -> str:
@@ -70,6 +78,10 @@ def hermes(name: str, arguments: dict[str, Any]) -> str:
 
 def pythonic(name: str, arguments: dict[str, Any]) -> str:
     return "[" + name + "(" + ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items()) + ")]"
+
+
+def harmony(name: str, arguments: dict[str, Any]) -> str:
+    return f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>" + json.dumps(arguments)
 
 
 def deepseek_v3(name: str, arguments: dict[str, Any]) -> str:
@@ -87,7 +99,21 @@ TEMPLATES = [
     Template("deepseek_v3", "deepseek_v3", [1], tool_call=deepseek_v3),
     # Gemma 3's template refuses a tool message (roles must alternate): plain multi-turn chat only.
     Template("gemma3", "gemma3", [1, 106], tool_call=None, tools=False),
+    # gpt-oss: vLLM renders harmony itself (no jinja template): qualified through a live vLLM (--vllm gpt-oss=URL).
+    # A history closes an answer with <|end|>, where generation stopped on <|return|>.
+    Template(
+        "gpt-oss",
+        "gptoss",
+        [200002, 199999, 200012],
+        turn_end_ids=[200007],
+        tool_call=harmony,
+        think=lambda r: f"<|channel|>analysis<|message|>{r}<|end|><|start|>assistant",
+        answer=lambda text: f"<|channel|>final<|message|>{text}",
+        call_end=200012,
+        answer_end=200002,
+    ),
 ]
+JINJA = [t for t in TEMPLATES if t.name != "gpt-oss"]
 
 
 def fetch(package: str) -> Path:
@@ -152,6 +178,42 @@ class Renderer:
         return str(self.tokenizer.decode(ids))
 
 
+class VllmRenderer:
+    """Renders through a live vLLM's render, tokenize and detokenize endpoints (`--enable-scale-out`): for a model
+    vLLM renders without a jinja template (gpt-oss: harmony), and to check the offline renders against vLLM's."""
+
+    def __init__(self, template: Template, root_url: str) -> None:
+        self.template = template
+        self.name = template.name
+        self.root_url = root_url.rstrip("/").removesuffix("/v1")
+        directory = fetch(template.package)
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        added = json.loads((directory / "tokenizer.json").read_text())["added_tokens"]
+        vocab = {t["content"]: t["id"] for t in added}
+        self.end_token_ids = chat_templates.end_token_ids({"eos_token_id": template.generation_eos}, config, vocab)
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(self.root_url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return dict(json.load(response))
+        except urllib.error.HTTPError as exc:
+            raise ValueError(exc.read().decode()[:300]) from None
+
+    def render(self, body: dict[str, Any]) -> list[int]:
+        return list(self._post("/v1/chat/completions/render", {**body, "model": self._model()})["token_ids"])
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._post("/tokenize", {"model": self._model(), "prompt": text, "add_special_tokens": False})["tokens"])
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self._post("/detokenize", {"model": self._model(), "tokens": ids})["prompt"])
+
+    def _model(self) -> str:
+        with urllib.request.urlopen(self.root_url + "/v1/models", timeout=30) as response:
+            return str(json.load(response)["data"][0]["id"])
+
+
 def vllm_message(message: dict[str, Any]) -> dict[str, Any]:
     """A request message as vLLM hands it to the template."""
     out: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
@@ -195,19 +257,22 @@ def tool_turn(template: Template, city: str, index: int, end: int | None, think:
     message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
     text = template.tool_call("get_weather", {"city": city})
     if think is not None:
-        text = f"<think>\n{think}\n</think>\n\n" + text
+        text = template.think(think) + text
         message["reasoning"] = think
     answer = json.dumps({"city": city, "temp_c": 18 + index})
     result = {"role": "tool", "tool_call_id": f"call_{index}", "content": answer}
-    return Turn(text, end, message, [result])
+    return Turn(text, end if end is None or template.call_end is None else template.call_end, message, [result])
 
 
-def text_turn(text: str, end: int | None, then: str | None, think: str | None = None) -> Turn:
+def text_turn(
+    template: Template, text: str, end: int | None, then: str | None, think: str | None = None
+) -> Turn:
     message: dict[str, Any] = {"role": "assistant", "content": text}
-    generated = text
+    generated = template.answer(text)
     if think is not None:
-        generated = f"<think>\n{think}\n</think>\n\n" + text
+        generated = template.think(think) + generated
         message["reasoning"] = think
+    end = end if end is None or template.answer_end is None else template.answer_end
     return Turn(generated, end, message, [{"role": "user", "content": then}] if then else [])
 
 
@@ -220,10 +285,10 @@ def scenarios(template: Template, ends: list[int]) -> list[Scenario]:
             Scenario(
                 "chat",
                 [
-                    text_turn("Paris is sunny.", first, "And tomorrow?"),
-                    text_turn("Rain, I am afraid.", last, "Thanks!"),
-                    text_turn("You are welcome.", None, "One more?"),
-                    text_turn("Sure.", first, None),
+                    text_turn(template, "Paris is sunny.", first, "And tomorrow?"),
+                    text_turn(template, "Rain, I am afraid.", last, "Thanks!"),
+                    text_turn(template, "You are welcome.", None, "One more?"),
+                    text_turn(template, "Sure.", first, None),
                 ],
             )
         ]
@@ -232,22 +297,25 @@ def scenarios(template: Template, ends: list[int]) -> list[Scenario]:
         r = (lambda s: s) if think else (lambda s: None)
         return [
             tool_turn(template, "Paris", 1, first, r("I should look up Paris.")),
-            text_turn("It is 19 C in Paris.", last, "And in Lyon?", r("The tool answered.")),
+            text_turn(template, "It is 19 C in Paris.", last, "And in Lyon?", r("The tool answered.")),
             tool_turn(template, "Lyon", 2, ends[len(ends) // 2], r("Now Lyon.")),
-            text_turn("It is 20 C in Lyon, and the answer was cut", None, "Go on.", r("Cut")),
-            text_turn("Done.", first, None),
+            text_turn(template, "It is 20 C in Lyon, and the answer was cut", None, "Go on.", r("Cut")),
+            text_turn(template, "Done.", first, None),
         ]
 
     out = [Scenario("tools", loop(False))]
-    if template.name == "qwen3":
+    if template.name in ("qwen3", "gpt-oss"):
         def drop_reasoning(m: dict[str, Any]) -> dict[str, Any]:
             return {k: v for k, v in m.items() if k != "reasoning"}
 
         out += [
             Scenario("tools+thinking", loop(True)),
             Scenario("tools+thinking, reasoning not sent back", loop(True), send_back=drop_reasoning),
-            Scenario("tools, enable_thinking=false", loop(False), {"chat_template_kwargs": {"enable_thinking": False}}),
         ]
+    if template.name == "qwen3":
+        out.append(
+            Scenario("tools, enable_thinking=false", loop(False), {"chat_template_kwargs": {"enable_thinking": False}})
+        )
     return out
 
 
@@ -265,7 +333,7 @@ class Outcome:
         return text + (f" (breaks: {', '.join(sorted(set(self.breaks)))})" if self.breaks else "")
 
 
-def run_scenario(renderer: Renderer, scenario: Scenario, exchanges: list[dict[str, Any]]) -> tuple[Outcome, Outcome]:
+def run_scenario(renderer: Renderer | VllmRenderer, scenario: Scenario, exchanges: list[dict[str, Any]]) -> tuple[Outcome, Outcome]:
     """Drive one conversation through both modes; append token_in's planned calls to `exchanges`."""
     template = renderer.template
     ends = frozenset(renderer.end_token_ids)
@@ -333,7 +401,7 @@ def run_scenario(renderer: Renderer, scenario: Scenario, exchanges: list[dict[st
     return chat, tin
 
 
-def check_bridge(renderer: Renderer, bridge: list[int], full: list[int], new: list[dict[str, Any]]) -> str | None:
+def check_bridge(renderer: Renderer | VllmRenderer, bridge: list[int], full: list[int], new: list[dict[str, Any]]) -> str | None:
     """An independent look at a bridge, None if it passes: past its first token (the end token it may add) it is
     the tail of the full render, and it holds the text of every message after the matched assistant message (which
     needs a tokenizer that gives text back as it took it: one that does not is named as the problem)."""
@@ -347,12 +415,17 @@ def check_bridge(renderer: Renderer, bridge: list[int], full: list[int], new: li
     return None if all(c in text for c in contents) else "bridge_misses_a_message"
 
 
-def renderers(with_vllm: bool) -> list[Renderer]:
+def renderers(with_vllm: bool, live: dict[str, str]) -> list[Renderer | VllmRenderer]:
     """Each template rendered from its files; with `with_vllm`, also as vLLM's venv loads the tokenizer where that
     renders the probe differently (DeepSeek V3's tokenizer_config names LlamaTokenizerFast, which transformers 5.19
     rebuilds with another pre-tokenizer: the ids vLLM serves are not the files')."""
-    out = []
+    out: list[Renderer | VllmRenderer] = []
     for template in TEMPLATES:
+        if template.name in live:
+            out.append(VllmRenderer(template, live[template.name]))
+            continue
+        if template not in JINJA:
+            continue
         out.append(Renderer(template))
         if with_vllm and template.package != "smollm2":
             loaded = Renderer(template, saved_by_vllm=True)
@@ -362,11 +435,11 @@ def renderers(with_vllm: bool) -> list[Renderer]:
     return out
 
 
-def qualify(write: bool, with_vllm: bool) -> str:
+def qualify(write: bool, with_vllm: bool, live: dict[str, str]) -> str:
     rows: list[tuple[str, str, Outcome, Outcome]] = []
     registry: dict[str, Any] = {}
     exchanges: list[dict[str, Any]] = []
-    for renderer in renderers(with_vllm):
+    for renderer in renderers(with_vllm, live):
         template = renderer.template
         probe = renderer.render(chat_templates.probe_body(template.name))
         results = [(s.name, *run_scenario(renderer, s, exchanges)) for s in scenarios(template, renderer.end_token_ids)]
@@ -396,8 +469,12 @@ def main() -> None:
     parser.add_argument(
         "--with-vllm", action="store_true", help="also as vLLM's venv loads each tokenizer (trainer.vllm_cpu setup)"
     )
+    parser.add_argument(
+        "--vllm", action="append", default=[], metavar="TEMPLATE=URL",
+        help="render TEMPLATE through this live vLLM (gpt-oss, which vLLM renders with harmony)",
+    )
     args = parser.parse_args()
-    print(qualify(args.write, args.with_vllm))
+    print(qualify(args.write, args.with_vllm, dict(item.split("=", 1) for item in args.vllm)))
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def qualification_cases() -> list[dict[str, Any]]:
 
 
 def test_only_templates_that_continue_exactly_are_qualified() -> None:
-    assert set(BY_NAME) == {"smollm2", "qwen3", "llama3", "deepseek_v3", "gemma3"}
+    assert set(BY_NAME) == {"smollm2", "qwen3", "llama3", "deepseek_v3", "gemma3", "gpt-oss"}
     assert {case["template"] for case in qualification_cases()} == set(BY_NAME)
     refused = [case for case in QUALIFICATION["exchanges"] if case["template"] not in BY_NAME]
     assert {case["template"] for case in refused} == {"deepseek_v3 (as vLLM 0.32 loads it)"}
@@ -144,6 +144,17 @@ def test_every_end_token_of_a_model_closes_its_turn() -> None:
             assert case["bridge"][0] not in info.end_token_ids  # no second end token after the model's own
     assert seen["llama3"] == {128001, 128008, 128009, None}
     assert seen["qwen3"] == {151645, 151643, None}
+
+
+def test_harmony_answers_end_on_return_and_histories_close_with_end() -> None:
+    """gpt-oss stops an answer on <|return|> and a tool call on <|call|>; its history closes an answer with <|end|>,
+    which the bridge leaves out after the model's own <|return|>."""
+    cases = [c for c in qualification_cases() if c["template"] == "gpt-oss"]
+    ended = {c["completion"][-1] for c in cases if c["completion"][-1] in BY_NAME["gpt-oss"].end_token_ids}
+    assert ended == {200002, 200012}
+    returned = [c for c in cases if c["completion"][-1] == 200002]
+    assert returned and all(c["bridge"][0] != 200007 for c in returned)
+    assert any(200007 in c["full"] for c in returned)  # the template's <|end|> the bridge did not add
 
 
 def test_qwen3_changes_the_assistant_message_and_the_bridge_still_continues() -> None:
