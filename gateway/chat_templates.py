@@ -6,8 +6,9 @@ max_tokens gets the template's closing token) and (2) that the template's turns 
 Neither may be guessed from what generations happen to do, and every gateway must decide alike, so both come from
 the template itself:
 
-- the gateway renders a fixed probe conversation once per served model (vLLM's render endpoint) and hashes the ids:
-  the *fingerprint* names tokenizer + template, whatever the model weights or served name;
+- the gateway renders a fixed probe conversation once per served model (vLLM's render endpoint), without and with
+  a tool offered, and hashes the ids: the *fingerprint* names tokenizer + template (its tool prompt included),
+  whatever the model weights or served name;
 - the fingerprint is looked up in the registry of templates the qualification suite passed
   (`gateway/qualified_templates.json`, written by `scripts/qualify_token_in.py`), which holds the model's end tokens
   (its `generation_config.json` `eos_token_id` list and the tokenizer's eos) and the tokens the template closes an
@@ -27,14 +28,24 @@ import orjson
 
 REGISTRY = Path(__file__).with_name("qualified_templates.json")
 
-# The conversation whose render fingerprints a template: every role a tool loop uses, no tools (a template that
-# refuses `tools` still renders it).
+# The conversation whose renders fingerprint a template: the roles every template renders (a tool message is not
+# one: Gemma 3's template refuses it), rendered once as it is and once with PROBE_TOOL offered.
 PROBE_MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "trajgate probe: system"},
     {"role": "user", "content": "trajgate probe: user"},
     {"role": "assistant", "content": "trajgate probe: assistant"},
     {"role": "user", "content": "trajgate probe: user again"},
 ]
+
+
+PROBE_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "trajgate_probe",
+        "description": "trajgate probe: tool",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]},
+    },
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +60,15 @@ class TemplateInfo:
     turn_end_ids: frozenset[int]
 
 
-def probe_body(model: str) -> dict[str, Any]:
-    """The render request whose token ids fingerprint the template vLLM serves `model` with."""
-    return {"model": model, "messages": PROBE_MESSAGES, "add_generation_prompt": True}
+def probe_bodies(model: str) -> list[dict[str, Any]]:
+    """The render requests whose token ids fingerprint the template vLLM serves `model` with."""
+    body = {"model": model, "messages": PROBE_MESSAGES, "add_generation_prompt": True}
+    return [body, {**body, "tools": [PROBE_TOOL]}]
 
 
-def fingerprint(token_ids: list[int]) -> str:
-    """A short stable name for the probe's rendering."""
-    return hashlib.sha256(orjson.dumps(token_ids)).hexdigest()[:16]
+def fingerprint(renders: list[list[int] | None]) -> str:
+    """A short stable name for the probes' renders (None: the template refused that probe)."""
+    return hashlib.sha256(orjson.dumps(renders)).hexdigest()[:16]
 
 
 def load_registry(extra: str | None = None) -> dict[str, TemplateInfo]:

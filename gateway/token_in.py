@@ -312,8 +312,8 @@ class TokenIn:
         on every gateway); raises UpstreamFailure naming the fingerprint for one not qualified."""
         known = self._templates.get(model)
         if known is None:
-            answer = await self._post(RENDER, chat_templates.probe_body(model), lease)
-            key = chat_templates.fingerprint(list(answer.get("token_ids") or ()))
+            renders = await asyncio.gather(*(self._probe(body, lease) for body in chat_templates.probe_bodies(model)))
+            key = chat_templates.fingerprint(list(renders))
             known = self.registry.get(key, key)
             if len(self._templates) >= MAX_MODELS:
                 self._templates.clear()
@@ -412,6 +412,15 @@ class TokenIn:
             return Plan(full["token_ids"], full["sampling_params"], f"{TEMPLATE_UNSTABLE}@{bridge.position}")
         prompt = state.prompt_ids + state.completion_ids + bridge.ids
         return Plan(prompt, full["sampling_params"], None, (state.seq, state.choice_index))
+
+    async def _probe(self, body: dict[str, Any], lease: Lease | None) -> list[int] | None:
+        """One probe's ids, or None where the template refuses it (vLLM's 400); other failures propagate."""
+        try:
+            return list((await self._post(RENDER, body, lease)).get("token_ids") or ())
+        except UpstreamFailure as failure:
+            if failure.error.status == 400:
+                return None
+            raise
 
     # -- upstream ------------------------------------------------------------------------------------------------
 

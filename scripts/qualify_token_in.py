@@ -415,6 +415,17 @@ def check_bridge(renderer: Renderer | VllmRenderer, bridge: list[int], full: lis
     return None if all(c in text for c in contents) else "bridge_misses_a_message"
 
 
+def probes(renderer: Renderer | VllmRenderer) -> list[list[int] | None]:
+    """The probe renders the gateway fingerprints a template by (None where the template refuses one)."""
+    out: list[list[int] | None] = []
+    for body in chat_templates.probe_bodies(renderer.template.name):
+        try:
+            out.append(renderer.render(body))
+        except Exception:  # the template refuses it: vLLM answers 400
+            out.append(None)
+    return out
+
+
 def renderers(with_vllm: bool, live: dict[str, str]) -> list[Renderer | VllmRenderer]:
     """Each template rendered from its files; with `with_vllm`, also as vLLM's venv loads the tokenizer where that
     renders the probe differently (DeepSeek V3's tokenizer_config names LlamaTokenizerFast, which transformers 5.19
@@ -429,8 +440,7 @@ def renderers(with_vllm: bool, live: dict[str, str]) -> list[Renderer | VllmRend
         out.append(Renderer(template))
         if with_vllm and template.package != "smollm2":
             loaded = Renderer(template, saved_by_vllm=True)
-            body = chat_templates.probe_body(template.name)
-            if loaded.render(body) != out[-1].render(body):
+            if probes(loaded) != probes(out[-1]):
                 out.append(loaded)
     return out
 
@@ -441,7 +451,7 @@ def qualify(write: bool, with_vllm: bool, live: dict[str, str]) -> str:
     exchanges: list[dict[str, Any]] = []
     for renderer in renderers(with_vllm, live):
         template = renderer.template
-        probe = renderer.render(chat_templates.probe_body(template.name))
+        probe = probes(renderer)
         results = [(s.name, *run_scenario(renderer, s, exchanges)) for s in scenarios(template, renderer.end_token_ids)]
         rows += [(renderer.name, name, chat, tin) for name, chat, tin in results]
         exact = all(t.refused is None and t.extended == t.total for _, _, t in results)

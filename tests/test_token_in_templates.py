@@ -228,7 +228,7 @@ def test_a_template_not_qualified_is_refused_unless_the_operator_vouches(
             gw.flush()
         vouched = tmp_path / "templates.json"
         entry = {"name": "mine", "end_token_ids": [2]}
-        vouched.write_text(json.dumps({"templates": {chat_templates.fingerprint([1, 2, 3]): entry}}))
+        vouched.write_text(json.dumps({"templates": {chat_templates.fingerprint([[1, 2, 3], [1, 2, 3]]): entry}}))
         with running_gateway(**{**settings, "token_in_templates": str(vouched)}) as gw:
             start_token_in(gw)
             turns = tool_loop(client_for(gw, f"{trajectory}-ok"), False)
@@ -236,7 +236,7 @@ def test_a_template_not_qualified_is_refused_unless_the_operator_vouches(
     finally:
         other.stop()
     assert refused.value.status_code == 400
-    assert "not qualified" in refused.value.message and chat_templates.fingerprint([1, 2, 3]) in refused.value.message
+    assert "not qualified" in refused.value.message and chat_templates.fingerprint([[1, 2, 3], [1, 2, 3]]) in refused.value.message
     [call] = stored_calls(db_url, trajectory)
     assert call["status_code"] == 400 and not call["trainable"] and "not qualified" in call["error"]
     assert len(turns) == 3
