@@ -36,7 +36,6 @@ sys.path.insert(0, str(REPO_ROOT))
 from tests.examples import load_example  # noqa: E402
 from tests.gateway_harness import RunningGateway, running_gateway  # noqa: E402
 from tests.stored import as_trajectory_data, stored_calls  # noqa: E402
-from tests.token_in_agent import teach_end_token  # noqa: E402
 from trainer.samples import GroupData, build_samples  # noqa: E402
 from trainer.vllm_cpu import smollm2_server  # noqa: E402
 
@@ -108,8 +107,6 @@ def main() -> None:
                 run = f"tree-{mode}"
                 body = {"name": run, "config": {"token_mode": mode}}
                 httpx.post(gateway.url + "/v1/runs", json=body, timeout=30).raise_for_status()
-                if mode == "token_in":
-                    teach_end_token(gateway.url, run)
             groups: dict[str, list[GroupData]] = {mode: [] for mode in MODES}
             for mode in MODES:
                 for agent, example in examples.items():

@@ -112,6 +112,7 @@ def build_state(settings: Settings) -> GatewayState:
         engine=engine,
         token_state_wait_s=settings.token_state_wait_s,
         admission_poll_s=settings.admission_poll_s,
+        token_in_templates=settings.token_in_templates,
     )
     metrics.watch_replicas(lambda: [(r.url, r.healthy, r.in_flight) for r in proxy.replicas.all])
     responses = ResponsesAPI(proxy, engine, settings.token_state_wait_s, settings.responses_memory_bytes)
@@ -121,6 +122,7 @@ def build_state(settings: Settings) -> GatewayState:
         engine, writer, metrics, settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s,
         lambda: policy_router.read_at,
     )  # fmt: skip
+    proxy.token_in.peers = peers
     return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy, responses, messages, peers)
 
 

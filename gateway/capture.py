@@ -274,7 +274,7 @@ class StreamAssembler:
             if self.endpoint == CHAT:
                 message: dict[str, Any] = {"role": parts.role or "assistant", "content": "".join(parts.text) or None}
                 if parts.reasoning:
-                    message["reasoning_content"] = "".join(parts.reasoning)
+                    message["reasoning"] = "".join(parts.reasoning)  # vLLM's name, which it reads back
                 if parts.tool_calls:
                     message["tool_calls"] = [parts.tool_calls[i] for i in sorted(parts.tool_calls)]
                 choice["message"] = message

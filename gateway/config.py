@@ -108,6 +108,12 @@ class Settings(BaseSettings):
         description="token_in runs: how long a call whose history holds an assistant message no record matches yet "
         "waits for another gateway's record of it to be written before it starts a new token segment.",
     )
+    token_in_templates: str | None = Field(
+        None,
+        description="token_in runs: a JSON file of chat templates the operator vouches for, beside the qualified "
+        "ones (gateway/qualified_templates.json, same shape: fingerprint -> name, end_token_ids, turn_end_ids). "
+        "A template in neither is refused (template_not_qualified).",
+    )
     peer_poll_s: float = Field(
         0.1,
         gt=0,

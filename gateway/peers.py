@@ -126,6 +126,13 @@ class Peers:
         503 GatewayError when another live gateway has not caught up by then."""
         await asyncio.gather(self._writer.settled(local_timeout_s), self._others_caught_up())
 
+    async def others_written(self, wait_s: float) -> bool:
+        """Whether other live gateways exist and, within `wait_s`, all wrote every call they answered before now
+        (token_in's predecessor lookup: a record another gateway has not written yet would be missed)."""
+        if not self.enabled or wait_s <= 0:
+            return False
+        return not await others_caught_up(self._engine, self.gateway_id, self._poll_s, self._alive_s, wait_s)
+
     async def _others_caught_up(self) -> None:
         if not self.enabled or self._wait_s <= 0:
             return

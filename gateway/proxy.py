@@ -86,6 +86,7 @@ class Proxy:
         engine: Engine | None = None,
         token_state_wait_s: float = 0.0,
         admission_poll_s: float = 0.5,
+        token_in_templates: str | None = None,
     ) -> None:
         self.replicas = Replicas(upstream_urls)
         self.max_body_bytes = max_body_bytes
@@ -103,7 +104,7 @@ class Proxy:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=upstream_timeout_s)
         self.session: aiohttp.ClientSession | None = None  # the control plane: /models, token text
         self.upstream = UpstreamPool(self.upstream_headers, connect_timeout_s=10, read_timeout_s=upstream_timeout_s)
-        self.token_in = TokenIn(self, engine, token_state_wait_s)
+        self.token_in = TokenIn(self, engine, token_state_wait_s, token_in_templates)
         self.admission = Admission(engine, router, metrics, admission_poll_s)
 
     async def start(self) -> None:

@@ -4,14 +4,18 @@ In `chat` mode vLLM renders every call's messages with the chat template, and te
 model generated (SmolLM2's drops the assistant's tool calls), so the model never sees its own actions and every turn
 trains as a separate row. Here the gateway builds the prompt itself from vLLM's scale-out endpoints:
 
+0. Know the template: a probe render fingerprints the template vLLM serves the model with; only one the
+   qualification suite passed (or the operator vouches for) is served, with the model's end tokens from the
+   registry (gateway/chat_templates.py), so every gateway decides alike before any generation ends.
 1. Find the predecessor *by content*: every token_in record carries a `history_key`, a hash of the messages the call
-   answered plus the assistant message it returned (one per choice). A new call hashes its message prefixes that
-   end at an assistant message and takes the longest recorded one: this gateway's memory first, then the database.
-   Content, not order or process, decides, so retries, concurrent calls and several gateways all stay correct.
-2. Prompt = predecessor prompt ids + its completion ids + the bridge: the template's tokens for the messages after
-   the matched assistant message and the generation prompt, taken from two renders (history up to the assistant
-   message without a generation prompt, and the full request), preceded by what the template puts after the
-   assistant's end token, and by the end token itself if the completion did not end with it.
+   answered plus the assistant message it returned (one per choice), each as the template receives it. A new call
+   hashes its message prefixes that end at an assistant message and takes the longest recorded one: this gateway's
+   memory first, then the database. Content, not order or process, decides, so retries, concurrent calls and
+   several gateways all stay correct.
+2. Prompt = predecessor prompt ids + its completion ids + the bridge: the template's tokens after the matched
+   assistant message in the render of the whole request (separator, new messages, generation prompt), located by
+   the tail of that message's content in a render of the history up to it (`bridge_ids`); the template's closing
+   token comes first if the completion did not end on one of the model's end tokens.
 3. Generate from those ids (`/inference/v1/generate`), derender the ids into a normal ChatCompletion or chunk stream
    (`/v1/chat/completions/derender`, tool parser applied), and record the exact ids and logprobs.
 
@@ -35,14 +39,16 @@ import orjson
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway import capture
+from gateway import capture, chat_templates
 from gateway.asgi_io import relay_until_done
+from gateway.chat_templates import TemplateInfo
 from gateway.errors import GatewayError, UpstreamFailure
 from gateway.replicas import Lease
 from gateway.store.token_state import RecordedTurn, recorded_turns
 from gateway.upstream_client import UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
+    from gateway.peers import Peers
     from gateway.proxy import Call, Proxy
 
 log = logging.getLogger("trajgate.token_in")
@@ -55,14 +61,11 @@ SCALE_OUT_HINT = "start vLLM with --enable-scale-out to use token_mode token_in"
 # Why a call started a new token segment (calls.segment_reason); null when it continued its predecessor.
 FIRST_CALL = "first_call"
 NO_MATCH = "no_recorded_history_matches"
+# ... recorded as "template_unstable@<i>": where, in the full render, the template stopped lining up.
 TEMPLATE_UNSTABLE = "template_unstable"
-END_TOKEN_UNKNOWN = "end_token_unknown"
 STATE_UNAVAILABLE = "state_unavailable"
 
-# Keys an SDK may send as null (or not at all) on a message without changing what it says.
 _TEXT_PART = "text"
-# A finish that ends on the end-of-turn token; vLLM's detokenizer leaves that token's text out of the answer.
-_ENDED = ("stop", "tool_calls")
 # How vLLM's chat path names a tool call (non-stream derender leaves the prefix off).
 TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
 # Most tokens a template puts after a message's end token before the next message (ChatML: one, "\n").
@@ -73,41 +76,65 @@ STATE_READ_TIMEOUT_S = 5.0
 _POLL_S = 0.1
 # Message prefixes looked up per call, newest first: a predecessor further back would leave a long bridge anyway.
 MAX_CANDIDATES = 64
+# Served model names whose template is remembered (every trained step adds an adapter name).
+MAX_MODELS = 4096
 
 
 def normalise_message(message: Any) -> Any:
-    """The message as the history key sees it: the harmless differences between SDKs taken out.
+    """The message as the chat template receives it, so the history key changes only when the render can.
 
-    `content` null, absent and "" are alike; a list of text parts equals its joined text; keys sent as null are
-    dropped (refusal, annotations, audio, function_call...); tool-call arguments compare as parsed JSON, so
-    re-serialised arguments match the text the model produced."""
+    This mirrors what vLLM hands the template (`vllm/renderers/chat_utils.py`: `_parse_chat_message_content` and
+    `_postprocess_messages`): the role, the content (null, absent, "" and [] alike; a string equals one text part),
+    `name`, an assistant's tool calls (id, function name, arguments parsed as JSON: re-serialised arguments and key
+    order match), a tool message's `tool_call_id`, and a developer message's `tools`. Nothing else a client adds or
+    echoes back (`provider_specific_fields`, `refusal`, `annotations`, `audio`, nulls...) reaches the template, so
+    nothing else counts. An assistant's reasoning (`reasoning`, or the older `reasoning_content`) is left out too:
+    the turn it belongs to continues from the exact ids the gateway recorded, which hold the model's reasoning
+    whether or not the client sends it back."""
     if not isinstance(message, dict):
         return message
-    out: dict[str, Any] = {}
-    for key, value in message.items():
-        if value is None:
-            continue
-        if key == "content":
-            value = _normalise_content(value)
-            if value == "":
-                continue
-        elif key == "tool_calls":
-            if not value:
-                continue
-            value = [_normalise_tool_call(call) for call in value] if isinstance(value, list) else value
-        out[key] = value
+    role = message.get("role")
+    out: dict[str, Any] = {"role": role}
+    content = _normalise_content(message.get("content"))
+    if content is not None:
+        out["content"] = content
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    if isinstance(message.get("task"), str):
+        out["task"] = message["task"]
+    if role == "assistant":
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            out["tool_calls"] = [_normalise_tool_call(call) for call in calls]
+    elif role == "tool" and message.get("tool_call_id") is not None:
+        out["tool_call_id"] = message["tool_call_id"]
+    elif role == "developer" and message.get("tools") is not None:
+        out["tools"] = _without_nulls(message["tools"])
     return out
 
 
 def _normalise_content(content: Any) -> Any:
+    """None for no content; a string for one text part; a list of texts for several (vLLM joins them with a
+    newline or hands them over as parts: either way not the same as their concatenation); other parts as sent,
+    nulls left out."""
+    if content is None or content == "" or content == []:
+        return None
     if isinstance(content, list) and all(
         isinstance(part, dict) and part.get("type") == _TEXT_PART and isinstance(part.get(_TEXT_PART), str)
         for part in content
     ):
-        return "".join(part[_TEXT_PART] for part in content)
-    if isinstance(content, list):
-        return [{k: v for k, v in p.items() if v is not None} if isinstance(p, dict) else p for p in content]
-    return content
+        texts = [part[_TEXT_PART] for part in content]
+        return texts[0] if len(texts) == 1 else texts
+    return _without_nulls(content)
+
+
+def _without_nulls(value: Any) -> Any:
+    """`value` with null-valued keys left out at every depth (a dict of nulls becomes {})."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
 
 
 def _normalise_tool_call(call: Any) -> Any:
@@ -120,9 +147,7 @@ def _normalise_tool_call(call: Any) -> Any:
             arguments = orjson.loads(arguments)
         except orjson.JSONDecodeError:
             pass
-    out = {"id": call.get("id"), "type": call.get("type") or "function"}
-    out["function"] = {"name": function.get("name"), "arguments": arguments}
-    return out
+    return {"id": call.get("id"), "function": {"name": function.get("name"), "arguments": arguments}}
 
 
 def extend_key(key: str, message: Any) -> str:
@@ -141,28 +166,73 @@ def history_keys(messages: Sequence[Any]) -> list[str]:
     return keys
 
 
-def bridge_ids(
-    prefix: list[int], full: list[int], completion: list[int], end_token: int
-) -> list[int] | None:
-    """The ids between a predecessor's completion and the new generation prompt's end, or None when the template does
-    not keep a stable prefix (the full render does not start with the prefix render, or the prefix render has no end
-    token to find the template's separator after).
+@dataclass(frozen=True, slots=True)
+class Bridge:
+    """The ids that follow a predecessor's completion, or why there are none and where (a token index of the full
+    render) the template stopped lining up."""
 
-    `prefix` renders the history up to the matched assistant message without a generation prompt; `full` renders the
-    whole request with one. The template closes the assistant message with the end token and a separator (ChatML:
-    `<|im_end|>` then `\\n`); the completion already holds the end token unless generation stopped early."""
-    if len(full) < len(prefix) or full[: len(prefix)] != prefix:
-        return None
-    try:
-        end_at = len(prefix) - 1 - prefix[::-1].index(end_token)
-    except ValueError:
-        return None
-    if len(prefix) - 1 - end_at > MAX_SEPARATOR:
-        # Not the token that closes the matched assistant message (that one sits just before the template's short
-        # separator): a wrong guess of the end token, which would otherwise splice a stretch of history in.
-        return None
-    closing = [] if completion and completion[-1] == end_token else [end_token]
-    return closing + prefix[end_at + 1 :] + full[len(prefix) :]
+    ids: list[int] | None
+    position: int = 0
+
+
+def bridge_ids(
+    prefix: list[int], full: list[int], completion: list[int], end_tokens: frozenset[int], turn_ends: frozenset[int]
+) -> Bridge:
+    """The template's tokens after the matched assistant message, taken from the full render itself.
+
+    `prefix` renders the history up to that assistant message (no generation prompt), `full` the whole request
+    (with one). Templates need not render the assistant message alike in both (Qwen3 drops the `<think>` block of
+    an assistant message once a user message follows it, or in non-thinking mode; harmony closes a final answer
+    with `<|end|>` in a history and `<|return|>` at its end), so the two are not compared as prefix and whole.
+    Instead the tail of the assistant message's content in `prefix` (everything before its closing token) is found
+    in `full` after the point where the two renders part: the token after it must be a turn-end token, and what
+    follows is the separator, the new messages and the generation prompt. A completion that ended on one of the
+    model's end tokens keeps its own (`<|eom_id|>`, `<|return|>`); one cut short gets the template's closing token.
+    """
+    closing = _last_turn_end(prefix, turn_ends)
+    if closing is None:
+        return Bridge(None, _common_prefix(prefix, full))
+    content = prefix[:closing]
+    start = _common_prefix(content, full)
+    at = start if start == len(content) else _find_tail(content, full, start)
+    if at is None or at >= len(full) or full[at] not in turn_ends:
+        return Bridge(None, start if at is None else at)
+    ended = bool(completion) and completion[-1] in end_tokens
+    return Bridge(full[at + 1 :] if ended else full[at:])
+
+
+def _last_turn_end(ids: list[int], turn_ends: frozenset[int]) -> int | None:
+    """The index of the token that closes the last message of a render without a generation prompt: the last
+    turn-end token, followed by at most the template's short separator."""
+    for index in range(len(ids) - 1, max(len(ids) - 2 - MAX_SEPARATOR, -1), -1):
+        if ids[index] in turn_ends:
+            return index
+    return None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for index in range(n):
+        if a[index] != b[index]:
+            return index
+    return n
+
+
+def _as_text(ids: list[int]) -> str:
+    """Token ids as one code point each, so a search for a run of ids is a (C-speed) substring search."""
+    return "".join(map(chr, ids))
+
+
+def _find_tail(content: list[int], full: list[int], start: int) -> int | None:
+    """Where the longest tail of `content` (past `start`, where the renders part) ends in `full` after `start`:
+    the index just after it, or None if not even its last token is there."""
+    haystack = _as_text(full)
+    needle = _as_text(content)
+    for cut in range(start, len(content)):
+        found = haystack.find(needle[cut:], start)
+        if found >= 0:
+            return found + len(content) - cut
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +243,6 @@ class TurnState:
     choice_index: int
     prompt_ids: list[int]
     completion_ids: list[int]
-    finish_reason: str | None
 
 
 class TokenStates:
@@ -228,13 +297,37 @@ class Plan:
 class TokenIn:
     """Serves the chat calls of token_in runs for the proxy (which hands over a call once it is attributed)."""
 
-    def __init__(self, proxy: Proxy, engine: Engine | None, wait_s: float) -> None:
+    def __init__(self, proxy: Proxy, engine: Engine | None, wait_s: float, templates_file: str | None = None) -> None:
         self.proxy = proxy
         self.engine = engine
         self.wait_s = wait_s
         self.states = TokenStates()
-        # Per run, the end-of-turn token seen ending a completion: the bridge needs it after a `length` finish.
-        self.end_tokens: dict[str, int] = {}
+        self.registry = chat_templates.load_registry(templates_file)
+        # Per served model name: its template's entry, or the fingerprint of a template not qualified.
+        self._templates: dict[str, TemplateInfo | str] = {}
+        # Several gateways on one Postgres (set by the app): a call waits for the others' writers before it decides
+        # that its history was never answered.
+        self.peers: Peers | None = None
+
+    async def template(self, model: str, lease: Lease | None) -> TemplateInfo:
+        """The qualified template vLLM serves `model` with (one probe render per model and process, the same answer
+        on every gateway); raises UpstreamFailure naming the fingerprint for one not qualified."""
+        known = self._templates.get(model)
+        if known is None:
+            renders = await asyncio.gather(*(self._probe(body, lease) for body in chat_templates.probe_bodies(model)))
+            key = chat_templates.fingerprint(list(renders))
+            known = self.registry.get(key, key)
+            if len(self._templates) >= MAX_MODELS:
+                self._templates.clear()
+            self._templates[model] = known
+        if isinstance(known, str):
+            message = (
+                f"token_mode token_in is not qualified for the chat template vLLM serves {model!r} with (fingerprint "
+                f"{known}): its turns might not continue exactly. Qualify it (scripts/qualify_token_in.py) or vouch "
+                "for it with an entry in TRAJGATE_TOKEN_IN_TEMPLATES, or use token_mode chat"
+            )
+            raise UpstreamFailure(GatewayError(400, message, "invalid_request_error", "template_not_qualified"))
+        return known
 
     # -- finding the predecessor ---------------------------------------------------------------------------------
 
@@ -259,6 +352,7 @@ class TokenIn:
             return best[0], best[1], None
         known = self.states.knows(trajectory_id)
         deadline = time.monotonic() + self.wait_s
+        peers_waited = False
         while True:
             wanted = [length for length in candidates if best is None or length > best[1]]
             try:
@@ -275,8 +369,16 @@ class TokenIn:
                     break
             if best is not None and best[1] == candidates[0]:
                 break
-            if not (known or recorded) or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 break
+            if not (known or recorded):
+                # Nothing says this trajectory was answered before, but another gateway may have answered its last
+                # turn a moment ago with the record still in its writer: once every live gateway has written what
+                # it answered before now, one more read decides (a first call costs that one wait, no poll).
+                if peers_waited or self.peers is None or not await self.peers.others_written(self.wait_s):
+                    break
+                peers_waited = True
+                continue
             await asyncio.sleep(min(_POLL_S, max(deadline - time.monotonic(), 0)))
         if best is None:
             return None, 0, NO_MATCH if (known or recorded) else FIRST_CALL
@@ -296,6 +398,7 @@ class TokenIn:
         if not isinstance(messages, list):
             full = await self._post(RENDER, render_body, call.lease)  # vLLM explains what is wrong with the body
             return Plan(full["token_ids"], full["sampling_params"], FIRST_CALL)
+        template = await self.template(render_body["model"], call.lease)
         state, length, reason = await self.predecessor(call.attribution.trajectory_id, messages, keys)
         if state is None:
             full = await self._post(RENDER, render_body, call.lease)
@@ -304,25 +407,22 @@ class TokenIn:
         full, prefix = await asyncio.gather(
             self._post(RENDER, render_body, call.lease), self._post(RENDER, prefix_body, call.lease)
         )
-        end_token = self._end_token(call.route.run, state)
-        if end_token is None:
-            return Plan(full["token_ids"], full["sampling_params"], END_TOKEN_UNKNOWN)
-        bridge = bridge_ids(prefix["token_ids"], full["token_ids"], state.completion_ids, end_token)
-        if bridge is None:
-            return Plan(full["token_ids"], full["sampling_params"], TEMPLATE_UNSTABLE)
-        prompt = state.prompt_ids + state.completion_ids + bridge
+        bridge = bridge_ids(
+            prefix["token_ids"], full["token_ids"], state.completion_ids, template.end_token_ids, template.turn_end_ids
+        )
+        if bridge.ids is None:
+            return Plan(full["token_ids"], full["sampling_params"], f"{TEMPLATE_UNSTABLE}@{bridge.position}")
+        prompt = state.prompt_ids + state.completion_ids + bridge.ids
         return Plan(prompt, full["sampling_params"], None, (state.seq, state.choice_index))
 
-    def _end_token(self, run: str, state: TurnState) -> int | None:
-        """The model's end-of-turn token: learned from a generation that stopped on it, else guessed as the last
-        token of a completion that finished "stop"/"tool_calls". Only a guess: vLLM reports "tool_calls" for a
-        tool call cut by max_tokens too, so `bridge_ids` checks the guess against the template's closing."""
-        known = self.end_tokens.get(run)
-        if known is not None:
-            return known
-        if state.finish_reason in _ENDED and state.completion_ids:
-            return state.completion_ids[-1]
-        return None
+    async def _probe(self, body: dict[str, Any], lease: Lease | None) -> list[int] | None:
+        """One probe's ids, or None where the template refuses it (vLLM's 400); other failures propagate."""
+        try:
+            return list((await self._post(RENDER, body, lease)).get("token_ids") or ())
+        except UpstreamFailure as failure:
+            if failure.error.status == 400:
+                return None
+            raise
 
     # -- upstream ------------------------------------------------------------------------------------------------
 
@@ -460,16 +560,11 @@ class TokenIn:
             answer = answered.get(index, {})
             finish_reason = answer.get("finish_reason") or generated.get("finish_reason")
             captured.append(capture.ChoiceCapture(index, prompt, ids, logprobs, finish_reason))
-            if generated.get("finish_reason") == "stop" and generated.get("stop_reason") is None and ids:
-                self.end_tokens[call.route.run] = ids[-1]
             message = answer.get("message")
             if message is not None and ids:
                 key = extend_key(messages_key, message)
                 call.history_keys[index] = key
-                # The state keeps how generation ended (a tool call cut by max_tokens is "length" there, not
-                # the "tool_calls" the client is told), which decides whether the end token is still to come.
-                ended = generated.get("finish_reason") or finish_reason
-                self.states.put(call.attribution.trajectory_id, key, TurnState(call.seq, index, prompt, ids, ended))
+                self.states.put(call.attribution.trajectory_id, key, TurnState(call.seq, index, prompt, ids))
         call.captured = captured
         self.proxy.submit(call, response)
 

@@ -23,9 +23,17 @@ from typing import Any
 
 from aiohttp import ClientSession, web
 
+from gateway import chat_templates
 from gateway.sampling import NEUTRAL
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
+RENDER = "/v1/chat/completions/render"
+# SmolLM2's template ignores tools: both of token_in's probes render alike.
+SMOLLM2_PROBE: list[int] = next(
+    entry["probe_token_ids"][0]
+    for entry in json.loads(chat_templates.REGISTRY.read_text())["templates"].values()
+    if entry["name"] == "smollm2"
+)
 
 
 def load_fixtures(directory: Path = FIXTURES) -> dict[str, dict[str, Any]]:
@@ -84,6 +92,8 @@ class FakeUpstream:
         # Adapters unloaded from this vLLM: a call naming one is answered 404 as vLLM answers it.
         self.retired: set[str] = set()
         self.cancelled_streams = 0
+        # What token_in's template probe renders to (gateway/chat_templates.py); another template's, to test others.
+        self.probe_token_ids = SMOLLM2_PROBE
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -139,6 +149,10 @@ class FakeUpstream:
         if request.path.endswith("/derender") and body.get("stream"):  # a logprobs derender runs beside it
             self._derenders += 1
         fixture = self._match(request.path, body)
+        if fixture is None and request.path == RENDER and body.get("messages") == chat_templates.PROBE_MESSAGES:
+            # token_in's template probe, for any served name: the ids real vLLM renders for SmolLM2's template
+            answer = {"token_ids": self.probe_token_ids, "sampling_params": {}}
+            return web.json_response(answer)
         if fixture is None and self.forward_to is not None:
             return await self._forward(request, body)
         if fixture is None:

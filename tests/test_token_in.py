@@ -73,8 +73,11 @@ def test_history_key_ignores_what_sdks_vary() -> None:
     keys = {token_in.extend_key("", form) for form in forms}
     assert len(keys) == 1
     text = {"role": "user", "content": "hi there"}
+    one_part = {"role": "user", "content": [{"type": "text", "text": "hi there"}]}
+    assert token_in.extend_key("", text) == token_in.extend_key("", one_part)
+    # two parts render apart (vLLM joins them with a newline, or the template iterates them)
     parts = {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}
-    assert token_in.extend_key("", text) == token_in.extend_key("", parts)
+    assert token_in.extend_key("", text) != token_in.extend_key("", parts)
     # what the model said or did is never "harmless"
     other_city = {**call, "function": {**call["function"], "arguments": '{"city": "Lyon"}'}}
     assert token_in.extend_key("", {"role": "assistant", "tool_calls": [other_city]}) not in keys
@@ -82,23 +85,27 @@ def test_history_key_ignores_what_sdks_vary() -> None:
     assert token_in.history_keys([text, text])[1] == token_in.extend_key(token_in.extend_key("", text), text)
 
 
+SMOLLM2_ENDS = frozenset({2})
+
+
 def test_bridge_is_the_template_tokens_after_the_matched_assistant_message() -> None:
     for full, prefix in renders():
         completion_end = prefix["token_ids"][-2]  # ChatML: ... <|im_end|> \n
-        bridge = token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5, completion_end], completion_end)
-        assert bridge == full["token_ids"][len(prefix["token_ids"]) - 1 :]
-        assert bridge[0] == 198  # the "\n" SmolLM2's template puts after <|im_end|>
-        # a completion cut by max_tokens gets the end token too
-        cut = token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5], completion_end)
-        assert cut == [completion_end, *bridge]
-        # a template that does not keep a stable prefix: no bridge
-        unstable = [full["token_ids"][0] + 1, *full["token_ids"][1:]]
-        assert token_in.bridge_ids(prefix["token_ids"], unstable, [completion_end], completion_end) is None
-        # a wrong end token (a tool call cut by max_tokens is reported "tool_calls": its last token is no end
-        # token) found only deep in the history must not splice that history in: no bridge
-        deep = prefix["token_ids"][1]
-        assert deep not in prefix["token_ids"][-token_in.MAX_SEPARATOR - 1 :]
-        assert token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5, deep], deep) is None
+        assert completion_end == 2
+        bridge = token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5, 2], SMOLLM2_ENDS, SMOLLM2_ENDS)
+        assert bridge.ids == full["token_ids"][len(prefix["token_ids"]) - 1 :]
+        assert bridge.ids[0] == 198  # the "\n" SmolLM2's template puts after <|im_end|>
+        # a completion cut by max_tokens gets the template's closing token too
+        cut = token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [5], SMOLLM2_ENDS, SMOLLM2_ENDS)
+        assert cut.ids == [2, *bridge.ids]
+        # a full render where the assistant message's end is not followed by a turn end: no bridge, and where
+        ids, end_at = full["token_ids"], len(prefix["token_ids"]) - 2
+        unstable = [*ids[:end_at], 7, *ids[end_at + 1 :]]
+        broken = token_in.bridge_ids(prefix["token_ids"], unstable, [2], SMOLLM2_ENDS, SMOLLM2_ENDS)
+        assert broken.ids is None and broken.position == len(prefix["token_ids"]) - 2
+        # a wrong end token (the tokenizer's is not one of the template's closing tokens): no bridge
+        wrong = frozenset({0})
+        assert token_in.bridge_ids(prefix["token_ids"], full["token_ids"], [2], wrong, wrong).ids is None
 
 
 def test_coalesced_generate_chunks_and_the_end_token_left_out_of_derender() -> None:
@@ -240,8 +247,8 @@ def test_predecessor_lookup_prefers_the_longest_recorded_history() -> None:
     reply2 = {"role": "assistant", "content": "a2"}
     messages = [user, reply1, user, reply2, user]
     keys = token_in.history_keys(messages)
-    owner.states.put("t", keys[1], token_in.TurnState(1, 0, [1], [2], "stop"))
-    owner.states.put("t", keys[3], token_in.TurnState(2, 0, [3], [4], "stop"))
+    owner.states.put("t", keys[1], token_in.TurnState(1, 0, [1], [2]))
+    owner.states.put("t", keys[3], token_in.TurnState(2, 0, [3], [4]))
     state, length, reason = asyncio.run(owner.predecessor("t", messages, keys))
     assert (state.seq, length, reason) == (2, 4, None)  # type: ignore[union-attr]
     edited = [user, reply1, user, {"role": "assistant", "content": "a2 (edited)"}, user]

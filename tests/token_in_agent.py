@@ -69,17 +69,6 @@ def arguments(assistant: dict[str, Any]) -> list[Any]:
     return [json.loads(c["function"]["arguments"]) for c in assistant.get("tool_calls") or ()]
 
 
-def teach_end_token(gateway_url: str, run: str) -> None:
-    """One greedy eval-mode call that stops on the model's end token, so the gateway knows that token before the
-    loop: a tool call cut by max_tokens is reported "tool_calls", and without a known end token the next turn
-    would (correctly, but not what these tests check) start a new segment instead of closing the cut turn."""
-    client = openai.OpenAI(base_url=f"{gateway_url}/eval/t/end-token-{run}/v1", api_key="x", max_retries=0)
-    answer = client.chat.completions.create(
-        model=run, messages=[{"role": "user", "content": "Say hi in French."}], max_tokens=64, temperature=0
-    )
-    assert answer.choices[0].finish_reason == "stop", answer
-
-
 def continues_exactly(call: dict[str, Any], end_token_id: int) -> bool:
     """Whether token_in can continue this recorded answer exactly: it ended on the model's end token (not cut by
     max_tokens) and every tool call it made has arguments a client can hand back unchanged (a JSON object). At

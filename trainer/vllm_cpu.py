@@ -232,7 +232,8 @@ import sys
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-source, out = sys.argv[1], sys.argv[2]
+source, out = sys.argv[1], sys.argv[-1]
+eos = [int(t) for t in sys.argv[2].split(",")] if len(sys.argv) > 3 else None  # generation_config's list
 tok = AutoTokenizer.from_pretrained(source)
 torch.manual_seed(0)
 config = LlamaConfig(
@@ -242,6 +243,8 @@ config = LlamaConfig(
     pad_token_id=tok.pad_token_id,
 )
 model = LlamaForCausalLM(config).to(torch.bfloat16)
+if eos:
+    model.generation_config.eos_token_id = eos
 model.save_pretrained(out)
 tok.save_pretrained(out)
 print(f"saved tiny llama with {sum(p.numel() for p in model.parameters())} params")
@@ -256,6 +259,17 @@ def ensure_tiny_model() -> Path:
         TINY_DIR_NAME,
         "llama h64 heads2 layers2 ffn128 seed0 bf16 tokenizer=smollm2\n",
         [_TINY_SCRIPT, str(source)],
+    )
+
+
+def ensure_tiny_model_for(name: str, tokenizer_dir: Path, eos_token_ids: Sequence[int]) -> Path:
+    """The tiny random Llama with another model's tokenizer and chat template (token_in's qualification on real
+    vLLM), and that model's end tokens in its generation_config.json, which vLLM stops on."""
+    eos = ",".join(str(t) for t in eos_token_ids)
+    return _build_atomically(
+        f"tiny-{name}",
+        f"llama h64 heads2 layers2 ffn128 seed0 bf16 tokenizer={tokenizer_dir} eos={eos}\n",
+        [_TINY_SCRIPT, str(tokenizer_dir), eos],
     )
 
 

@@ -26,7 +26,6 @@ class RecordedTurn(NamedTuple):
     choice_index: int
     prompt_ids: list[int]
     completion_ids: list[int]
-    finish_reason: str | None
 
 
 def recorded_turns(engine: Engine, trajectory_id: str, keys: Sequence[str]) -> tuple[dict[str, RecordedTurn], bool]:
@@ -44,7 +43,7 @@ def recorded_turns(engine: Engine, trajectory_id: str, keys: Sequence[str]) -> t
         if not keys or not has_any:
             return {}, has_any
         rows = conn.execute(
-            select(Call.seq, Call.choice_index, Call.history_key, Call.completion_token_ids, Call.finish_reason)
+            select(Call.seq, Call.choice_index, Call.history_key, Call.completion_token_ids)
             .where(
                 Call.trajectory_id == trajectory_id,
                 Call.history_key.in_(list(keys)),
@@ -60,5 +59,5 @@ def recorded_turns(engine: Engine, trajectory_id: str, keys: Sequence[str]) -> t
         prompt = prompts.get((row.seq, row.choice_index))
         completion = decode_ids(row.completion_token_ids)
         if prompt and completion:
-            found[row.history_key] = RecordedTurn(row.seq, row.choice_index, prompt, completion, row.finish_reason)
+            found[row.history_key] = RecordedTurn(row.seq, row.choice_index, prompt, completion)
     return found, True

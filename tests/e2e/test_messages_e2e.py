@@ -22,7 +22,7 @@ from tests.e2e.test_gateway_e2e import tool_call_in
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.messages_agent import tool_loop, tool_uses
 from tests.stored import stored_calls
-from tests.token_in_agent import continues_exactly, teach_end_token
+from tests.token_in_agent import continues_exactly
 from trainer.vllm_cpu import ensure_smollm2
 
 TOKEN_RUN = "messages-token-in"
@@ -89,7 +89,6 @@ def test_a_group_of_anthropic_agents_trains_one_step(
     }
     response = httpx.post(gw.url + "/v1/runs", json=body, timeout=30)
     assert response.status_code in (200, 201), response.text
-    teach_end_token(gw.url, TOKEN_RUN)
     group = f"g-{uuid.uuid4().hex[:8]}"
     trajectories = {f"{group}-stream": True, f"{group}-plain": False}
     for trajectory, stream in trajectories.items():

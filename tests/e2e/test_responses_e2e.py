@@ -40,7 +40,7 @@ from tests.e2e.one_step import reward_and_train_one_step
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.responses_agent import TOOL_ITEMS
 from tests.stored import stored_calls, tree_rows
-from tests.token_in_agent import continues_exactly, teach_end_token
+from tests.token_in_agent import continues_exactly
 from trainer.vllm_cpu import ensure_smollm2
 
 RUN = "agents-sdk"
@@ -108,7 +108,6 @@ def gateway(vllm_base_url: str, tmp_path: Path) -> Any:
         }
         response = httpx.post(gw.url + "/v1/runs", json=body, timeout=30)
         assert response.status_code in (200, 201), response.text
-        teach_end_token(gw.url, RUN)
         yield gw, url
 
 

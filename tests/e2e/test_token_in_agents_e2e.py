@@ -31,7 +31,7 @@ from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESU
 from tests.e2e.one_step import reward_and_train_one_step
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import as_trajectory_data, stored_calls, tree_rows
-from tests.token_in_agent import continues_exactly, teach_end_token
+from tests.token_in_agent import continues_exactly
 from trainer.samples import GroupData, build_samples
 from trainer.vllm_cpu import ensure_smollm2
 
@@ -159,7 +159,6 @@ def gateway(vllm_base_url: str, tmp_path: Path) -> Any:
     ) as gw:
         create_run(gw, TOKEN_RUN, "token_in")
         create_run(gw, CHAT_RUN, "chat")
-        teach_end_token(gw.url, TOKEN_RUN)
         yield gw, url
 
 

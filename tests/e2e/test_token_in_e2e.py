@@ -18,7 +18,7 @@ import pytest
 from gateway.store.lineage import EXTENDS
 from tests.gateway_harness import running_gateway
 from tests.stored import stored_calls
-from tests.token_in_agent import RUN, teach_end_token, tool_loop
+from tests.token_in_agent import RUN, tool_loop
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 
 CALL_FIELDS = [f.name for f in fields(CallData)]
@@ -34,7 +34,6 @@ def test_tool_loop_is_one_sequence(vllm_base_url: str, tmp_path: Path, stream: b
     ) as gateway:
         response = httpx.post(gateway.url + "/v1/runs", json={"name": RUN, "config": {"token_mode": "token_in"}})
         assert response.status_code in (200, 201), response.text
-        teach_end_token(gateway.url, RUN)
         for trajectory in trajectories:
             client = openai.OpenAI(base_url=f"{gateway.url}/g/{group}/t/{trajectory}/v1", api_key="x", max_retries=0)
             turns = tool_loop(client, stream, temperature=1.0)

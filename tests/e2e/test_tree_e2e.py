@@ -28,7 +28,6 @@ from gateway.store.runs import steps_after
 from tests.examples import load_example
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import as_trajectory_data, stored_calls
-from tests.token_in_agent import teach_end_token
 from trainer.loop import Trainer, TrainerOptions
 from trainer.samples import GroupData, build_samples
 from trainer.vllm_cpu import ensure_smollm2
@@ -140,7 +139,6 @@ def gateway(vllm_base_url: str, tmp_path: Path) -> Any:
     ) as gw:
         for mode in MODES:
             create_run(gw, f"tree-{mode}", mode)
-        teach_end_token(gw.url, "tree-token_in")
         yield gw, url
 
 
