@@ -22,6 +22,7 @@ import pytest
 
 from gateway import api_messages
 from gateway.api_messages import MessagesRequest, StreamTranslator, to_chat
+from gateway.errors import GatewayError
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 from tests.fake_upstream import FIXTURES, FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
@@ -202,6 +203,95 @@ def test_claude_codes_inline_system_and_unknown_fields_pass_as_in_vllm() -> None
         {"role": "user", "content": "Go"},
     ]
     assert api_messages.ignored_fields(data) == ["context_management"]
+
+
+WEATHER = {"name": "get_weather", "description": "Weather.", "input_schema": {"properties": {"city": {"type": "string"}}}}
+
+
+def test_blocks_and_fields_vllm_takes_loosely_are_taken_as_it_takes_them() -> None:
+    """vLLM 0.32's endpoint has one content-block model with every field optional, reads only the text of the
+    top-level system, takes max_tokens as pydantic reads an int, any tool type with an input_schema, and any
+    metadata; what a block lacks is skipped or defaulted as there (each checked against a running vLLM: same
+    status, same prompt length)."""
+    data = {
+        "model": "agent", "max_tokens": 8.0, "metadata": {"user_id": 5}, "top_k": -1, "speed": 1,
+        "system": [{"type": "text", "text": "Be brief."}, {"type": "image", "source": {"type": "url", "url": "u"}},
+                   {"type": "thinking", "thinking": "t"}, {"type": "text"}],
+        "tools": [{**WEATHER, "type": "bash_20250124"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text"}, {"type": "text", "text": None}, {"type": "image"},
+                                         {"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": [{"type": "thinking"}, {"type": "redacted_thinking"}, {"type": "tool_use"}]},
+            {"role": "user", "content": [{"type": "tool_result"}]},
+            {"role": "assistant", "content": [{"type": "tool_result", "content": [{"type": "text", "text": "a"}]}]},
+        ],
+    }  # fmt: skip
+    request = api_messages.parse_request(data, MessagesRequest)
+    chat = to_chat(request)
+    assert chat["max_tokens"] == 8 and chat["top_k"] == -1 and "user" not in chat
+    assert chat["tools"][0]["function"]["parameters"]["type"] == "object"
+    [call] = chat["messages"][2]["tool_calls"]
+    assert call["id"].startswith("call_") and call["function"] == {"name": "", "arguments": "{}"}
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "", "content": ""},
+        {"role": "assistant", "content": "Tool result: [{'type': 'text', 'text': 'a'}]"},  # as vLLM prints it
+    ]
+    for max_tokens in ("8", True):
+        assert api_messages.parse_request({**data, "max_tokens": max_tokens}, MessagesRequest).max_tokens in (8, 1)
+
+
+def test_tool_additions_and_removals_in_system_messages_change_the_tools_as_in_vllm() -> None:
+    """vLLM's `_resolve_tools`: the tools at the end of the conversation, after each system message's
+    tool_addition (by value, or by reference to a deferred tool, which is then no longer deferred) and
+    tool_removal; the blocks add no text."""
+    search = {"name": "search", "input_schema": {"type": "object"}, "defer_loading": True}
+
+    def change(kind: str, tool: dict[str, Any]) -> dict[str, Any]:
+        return {"role": "system", "content": [{"type": kind, "tool": tool}]}
+
+    data = {
+        "model": "agent", "max_tokens": 8, "tools": [WEATHER, search],
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            change("tool_addition", {"type": "tool_definition", "definition": {"name": "add", "input_schema": {}}}),
+            change("tool_addition", {"type": "tool_reference", "name": "search"}),
+            change("tool_removal", {"type": "tool_reference", "name": "get_weather"}),
+            {"role": "user", "content": "Go"},
+        ],
+    }  # fmt: skip
+    chat = to_chat(api_messages.parse_request(data, MessagesRequest))
+    assert [(t["function"]["name"], t["function"].get("defer_loading")) for t in chat["tools"]] == [
+        ("search", None), ("add", None)]  # fmt: skip
+    assert chat["messages"] == [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Go"}]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # vLLM's own refusals, each a 400 there too
+        ({"messages": [{"role": "user", "content": [{"type": "tool_addition", "tool": {
+            "type": "tool_reference", "name": "get_weather"}}]}]}, 'only allowed in messages with role "system"'),
+        ({"system": [{"type": "tool_removal", "tool": {"type": "tool_reference", "name": "get_weather"}}]},
+         'only allowed in messages with role "system"'),
+        ({"messages": [{"role": "system", "content": [{"type": "tool_addition"}]}]}, "tool is required"),
+        ({"messages": [{"role": "system", "content": [{"type": "tool_removal", "tool": {
+            "type": "tool_definition", "definition": WEATHER}}]}]}, "only accepts a tool_reference"),
+        ({"messages": [{"role": "system", "content": [{"type": "tool_addition", "tool": {
+            "type": "tool_reference", "name": "nope"}}]}]}, "not declared in tools"),
+        ({"max_tokens": 8.5}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages.0.content"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "input_schema"),
+    ],
+)  # fmt: skip
+def test_what_vllm_refuses_is_a_400(change: dict[str, Any], message: str) -> None:
+    data = {"model": "agent", "max_tokens": 8, "tools": [WEATHER], "messages": [{"role": "user", "content": "Hi"}]}
+    with pytest.raises(GatewayError) as refused:
+        to_chat(api_messages.parse_request({**data, **change}, MessagesRequest))
+    assert refused.value.status == 400 and message in refused.value.message, refused.value.message
 
 
 def test_inline_system_messages_join_the_system_prompt_where_the_template_wants_one() -> None:
