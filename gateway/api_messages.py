@@ -50,6 +50,8 @@ ERROR_TYPES = {
 }
 # Claude Code puts a per-request hash in a system block; vLLM drops it so the prompt prefix stays cacheable.
 _BILLING_HEADER = "x-anthropic-billing-header"
+# The tool a template is shown when asked whether its tools variant takes system messages past the first.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}
 
 
 # -- the request -------------------------------------------------------------------------------------------------
@@ -771,23 +773,40 @@ class MessagesApi:
 
     async def _merge_inline_system(self, request: CountTokensRequest) -> bool:
         """Whether this request's system messages past the first must join the system prompt: vLLM's endpoint
-        renders [system, user, system, user] with the model's template once and merges if that fails. Asked of
-        vLLM's render endpoint once per served model; a vLLM that cannot render (no --enable-scale-out) keeps them
-        in place, as does one whose answer says nothing yet (asked again next time)."""
+        renders [system, user, system, user] with the model's template, and with the template it uses when tools are
+        given (a model may have another), and merges if either refuses. Asked of vLLM's render endpoint once per
+        served model; a vLLM that cannot render (no --enable-scale-out) keeps them in place, as does one whose
+        answer says nothing yet (asked again next time)."""
         if not any(message.role == "system" for message in request.messages):
             return False
         served = self.proxy.router.resolve(check_run(request.model), await self.proxy.base_model()).served_name
         if served not in self._merges_inline_system:
             probe = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
             try:
-                await self.proxy.token_in.render({"model": served, "messages": probe, "add_generation_prompt": False})
-                self._merges_inline_system[served] = False
+                merge = not await self._renders(served, probe)
+                # The tools' template is picked only when tools are sent, and vLLM refuses an empty list, so one
+                # stands in; where the template takes it with one system message, a refusal with two is the order's.
+                if not merge and await self._renders(served, probe[:2], [_PROBE_TOOL]):
+                    merge = not await self._renders(served, probe, [_PROBE_TOOL])
+                self._merges_inline_system[served] = merge
             except UpstreamFailure as failure:
-                if failure.error.status in (400, 403, 404):  # the template refused; no render endpoint
-                    self._merges_inline_system[served] = failure.error.status == 400
-                else:
+                if failure.error.status not in (403, 404):  # no render endpoint: kept in place for good
                     return False
+                self._merges_inline_system[served] = False
         return self._merges_inline_system[served]
+
+    async def _renders(self, served: str, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> bool:
+        """Whether the model's template renders these messages (vLLM answers a template's refusal with a 400)."""
+        body: dict[str, Any] = {"model": served, "messages": messages, "add_generation_prompt": False}
+        if tools:
+            body["tools"] = tools
+        try:
+            await self.proxy.token_in.render(body)
+        except UpstreamFailure as failure:
+            if failure.error.status == 400:
+                return False
+            raise
+        return True
 
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
         path = prefix.rest if prefix else scope["path"]

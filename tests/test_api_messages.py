@@ -296,8 +296,10 @@ def test_what_vllm_refuses_is_a_400(change: dict[str, Any], message: str) -> Non
 
 def test_inline_system_messages_join_the_system_prompt_where_the_template_wants_one() -> None:
     """vLLM's endpoint asks the template to render [system, user, system, user] and, where it refuses (Qwen's
-    loop.first guard), merges later system messages into the first; the gateway asks vLLM's render endpoint the same
-    once per served model. A vLLM without a render endpoint keeps them in place; an unclear answer is asked again."""
+    loop.first guard), merges later system messages into the first; it asks the template it uses with tools too,
+    which may be another. The gateway asks vLLM's render endpoint the same once per served model, the tools variant
+    with a stand-in tool (vLLM refuses an empty list), which must render with one system message for a refusal with
+    two to count. A vLLM without a render endpoint keeps them in place; an unclear answer is asked again."""
     from types import SimpleNamespace
 
     from gateway.errors import GatewayError, UpstreamFailure
@@ -327,14 +329,22 @@ def test_inline_system_messages_join_the_system_prompt_where_the_template_wants_
     }  # fmt: skip
     request = api_messages.parse_request(data, MessagesRequest)
 
-    async def decisions(statuses: list[int]) -> list[bool]:
+    async def decisions(statuses: list[int], calls: int = 1) -> list[bool]:
         api = api_messages.MessagesApi(proxy)
         answers[:] = statuses
-        return [await api._merge_inline_system(request) for _ in statuses]
+        rendered.clear()
+        return [await api._merge_inline_system(request) for _ in range(calls)]
 
-    assert asyncio.run(decisions([400])) == [True]
+    assert asyncio.run(decisions([400])) == [True] and not answers
     assert [m["role"] for m in rendered[0]["messages"]] == ["system", "user", "system", "user"]
-    assert asyncio.run(decisions([503, 200])) == [False, False] and not answers  # asked again after the 503
+    assert "tools" not in rendered[0]
+    # a template that refuses only in its tools variant (the stand-in tool rendering with one system message)
+    assert asyncio.run(decisions([200, 200, 400])) == [True] and not answers
+    assert [(len(body["messages"]), len(body.get("tools") or ())) for body in rendered] == [(4, 0), (2, 1), (4, 1)]
+    assert asyncio.run(decisions([200, 200, 200])) == [False] and not answers
+    assert asyncio.run(decisions([200, 400])) == [False] and not answers  # the stand-in tool itself is refused
+    assert asyncio.run(decisions([503, 200, 200, 200], calls=2)) == [False, False] and not answers  # asked again
+    assert asyncio.run(decisions([200, 200, 503, 200, 200, 200], calls=2)) == [False, False] and not answers
     assert asyncio.run(decisions([403])) == [False]
     assert to_chat(request, merge_inline_system=True)["messages"] == [
         {"role": "system", "content": "Be brief. Really."},
