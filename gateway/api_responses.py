@@ -16,12 +16,14 @@ mode, records and the trainer then work as for any chat call; only the record's 
   that string, and one sent back as input goes to the model as that function call), and every other tool type (web
   search, file search, MCP, code interpreter...) is dropped: it would run server-side between generations, which
   vLLM doesn't do. A custom tool with a grammar format (Codex's `apply_patch` for a model named like OpenAI's) is
-  dropped too: vLLM refuses the whole request for it, and dropping it keeps such a session going. Unknown fields (Codex's `client_metadata`...) are ignored as vLLM ignores them; vLLM's own sampling extras
-  (`top_k`, `seed`, `stop`...) go on to the chat request.
+  dropped too: vLLM refuses the whole request for it, and dropping it keeps such a session going. Unknown fields
+  (Codex's `client_metadata`...) are ignored as vLLM ignores them; vLLM's own sampling extras (`top_k`, `seed`,
+  `stop`...) go on to the chat request.
 - What the chat request cannot say is kept beside it under `trajgate_responses` (vLLM ignores unknown fields): whether
   its first message is the `instructions` (which a continuation does not carry over, as in OpenAI's API), the
   `metadata`, the namespaces and the custom tools, so `GET` rebuilds the Response object from the record; and, for
-  whoever reads the record, the tools the model could not run (`dropped_tools`) and the fields that changed nothing (`ignored`).
+  whoever reads the record, the tools the model could not run (`dropped_tools`) and the fields that changed nothing
+  (`ignored`).
 """
 
 from __future__ import annotations
@@ -267,7 +269,8 @@ def _chat_tool_choice(choice: Any) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
     # A named custom tool is its function shim, as vLLM names it.
-    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
+    named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
+    if named and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
     raise _bad("tool_choice: expected auto, none, required or {type: function or custom, name}", "unsupported_tool")
 

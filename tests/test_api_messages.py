@@ -205,7 +205,7 @@ def test_claude_codes_inline_system_and_unknown_fields_pass_as_in_vllm() -> None
     assert api_messages.ignored_fields(data) == ["context_management"]
 
 
-WEATHER = {"name": "get_weather", "description": "Weather.", "input_schema": {"properties": {"city": {"type": "string"}}}}
+WEATHER = {"name": "get_weather", "description": "Weather.", "input_schema": {"properties": {"city": {"type": "str"}}}}
 
 
 def test_blocks_and_fields_vllm_takes_loosely_are_taken_as_it_takes_them() -> None:
@@ -221,7 +221,8 @@ def test_blocks_and_fields_vllm_takes_loosely_are_taken_as_it_takes_them() -> No
         "messages": [
             {"role": "user", "content": [{"type": "text"}, {"type": "text", "text": None}, {"type": "image"},
                                          {"type": "text", "text": "Hi"}]},
-            {"role": "assistant", "content": [{"type": "thinking"}, {"type": "redacted_thinking"}, {"type": "tool_use"}]},
+            {"role": "assistant",
+             "content": [{"type": "thinking"}, {"type": "redacted_thinking"}, {"type": "tool_use"}]},
             {"role": "user", "content": [{"type": "tool_result"}]},
             {"role": "assistant", "content": [{"type": "tool_result", "content": [{"type": "text", "text": "a"}]}]},
         ],
