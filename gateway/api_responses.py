@@ -186,7 +186,9 @@ def input_messages(items: list[Any], where: str = "input") -> list[dict[str, Any
                 messages.append({"role": "assistant", "content": _text_of(item.get("content"), f"{at}.content")})
             elif role in ("user", "system", "developer"):
                 content = _user_content(item.get("content"), f"{at}.content")
-                messages.append({"role": "system" if role == "developer" else role, "content": content})
+                # A developer message goes on as one: vLLM's renderer makes it (and every system message) one
+                # system prompt where the template knows no developer role, as it does for its own endpoint.
+                messages.append({"role": role, "content": content})
             else:
                 raise _bad(f"{at}.role: expected user, assistant, system or developer")
         elif kind in ("function_call", "custom_tool_call"):

@@ -74,7 +74,7 @@ def test_items_become_the_chat_messages_the_model_answered() -> None:
     ]
     tool_call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     assert api_responses.input_messages(items) == [
-        {"role": "system", "content": "be brief"},
+        {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
         {"role": "assistant", "content": "Let me look.", "tool_calls": [tool_call]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
