@@ -73,7 +73,7 @@ _TRANSLATED = frozenset(
     {
         "model", "input", "instructions", "previous_response_id", "tools", "tool_choice", "parallel_tool_calls",
         "max_output_tokens", "temperature", "top_p", "top_logprobs", "stream", "store", "user", "text", "background",
-        "conversation", "prompt", "include", "metadata",
+        "prompt", "include", "metadata",
     }
 )  # fmt: skip
 # vLLM's extensions of a Responses request that its chat endpoint takes under the same names, passed on as they are.
@@ -267,13 +267,39 @@ def _chat_tools(tools: Any) -> _Tools:
     return out
 
 
-def _chat_tool_choice(choice: Any) -> Any:
+def _partial(items: list[Any]) -> bool:
+    """vLLM's `should_continue_final_message`: the last input item is a message or reasoning item whose status
+    says it is unfinished."""
+    last = items[-1] if items else None
+    return isinstance(last, dict) and last.get("type", "message") in ("message", "reasoning") and last.get(
+        "status"
+    ) in ("in_progress", "incomplete")
+
+
+def _tool_name(name: str, tools: _Tools) -> str:
+    """A named tool choice's name as the model knows the tool: a namespace's function may be named without its
+    namespace where only one namespace has it (vLLM's `_resolve_named_tool_choice`)."""
+    shown = {tool["function"]["name"] for tool in tools.chat}
+    if name in shown:
+        return name
+    flat = [f"{namespace}{NAMESPACE_SEPARATOR}{name}" for namespace in tools.namespaces]
+    found = [candidate for candidate in flat if candidate in shown]
+    if len(found) > 1:
+        raise _bad(
+            f"tool_choice: {name!r} is in more than one namespace ({', '.join(found)}); name it as "
+            "<namespace>__<name>",
+            "unsupported_tool",
+        )
+    return found[0] if found else name  # an unknown name: vLLM's chat endpoint says so
+
+
+def _chat_tool_choice(choice: Any, tools: _Tools) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
     # A named custom tool is its function shim, as vLLM names it.
     named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
     if named and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        return {"type": "function", "function": {"name": _tool_name(choice["name"], tools)}}
     raise _bad("tool_choice: expected auto, none, required or {type: function or custom, name}", "unsupported_tool")
 
 
@@ -293,9 +319,9 @@ def chat_request(body: dict[str, Any], previous: list[dict[str, Any]] | None) ->
     """The chat request that asks the model what this Responses request asks; `previous` is the conversation so far
     when it continues an earlier response (without that response's instructions)."""
     ignored = sorted(set(body) - _TRANSLATED - _IGNORED - set(_PASSED))
-    for refused in ("conversation", "prompt"):
-        if body.get(refused) is not None:
-            raise _bad(f"{refused}: not supported by trajgate (send the input, or use previous_response_id)")
+    # vLLM's endpoint reads no `conversation` (it is ignored, and named in the record); a prompt template it refuses.
+    if body.get("prompt") is not None:
+        raise _bad("prompt: not supported by trajgate (send the input, or use previous_response_id)")
     if body.get("background"):
         raise _bad("background: not supported by trajgate (responses are answered while the client waits)")
     raw_input = body.get("input")
@@ -311,12 +337,16 @@ def chat_request(body: dict[str, Any], previous: list[dict[str, Any]] | None) ->
     messages = [{"role": "system", "content": instructions}] if instructions is not None else []
     messages += list(previous or ()) + input_messages(items)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    if _partial(items) and messages and messages[-1]["role"] == "assistant":
+        # An unfinished answer sent back last is continued, not answered anew, as vLLM's endpoint does.
+        chat["add_generation_prompt"] = False
+        chat["continue_final_message"] = True
     tools = _chat_tools(body["tools"]) if body.get("tools") else _Tools()
     if tools.chat:
         chat["tools"] = tools.chat
     if body.get("tool_choice") is not None and ("tools" in chat or body["tool_choice"] != "auto"):
         # vLLM's default, said or not; only chat refuses "auto" without tools (all of them may have been dropped)
-        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"], tools)
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     if body.get("max_output_tokens") is not None:

@@ -172,6 +172,37 @@ def test_a_cut_off_answer_has_completed_items_in_an_incomplete_response() -> Non
     assert [item["status"] for item in response["output"]] == ["completed"] * 3
 
 
+def test_an_unfinished_answer_sent_back_last_is_continued_as_vllm_does() -> None:
+    """vLLM's `should_continue_final_message`: a last message (or reasoning) item marked in_progress or incomplete
+    is continued, with no new assistant turn opened."""
+    partial = {"type": "message", "role": "assistant", "status": "incomplete",
+               "content": [{"type": "output_text", "text": "Hel", "annotations": []}]}  # fmt: skip
+    body = {"model": "m", "input": [{"role": "user", "content": "Hi"}, partial]}
+    chat = api_responses.chat_request(body, None)
+    assert chat["messages"][-1] == {"role": "assistant", "content": "Hel"}
+    assert (chat["add_generation_prompt"], chat["continue_final_message"]) == (False, True)
+    for done in ({**partial, "status": "completed"}, {**partial, "status": None}):
+        chat = api_responses.chat_request({**body, "input": [body["input"][0], done]}, None)
+        assert "continue_final_message" not in chat and "add_generation_prompt" not in chat
+
+
+def test_conversation_is_ignored_and_a_namespaced_tool_choice_found_as_vllm_does() -> None:
+    """vLLM's endpoint reads no `conversation` (the record names it as ignored), and a named tool choice may name a
+    namespace's function without its namespace where only one namespace has it."""
+    spawn = {"type": "function", "name": "spawn", "parameters": {"type": "object"}}
+    body = {"model": "m", "input": "hi", "conversation": "conv_1",
+            "tools": [{"type": "namespace", "name": "agents", "tools": [spawn]}],
+            "tool_choice": {"type": "function", "name": "spawn"}}  # fmt: skip
+    chat = api_responses.chat_request(body, None)
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "agents__spawn"}}
+    assert chat[api_responses.EXTRA]["ignored"] == ["conversation"]
+    both = [*body["tools"], {"type": "namespace", "name": "tasks", "tools": [spawn]}]
+    with pytest.raises(GatewayError, match="more than one namespace"):
+        api_responses.chat_request({**body, "tools": both}, None)
+    unknown = api_responses.chat_request({**body, "tool_choice": {"type": "function", "name": "nope"}}, None)
+    assert unknown["tool_choice"]["function"]["name"] == "nope"  # vLLM's chat endpoint refuses it, as its own does
+
+
 async def test_a_streamed_custom_tool_call_sends_its_input_as_vllm_does() -> None:
     chat = api_responses.chat_request({"model": "m", "input": "fix", "tools": [APPLY_PATCH], "stream": True}, None)
     arguments = json.dumps({"input": PATCH}, ensure_ascii=False)
