@@ -110,7 +110,7 @@ CASES: list[tuple[str, str, bytes]] = [
     ("r-call-output-int", RESPONSES, _responses(input=[{"type": "function_call_output", "call_id": "c", "output": 5}])),
     ("r-custom-call-input-int", RESPONSES, _responses(
         input=[{"type": "custom_tool_call", "call_id": "c", "name": "f", "input": 5}])),
-    ("r-only-an-unfinished-reasoning-item", RESPONSES, _responses(input=[{"type": "reasoning", "status": "incomplete"}])),
+    ("r-only-an-unfinished-reasoning", RESPONSES, _responses(input=[{"type": "reasoning", "status": "incomplete"}])),
     ("r-reasoning-content-int", RESPONSES, _responses(input=[{"type": "reasoning", "content": 5}, *_user("hi")])),
     ("r-tools-object", RESPONSES, _responses(tools={"type": "function"})),
     ("r-tool-int", RESPONSES, _responses(tools=[5])),
