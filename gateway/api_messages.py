@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.api_common import validation_message
 from gateway.attribution import PathPrefix, check_run, split_api_key
 from gateway.auth import presented_key
 from gateway.errors import GatewayError, UpstreamFailure
@@ -50,73 +50,82 @@ ERROR_TYPES = {
 }
 # Claude Code puts a per-request hash in a system block; vLLM drops it so the prompt prefix stays cacheable.
 _BILLING_HEADER = "x-anthropic-billing-header"
+# The tool a template is shown when asked whether its tools variant takes system messages past the first.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object", "properties": {}}}}
 
 
 # -- the request -------------------------------------------------------------------------------------------------
 
 
-class _Block(BaseModel):
-    # cache_control, citations and the like are accepted and have no effect on a local model.
+class Tool(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-
-class TextBlock(_Block):
-    type: Literal["text"]
-    text: str
-
-
-class Base64Source(BaseModel):
-    type: Literal["base64"]
-    media_type: str
-    data: str
-
-
-class UrlSource(BaseModel):
-    type: Literal["url"]
-    url: str
-
-
-class ImageBlock(_Block):
-    type: Literal["image"]
-    source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
-
-
-class ToolUseBlock(_Block):
-    type: Literal["tool_use"]
-    id: str
+    # As vLLM's endpoint takes a tool: any `type` (a server tool's too) is shown to the model as a function, given
+    # its input_schema (one without, like web search's, is refused as vLLM refuses it).
     name: str
-    input: dict[str, Any]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    strict: bool | None = None
+    defer_loading: bool | None = None  # a tool a tool search finds (see the `tool_reference` block)
 
 
-class ToolResultBlock(_Block):
-    type: Literal["tool_result"]
-    tool_use_id: str
-    # Items as vLLM takes them: text, image and tool_reference are used, any other kind is skipped.
-    content: str | list[dict[str, Any]] = ""
-    is_error: bool | None = None
+class ToolReference(BaseModel):
+    """A tool named by a tool_addition or tool_removal block."""
 
-
-class ThinkingBlock(_Block):
-    type: Literal["thinking"]
-    thinking: str
-    signature: str | None = None
-
-
-class RedactedThinkingBlock(_Block):
-    type: Literal["redacted_thinking"]
-    data: str
-
-
-class ToolReferenceBlock(_Block):
-    # A tool search's pointer to a deferred tool: accepted as vLLM accepts it, and (as there) adds nothing here.
     type: Literal["tool_reference"]
+    name: str
 
 
-Block = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
-    | ToolReferenceBlock,
-    Field(discriminator="type"),
-]
+class ToolDefinition(BaseModel):
+    """A tool defined by value in a tool_addition block."""
+
+    type: Literal["tool_definition"]
+    definition: Tool
+
+
+_TOOL_CHANGES = ("tool_addition", "tool_removal")
+
+
+class Block(BaseModel):
+    """A content block as vLLM's endpoint takes one: one model for every kind, each field optional, so a block
+    without what its kind would use (a text block without text, a tool_use without an id...) is accepted and converted
+    as vLLM converts it (skipped, or given vLLM's default). cache_control, citations and the like are accepted and
+    have no effect on a local model."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal[
+        "text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking",
+        *_TOOL_CHANGES,
+    ]  # fmt: skip
+    text: str | None = None
+    source: dict[str, Any] | None = None  # an image's: base64 unless its type says url, as vLLM reads it
+    id: str | None = None
+    tool_use_id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    # A tool result's items as vLLM takes them: text, image and tool_reference are used, any other kind is skipped.
+    content: str | list[dict[str, Any]] | None = None
+    is_error: bool | None = None
+    tool_name: str | None = None  # a tool_reference's: a tool search's pointer to a deferred tool
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None  # redacted thinking: opaque, accepted so a client can echo an assistant turn back whole
+    # tool_addition / tool_removal (in system messages only): the tools in effect change from there on.
+    tool: Annotated[ToolReference | ToolDefinition, Field(discriminator="type")] | None = None
+
+    @model_validator(mode="after")
+    def _tool_change(self) -> Block:
+        if self.type in _TOOL_CHANGES:
+            if self.tool is None:
+                raise ValueError(f"tool is required for {self.type} blocks")
+            if self.type == "tool_removal" and not isinstance(self.tool, ToolReference):
+                raise ValueError("tool_removal only accepts a tool_reference")
+        return self
+
+
+def _no_tool_changes(content: str | list[Block] | None) -> None:
+    for block in content if isinstance(content, list) else ():
+        if block.type in _TOOL_CHANGES:
+            raise ValueError(f'{block.type} blocks are only allowed in messages with role "system"')
 
 
 class Message(BaseModel):
@@ -125,16 +134,11 @@ class Message(BaseModel):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    # Server tools (web search, code execution, ...) run on Anthropic's side; only client tools exist here.
-    type: Literal["custom"] | None = None
-    name: str = Field(min_length=1, max_length=128)
-    description: str | None = None
-    input_schema: dict[str, Any]
-    strict: bool | None = None
-    defer_loading: bool | None = None  # a tool a tool search finds (see ToolReferenceBlock)
+    @model_validator(mode="after")
+    def _tool_changes_in_system_only(self) -> Message:
+        if self.role != "system":
+            _no_tool_changes(self.content)
+        return self
 
 
 class _Choice(BaseModel):
@@ -163,7 +167,7 @@ ToolChoice = Annotated[AutoChoice | AnyChoice | NamedChoice | NoneChoice, Field(
 
 class ThinkingEnabled(BaseModel):
     type: Literal["enabled"]
-    budget_tokens: int = Field(strict=True, ge=1024)
+    budget_tokens: int = Field(ge=1024)  # an int as pydantic reads one, 2048.0 and "2048" too, as vLLM's endpoint
 
 
 class ThinkingDisabled(BaseModel):
@@ -187,40 +191,43 @@ class OutputConfig(BaseModel):
     format: OutputFormat | None = None
 
 
-class Metadata(BaseModel):
-    user_id: str | None = None
-
-
 class CountTokensRequest(BaseModel):
     # Unknown fields (Claude Code's context_management, MCP servers, containers...) are ignored, as vLLM's endpoint
     # ignores them; the record names them (see `ignored_fields`), so nothing is dropped unseen.
     model: str
     messages: list[Message]
-    system: str | list[TextBlock] | None = None
+    system: str | list[Block] | None = None  # only its text blocks are read, as vLLM reads it
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     # Accepted and without effect on one local model: prompt caching is vLLM's own, and there are no speed modes,
     # workspaces or user profiles to route by.
-    cache_control: dict[str, Any] | None = None
-    speed: str | None = None
-    user_profile_id: str | None = None
-    workspace_id: str | None = None
+    cache_control: Any = None
+    speed: Any = None
+    user_profile_id: Any = None
+    workspace_id: Any = None
+
+    @field_validator("system")
+    @classmethod
+    def _system_without_tool_changes(cls, system: str | list[Block] | None) -> str | list[Block] | None:
+        _no_tool_changes(system)
+        return system
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(strict=True, ge=1)
+    # An int as pydantic reads one (8.0, "8" and true are ints; 8.5 is not), as vLLM's endpoint reads it.
+    max_tokens: int = Field(gt=0)
     stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: float | None = Field(None, ge=0)  # vLLM takes Anthropic's 0-1 and OpenAI's 0-2 alike
     top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    metadata: Metadata | None = None
+    top_k: int | None = None  # vLLM's -1 (no limit) too; its sampler refuses what it cannot take
+    metadata: dict[str, Any] | None = None  # its user_id, where a string, is the chat request's `user`
     # Likewise without effect: one tier, one place, and no prompt-cache diagnostics.
-    service_tier: str | None = None
-    inference_geo: str | None = None
-    diagnostics: dict[str, Any] | None = None
+    service_tier: Any = None
+    inference_geo: Any = None
+    diagnostics: Any = None
 
 
 def ignored_fields(data: dict[str, Any]) -> list[str]:
@@ -229,11 +236,21 @@ def ignored_fields(data: dict[str, Any]) -> list[str]:
     return sorted(set(data) - set(MessagesRequest.model_fields))
 
 
+def _problem(exc: ValidationError) -> str:
+    """`where: what` for the first problem that is not a string-or-blocks field failing as a string: a bad block
+    in `content` or `system` is named as the block it is, not as "Input should be a valid string"."""
+    errors = exc.errors()
+    first = next((error for error in errors if error["loc"][-1:] != ("str",)), errors[0])
+    # pydantic names a union's branches in the path (`list[...]`); the client's body has no such level.
+    where = ".".join(str(part) for part in first["loc"] if "[" not in str(part)) or "body"
+    return f"{where}: {first['msg']}"
+
+
 def parse_request(data: dict[str, Any], model: type[CountTokensRequest]) -> CountTokensRequest:
     try:
         request = model.model_validate(data)
     except ValidationError as exc:
-        raise GatewayError(400, validation_message(exc)) from None
+        raise GatewayError(400, _problem(exc)) from None
     if isinstance(request, MessagesRequest) and isinstance(request.thinking, ThinkingEnabled):
         if request.thinking.budget_tokens >= request.max_tokens:
             raise GatewayError(400, "thinking.budget_tokens: must be less than max_tokens")
@@ -260,9 +277,10 @@ def to_chat(request: CountTokensRequest, merge_inline_system: bool = False) -> d
         # A prefilled answer: the model continues it instead of starting a new turn, as Anthropic does.
         chat["add_generation_prompt"] = False
         chat["continue_final_message"] = True
-    if request.tools:
-        chat["tools"] = [_chat_tool(tool) for tool in request.tools]
-    if request.tool_choice is not None and (request.tools or request.tool_choice.type != "auto"):
+    tools = _tools_in_effect(request)
+    if tools:
+        chat["tools"] = [_chat_tool(tool) for tool in tools]
+    if request.tool_choice is not None and (tools or request.tool_choice.type != "auto"):
         choice = request.tool_choice
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or {
             "type": "function",
@@ -270,7 +288,7 @@ def to_chat(request: CountTokensRequest, merge_inline_system: bool = False) -> d
         }
         if getattr(choice, "disable_parallel_tool_use", None) is not None:
             chat["parallel_tool_calls"] = not choice.disable_parallel_tool_use  # type: ignore[union-attr]
-    elif request.tools:
+    elif tools:
         chat["tool_choice"] = "auto"
     # `tools: []` (Claude Code's title call) is no tools: vLLM's endpoint renders it so, where its chat endpoint
     # refuses an empty list, and "auto" without tools.
@@ -296,8 +314,9 @@ def _sampling(request: MessagesRequest, chat: dict[str, Any]) -> None:
             chat[name] = value
     if request.stop_sequences:
         chat["stop"] = request.stop_sequences
-    if request.metadata is not None and request.metadata.user_id is not None:
-        chat["user"] = request.metadata.user_id
+    user = (request.metadata or {}).get("user_id")
+    if isinstance(user, str):
+        chat["user"] = user
     if request.stream:
         # The prompt ids in the first chunk give message_start its input_tokens; usage at the end its output_tokens.
         chat["stream"] = True
@@ -305,10 +324,47 @@ def _sampling(request: MessagesRequest, chat: dict[str, Any]) -> None:
         chat["return_token_ids"] = True
 
 
-def _system_text(system: str | list[TextBlock] | None) -> str:
+def _system_text(system: str | list[Block] | None) -> str:
+    """The text of a system prompt or message: its text blocks joined (any other block adds nothing), Claude Code's
+    billing header left out."""
     if system is None or isinstance(system, str):
         return system or ""
-    return "".join(block.text for block in system if block.text and not block.text.startswith(_BILLING_HEADER))
+    texts = (block.text for block in system if block.type == "text" and block.text)
+    return "".join(text for text in texts if not text.startswith(_BILLING_HEADER))
+
+
+def _tools_in_effect(request: CountTokensRequest) -> list[Tool] | None:
+    """The tools at the end of the conversation, after its tool_addition/tool_removal blocks, as vLLM's endpoint
+    resolves them (a chat template shows one tool list): a tool added by reference is no longer deferred, one added
+    by value is declared, a removed one is gone. A reference to an undeclared tool is a 400, as there."""
+    changes = [
+        block
+        for message in request.messages
+        if not isinstance(message.content, str)
+        for block in message.content
+        if block.type in _TOOL_CHANGES
+    ]
+    if not changes:
+        return request.tools
+    tools = {tool.name: tool for tool in request.tools or ()}
+    removed: set[str] = set()
+    for block in changes:
+        change = block.tool
+        if isinstance(change, ToolDefinition):
+            name = change.definition.name
+            tools[name] = change.definition
+        else:
+            assert change is not None  # Block's validator
+            name = change.name
+            if name not in tools:
+                raise GatewayError(400, f"{block.type} references tool {name!r}, which is not declared in tools")
+            if block.type == "tool_addition":
+                tools[name] = tools[name].model_copy(update={"defer_loading": None})
+        if block.type == "tool_removal":
+            removed.add(name)
+        else:
+            removed.discard(name)
+    return [tool for name, tool in tools.items() if name not in removed]
 
 
 def _chat_tool(tool: Tool) -> dict[str, Any]:
@@ -324,21 +380,13 @@ def _chat_tool(tool: Tool) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _image_url(block: ImageBlock) -> dict[str, Any]:
-    source = block.source
-    url = source.url if isinstance(source, UrlSource) else f"data:{source.media_type};base64,{source.data}"
-    return {"type": "image_url", "image_url": {"url": url}}
-
-
 def _chat_messages(message: Message) -> list[dict[str, Any]]:
     """One Anthropic message as chat messages: tool results become `tool` messages (before the rest of the user
     turn, as the chat format wants them right after the assistant's calls), tool uses become `tool_calls`."""
     if message.role == "system":
         # vLLM strips Claude Code's billing header here even from a plain string.
         content = message.content
-        text = "" if isinstance(content, str) and content.startswith(_BILLING_HEADER) else _system_text(
-            content if isinstance(content, str) else [block for block in content if isinstance(block, TextBlock)]
-        )
+        text = "" if isinstance(content, str) and content.startswith(_BILLING_HEADER) else _system_text(content)
         return [{"role": "system", "content": text}] if text else []
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
@@ -347,19 +395,20 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
     for block in message.content:
-        if isinstance(block, TextBlock):
-            if block.text:
-                parts.append({"type": "text", "text": block.text})
-        elif isinstance(block, ImageBlock):
-            parts.append(_image_url(block))
-        elif isinstance(block, ToolUseBlock):
-            arguments = json.dumps(block.input)  # as vLLM's endpoint writes them, spaces and all
-            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
-        elif isinstance(block, ToolResultBlock):
+        # What a block lacks is skipped or defaulted as vLLM's endpoint does; redacted thinking and a bare
+        # tool_reference add nothing there either.
+        if block.type == "text" and block.text:
+            parts.append({"type": "text", "text": block.text})
+        elif block.type == "image" and block.source:
+            parts.append({"type": "image_url", "image_url": {"url": _source_url(block.source)}})
+        elif block.type == "tool_use":
+            arguments = json.dumps(block.input or {})  # as vLLM's endpoint writes them, spaces and all
+            function = {"name": block.name or "", "arguments": arguments}
+            calls.append({"id": block.id or f"call_{int(time.time())}", "type": "function", "function": function})
+        elif block.type == "tool_result":
             out.extend(_tool_result(block, message.role, parts))
-        elif isinstance(block, ThinkingBlock):
+        elif block.type == "thinking" and block.thinking is not None:
             reasoning.append(block.thinking)
-        # redacted_thinking is opaque; accepted so a client can echo an assistant turn back whole.
     chat: dict[str, Any] = {"role": message.role}
     if reasoning:
         chat["reasoning"] = "".join(reasoning)
@@ -372,29 +421,32 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
     return out
 
 
-def _tool_result(block: ToolResultBlock, role: str, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    items = [] if isinstance(block.content, str) else block.content
+def _tool_result(block: Block, role: str, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A tool_result block as vLLM's endpoint converts it: in a user turn, a tool message (then its images as a user
+    message, and the tools a tool search found as a tool message of their own); anywhere else, text in the turn."""
+    if role != "user":
+        # vLLM writes the content as Python prints it, a list of items too.
+        parts.append({"type": "text", "text": f"Tool result: {str(block.content) if block.content else ''}"})
+        return []
+    items = block.content if isinstance(block.content, list) else []
     text = block.content if isinstance(block.content, str) else "\n".join(
         str(item.get("text") or "") for item in items if item.get("type") == "text"
     )
     images = [_source_url(item.get("source")) for item in items if item.get("type") == "image"]
-    # A tool search's result names the deferred tools it found; vLLM passes them on as a tool message of their own.
     found = [item.get("tool_name") or item.get("name") for item in items if item.get("type") == "tool_reference"]
-    if role != "user":
-        parts.append({"type": "text", "text": f"Tool result: {text}"})
-        return []
     # `is_error` has no chat equivalent; vLLM's endpoint drops it too (the text usually says what went wrong).
-    out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": block.tool_use_id, "content": text}]
+    call_id = block.tool_use_id or ""
+    out: list[dict[str, Any]] = [{"role": "tool", "tool_call_id": call_id, "content": text}]
     if images:
         out.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}} for url in images]})
     references = [{"type": "tool_reference", "name": name} for name in found if name]
     if references:
-        out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": references})
+        out.append({"role": "tool", "tool_call_id": call_id, "content": references})
     return out
 
 
 def _source_url(source: Any) -> str:
-    """An image source as a URL, as leniently as vLLM reads one inside a tool result (base64 unless `url`)."""
+    """An image source as a URL, as leniently as vLLM reads one (base64 unless its type says `url`)."""
     source = source if isinstance(source, dict) else {}
     if source.get("type") == "url":
         return str(source.get("url") or "")
@@ -721,23 +773,40 @@ class MessagesApi:
 
     async def _merge_inline_system(self, request: CountTokensRequest) -> bool:
         """Whether this request's system messages past the first must join the system prompt: vLLM's endpoint
-        renders [system, user, system, user] with the model's template once and merges if that fails. Asked of
-        vLLM's render endpoint once per served model; a vLLM that cannot render (no --enable-scale-out) keeps them
-        in place, as does one whose answer says nothing yet (asked again next time)."""
+        renders [system, user, system, user] with the model's template, and with the template it uses when tools are
+        given (a model may have another), and merges if either refuses. Asked of vLLM's render endpoint once per
+        served model; a vLLM that cannot render (no --enable-scale-out) keeps them in place, as does one whose
+        answer says nothing yet (asked again next time)."""
         if not any(message.role == "system" for message in request.messages):
             return False
         served = self.proxy.router.resolve(check_run(request.model), await self.proxy.base_model()).served_name
         if served not in self._merges_inline_system:
             probe = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
             try:
-                await self.proxy.token_in.render({"model": served, "messages": probe, "add_generation_prompt": False})
-                self._merges_inline_system[served] = False
+                merge = not await self._renders(served, probe)
+                # The tools' template is picked only when tools are sent, and vLLM refuses an empty list, so one
+                # stands in; where the template takes it with one system message, a refusal with two is the order's.
+                if not merge and await self._renders(served, probe[:2], [_PROBE_TOOL]):
+                    merge = not await self._renders(served, probe, [_PROBE_TOOL])
+                self._merges_inline_system[served] = merge
             except UpstreamFailure as failure:
-                if failure.error.status in (400, 403, 404):  # the template refused; no render endpoint
-                    self._merges_inline_system[served] = failure.error.status == 400
-                else:
+                if failure.error.status not in (403, 404):  # no render endpoint: kept in place for good
                     return False
+                self._merges_inline_system[served] = False
         return self._merges_inline_system[served]
+
+    async def _renders(self, served: str, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> bool:
+        """Whether the model's template renders these messages (vLLM answers a template's refusal with a 400)."""
+        body: dict[str, Any] = {"model": served, "messages": messages, "add_generation_prompt": False}
+        if tools:
+            body["tools"] = tools
+        try:
+            await self.proxy.token_in.render(body)
+        except UpstreamFailure as failure:
+            if failure.error.status == 400:
+                return False
+            raise
+        return True
 
     async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
         path = prefix.rest if prefix else scope["path"]

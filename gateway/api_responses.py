@@ -16,25 +16,30 @@ mode, records and the trainer then work as for any chat call; only the record's 
   writer's queue. `store: false` is honoured: such an answer is recorded for training but cannot be continued or
   fetched.
 - Tools as vLLM's own endpoint treats them: function tools are served, a namespace's functions are flattened to
-  `<namespace>__<name>` (and a call of one comes back with its `namespace`), and every other tool type (web search,
-  file search, MCP, code interpreter...) is dropped: it would run server-side between generations, which vLLM doesn't
-  do. Unknown fields (Codex's `client_metadata`...) are ignored as vLLM ignores them; vLLM's own sampling extras
-  (`top_k`, `seed`, `stop`...) go on to the chat request.
+  `<namespace>__<name>` (and a call of one comes back with its `namespace`), a free-form `custom` tool (Codex's
+  `apply_patch`) is shown as a function of one string `input` (a call of it comes back as a `custom_tool_call` with
+  that string, and one sent back as input goes to the model as that function call), and every other tool type (web
+  search, file search, MCP, code interpreter...) is dropped: it would run server-side between generations, which
+  vLLM doesn't do. A custom tool with a grammar format (Codex's `apply_patch` for a model named like OpenAI's) is
+  dropped too: vLLM refuses the whole request for it, and dropping it keeps such a session going. Unknown fields
+  (Codex's `client_metadata`...) are ignored as vLLM ignores them; vLLM's own sampling extras (`top_k`, `seed`,
+  `stop`...) go on to the chat request.
 - What the chat request cannot say is kept beside it under `trajgate_responses` (vLLM ignores unknown fields): whether
   its first message is the `instructions` (which a continuation does not carry over, as in OpenAI's API), the
-  `metadata` and the namespaces, so `GET` rebuilds the Response object from the record; and, for whoever reads the
-  record, the tools the model could not run (`dropped_tools`) and the fields that changed nothing (`ignored`).
+  `metadata`, the namespaces and the custom tools, so `GET` rebuilds the Response object from the record; and, for
+  whoever reads the record, the tools the model could not run (`dropped_tools`) and the fields that changed nothing
+  (`ignored`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -75,7 +80,7 @@ _TRANSLATED = frozenset(
     {
         "model", "input", "instructions", "previous_response_id", "tools", "tool_choice", "parallel_tool_calls",
         "max_output_tokens", "temperature", "top_p", "top_logprobs", "stream", "store", "user", "text", "background",
-        "conversation", "prompt", "include", "metadata",
+        "prompt", "include", "metadata",
     }
 )  # fmt: skip
 # vLLM's extensions of a Responses request that its chat endpoint takes under the same names, passed on as they are.
@@ -85,6 +90,14 @@ _PASSED = (
     "chat_template_kwargs", "cache_salt",
 )  # fmt: skip
 NAMESPACE_SEPARATOR = "__"  # vLLM's: a namespace's function is shown to the model as <namespace>__<name>
+# vLLM's shim for a free-form custom tool: a function of one string, whose arguments are {"input": <the text>}.
+CUSTOM_INPUT_KEY = "input"
+CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {CUSTOM_INPUT_KEY: {"type": "string", "description": "The freeform text payload for this tool."}},
+    "required": [CUSTOM_INPUT_KEY],
+    "additionalProperties": False,
+}
 
 
 # -- Responses request -> chat request -------------------------------------------------------------------------------
@@ -139,6 +152,32 @@ def _tool_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     return {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": item["arguments"]}}
 
 
+def custom_arguments(text: str) -> str:
+    """A custom tool's free-form input as the arguments of its function shim, as vLLM writes them."""
+    return json.dumps({CUSTOM_INPUT_KEY: text}, ensure_ascii=False)
+
+
+def custom_input(arguments: str) -> str:
+    """The free-form input in a custom tool's function-shim arguments; text that is not the shim's JSON is taken as
+    the input itself, as vLLM takes it (a model may write the payload bare)."""
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    value = parsed.get(CUSTOM_INPUT_KEY) if isinstance(parsed, dict) else None
+    return value if isinstance(value, str) else arguments
+
+
+def _custom_tool_call(item: dict[str, Any], where: str) -> dict[str, Any]:
+    for key in ("call_id", "name"):
+        if not isinstance(item.get(key), str):
+            raise _bad(f"{where}.{key}: expected a string")
+    if not isinstance(item.get("input"), str):
+        raise _bad(f"{where}.input: expected a string")
+    function = {"name": item["name"], "arguments": custom_arguments(item["input"])}
+    return {"id": item["call_id"], "type": "function", "function": function}
+
+
 def input_messages(items: list[Any], where: str = "input") -> list[dict[str, Any]]:
     """Responses input items as chat messages, the inverse of `output_items`: an assistant message followed by its
     function calls becomes one assistant message with `tool_calls`, as the model answered it in chat form."""
@@ -154,17 +193,19 @@ def input_messages(items: list[Any], where: str = "input") -> list[dict[str, Any
                 messages.append({"role": "assistant", "content": _text_of(item.get("content"), f"{at}.content")})
             elif role in ("user", "system", "developer"):
                 content = _user_content(item.get("content"), f"{at}.content")
-                messages.append({"role": "system" if role == "developer" else role, "content": content})
+                # A developer message goes on as one: vLLM's renderer makes it (and every system message) one
+                # system prompt where the template knows no developer role, as it does for its own endpoint.
+                messages.append({"role": role, "content": content})
             else:
                 raise _bad(f"{at}.role: expected user, assistant, system or developer")
-        elif kind == "function_call":
-            call = _tool_call(item, at)
+        elif kind in ("function_call", "custom_tool_call"):
+            call = _tool_call(item, at) if kind == "function_call" else _custom_tool_call(item, at)
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(item.get("call_id"), str):
                 raise _bad(f"{at}.call_id: expected a string")
             output = _text_of(item.get("output"), f"{at}.output")
@@ -187,36 +228,86 @@ def _chat_function(tool: dict[str, Any], name: str, where: str) -> dict[str, Any
     return {"type": "function", "function": {"name": name, **function}}
 
 
-def _chat_tools(tools: Any) -> tuple[list[dict[str, Any]], list[str], list[str]]:
-    """The chat tools the model is shown, the namespaces flattened into them, and the tools dropped (by type, or
-    `type:name`): vLLM's `get_function_tools`, which renders only what the model can call."""
+@dataclasses.dataclass(slots=True)
+class _Tools:
+    """A request's tools as the chat request shows them, and what the answer and the record need to know of them."""
+
+    chat: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # what the model is shown
+    namespaces: list[str] = dataclasses.field(default_factory=list)  # flattened into `chat`
+    custom: list[str] = dataclasses.field(default_factory=list)  # custom tools, shown as function shims
+    dropped: list[str] = dataclasses.field(default_factory=list)  # by type, or `type:name`
+
+
+def _free_form(tool: dict[str, Any]) -> bool:
+    fmt = tool.get("format")
+    return not (isinstance(fmt, dict) and fmt.get("type") == "grammar")
+
+
+def _custom_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    function = _chat_function({**tool, "parameters": CUSTOM_PARAMETERS}, tool.get("name"), where)
+    function["function"].pop("strict", None)  # the shim is vLLM's, whatever the tool says
+    return function
+
+
+def _chat_tools(tools: Any) -> _Tools:
+    """vLLM's `get_function_tools`, which renders only what the model can call: function tools, a namespace's
+    functions, and free-form custom tools as function shims; every other tool is dropped."""
     if not isinstance(tools, list):
         raise _bad("tools: expected a list")
-    out: list[dict[str, Any]] = []
-    namespaces: list[str] = []
-    dropped: list[str] = []
+    out = _Tools()
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
-            out.append(_chat_function(tool, tool.get("name"), f"tools[{i}]"))
+            out.chat.append(_chat_function(tool, tool.get("name"), f"tools[{i}]"))
+        elif kind == "custom" and _free_form(tool):
+            out.chat.append(_custom_function(tool, f"tools[{i}]"))
+            out.custom.append(tool["name"])
         elif kind == "namespace" and isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list):
-            namespaces.append(tool["name"])
+            out.namespaces.append(tool["name"])
             for j, inner in enumerate(tool["tools"]):
                 if isinstance(inner, dict) and inner.get("type") == "function":
                     flat = f"{tool['name']}{NAMESPACE_SEPARATOR}{inner.get('name')}"
-                    out.append(_chat_function(inner, flat, f"tools[{i}].tools[{j}]"))
+                    out.chat.append(_chat_function(inner, flat, f"tools[{i}].tools[{j}]"))
         else:
             name = tool.get("name") if isinstance(tool, dict) else None
-            dropped.append(f"{kind}:{name}" if isinstance(name, str) else str(kind))
-    return out, namespaces, dropped
+            out.dropped.append(f"{kind}:{name}" if isinstance(name, str) else str(kind))
+    return out
 
 
-def _chat_tool_choice(choice: Any) -> Any:
+def _partial(items: list[Any]) -> bool:
+    """vLLM's `should_continue_final_message`: the last input item is a message or reasoning item whose status
+    says it is unfinished."""
+    last = items[-1] if items else None
+    return isinstance(last, dict) and last.get("type", "message") in ("message", "reasoning") and last.get(
+        "status"
+    ) in ("in_progress", "incomplete")
+
+
+def _tool_name(name: str, tools: _Tools) -> str:
+    """A named tool choice's name as the model knows the tool: a namespace's function may be named without its
+    namespace where only one namespace has it (vLLM's `_resolve_named_tool_choice`)."""
+    shown = {tool["function"]["name"] for tool in tools.chat}
+    if name in shown:
+        return name
+    flat = [f"{namespace}{NAMESPACE_SEPARATOR}{name}" for namespace in tools.namespaces]
+    found = [candidate for candidate in flat if candidate in shown]
+    if len(found) > 1:
+        raise _bad(
+            f"tool_choice: {name!r} is in more than one namespace ({', '.join(found)}); name it as "
+            "<namespace>__<name>",
+            "unsupported_tool",
+        )
+    return found[0] if found else name  # an unknown name: vLLM's chat endpoint says so
+
+
+def _chat_tool_choice(choice: Any, tools: _Tools) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise _bad("tool_choice: expected auto, none, required or {type: function, name}", "unsupported_tool")
+    # A named custom tool is its function shim, as vLLM names it.
+    named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
+    if named and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": _tool_name(choice["name"], tools)}}
+    raise _bad("tool_choice: expected auto, none, required or {type: function or custom, name}", "unsupported_tool")
 
 
 def _response_format(text: Any) -> dict[str, Any] | None:
@@ -235,9 +326,9 @@ def chat_request(body: dict[str, Any], previous: list[dict[str, Any]] | None) ->
     """The chat request that asks the model what this Responses request asks; `previous` is the conversation so far
     when it continues an earlier response (without that response's instructions)."""
     ignored = sorted(set(body) - _TRANSLATED - _IGNORED - set(_PASSED))
-    for refused in ("conversation", "prompt"):
-        if body.get(refused) is not None:
-            raise _bad(f"{refused}: not supported by trajgate (send the input, or use previous_response_id)")
+    # vLLM's endpoint reads no `conversation` (it is ignored, and named in the record); a prompt template it refuses.
+    if body.get("prompt") is not None:
+        raise _bad("prompt: not supported by trajgate (send the input, or use previous_response_id)")
     if body.get("background"):
         raise _bad("background: not supported by trajgate (responses are answered while the client waits)")
     raw_input = body.get("input")
@@ -253,15 +344,16 @@ def chat_request(body: dict[str, Any], previous: list[dict[str, Any]] | None) ->
     messages = [{"role": "system", "content": instructions}] if instructions is not None else []
     messages += list(previous or ()) + input_messages(items)
     chat: dict[str, Any] = {"model": body.get("model"), "messages": messages}
-    namespaces: list[str] = []
-    dropped: list[str] = []
-    if body.get("tools"):
-        tools, namespaces, dropped = _chat_tools(body["tools"])
-        if tools:
-            chat["tools"] = tools
+    if _partial(items) and messages and messages[-1]["role"] == "assistant":
+        # An unfinished answer sent back last is continued, not answered anew, as vLLM's endpoint does.
+        chat["add_generation_prompt"] = False
+        chat["continue_final_message"] = True
+    tools = _chat_tools(body["tools"]) if body.get("tools") else _Tools()
+    if tools.chat:
+        chat["tools"] = tools.chat
     if body.get("tool_choice") is not None and ("tools" in chat or body["tool_choice"] != "auto"):
         # vLLM's default, said or not; only chat refuses "auto" without tools (all of them may have been dropped)
-        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"], tools)
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     if body.get("max_output_tokens") is not None:
@@ -292,8 +384,8 @@ def chat_request(body: dict[str, Any], previous: list[dict[str, Any]] | None) ->
     if metadata is not None and not isinstance(metadata, dict):
         raise _bad("metadata: expected an object")
     extra = {
-        "instructions": instructions is not None, "metadata": metadata, "namespaces": namespaces,
-        "dropped_tools": dropped, "ignored": ignored,
+        "instructions": instructions is not None, "metadata": metadata, "namespaces": tools.namespaces,
+        "custom_tools": tools.custom, "dropped_tools": tools.dropped, "ignored": ignored,
         "verbosity": body["text"].get("verbosity") if isinstance(body.get("text"), dict) else None,
     }  # fmt: skip
     chat[EXTRA] = {k: v for k, v in extra.items() if v}
@@ -318,17 +410,33 @@ def _output_logprobs(entries: list[dict[str, Any]] | None) -> list[dict[str, Any
     ]
 
 
-def output_items(choice: dict[str, Any], hex_id: str, namespaces: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """A chat choice as Response output items: reasoning, the message, then one function_call per tool call (a call
-    of a namespace's function named as in the request, with its `namespace`, as vLLM names it).
-    Item ids derive from the response id, so rebuilding the answer from its record gives the same ids."""
+def _tool_call_item(call: dict[str, Any], item_id: str, extra: dict[str, Any]) -> dict[str, Any]:
+    """A chat tool call (`name` and `arguments` as far as they are known) as the output item vLLM makes of it: a
+    custom tool's call is a `custom_tool_call` with its free-form input, a namespace's function is named as in the
+    request with its `namespace`, any other is a `function_call`."""
+    name, arguments = call["name"], call["arguments"]
+    if name in (extra.get("custom_tools") or ()):
+        return {"type": "custom_tool_call", "id": "ctc_" + item_id, "call_id": call["call_id"], "name": name,
+                "input": custom_input(arguments) if arguments else ""}  # fmt: skip
+    item = {"type": "function_call", "id": "fc_" + item_id, "call_id": call["call_id"], "name": name,
+            "arguments": arguments, "status": "completed"}  # fmt: skip
+    namespace, _, bare = name.partition(NAMESPACE_SEPARATOR)
+    if bare and namespace in (extra.get("namespaces") or ()):
+        item.update(name=bare, namespace=namespace)
+    return item
+
+
+def output_items(choice: dict[str, Any], hex_id: str, extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice as Response output items: reasoning, the message, then one item per tool call (see
+    `_tool_call_item`). Every item is `completed`, a cut-off one too: vLLM's endpoint says so of each item and puts
+    the cut in the Response's own status. Item ids derive from the response id, so rebuilding the answer from its
+    record gives the same ids."""
     message = choice.get("message") or {}
-    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
     items: list[dict[str, Any]] = []
     reasoning = message.get("reasoning_content") or message.get("reasoning")
     if reasoning:
         items.append(
-            {"type": "reasoning", "id": f"rs_{hex_id}", "summary": [], "status": status,
+            {"type": "reasoning", "id": f"rs_{hex_id}", "summary": [], "status": "completed",
              "content": [{"type": "reasoning_text", "text": reasoning}]}
         )  # fmt: skip
     if message.get("content"):
@@ -337,17 +445,13 @@ def output_items(choice: dict[str, Any], hex_id: str, namespaces: Sequence[str] 
         if logprobs and logprobs.get("content") is not None:
             part["logprobs"] = _output_logprobs(logprobs["content"])
         items.append(
-            {"type": "message", "id": f"msg_{hex_id}", "role": "assistant", "status": status, "content": [part]}
+            {"type": "message", "id": f"msg_{hex_id}", "role": "assistant", "status": "completed", "content": [part]}
         )
     for i, call in enumerate(message.get("tool_calls") or ()):
         function = call.get("function") or {}
-        item = {"type": "function_call", "id": f"fc_{hex_id}_{i}", "call_id": call.get("id") or f"call_{hex_id}_{i}",
-                "name": function.get("name", ""), "arguments": function.get("arguments") or "",
-                "status": status}  # fmt: skip
-        namespace, _, name = str(item["name"]).partition(NAMESPACE_SEPARATOR)
-        if name and namespace in namespaces:
-            item.update(name=name, namespace=namespace)
-        items.append(item)
+        known = {"call_id": call.get("id") or f"call_{hex_id}_{i}", "name": str(function.get("name") or ""),
+                 "arguments": function.get("arguments") or ""}  # fmt: skip
+        items.append(_tool_call_item(known, f"{hex_id}_{i}", extra))
     return items
 
 
@@ -423,7 +527,7 @@ def response_object(
         "instructions": instructions,
         "max_output_tokens": chat.get("max_tokens"),
         "model": chat.get("model"),
-        "output": output_items(choice, hex_id, extra.get("namespaces") or ()) if answer is not None else [],
+        "output": output_items(choice, hex_id, extra) if answer is not None else [],
         "parallel_tool_calls": chat.get("parallel_tool_calls", True),
         "previous_response_id": previous_response_id,
         "reasoning": None,
@@ -784,20 +888,25 @@ class _EventStream:
         function = call.get("function") or {}
         item = self.tool_items.get(index)
         if item is None:
-            item = {"type": "function_call", "id": f"fc_{self.hex_id}_{len(self.tool_items)}",
-                    "call_id": call.get("id") or f"call_{self.hex_id}_{len(self.tool_items)}",
-                    "name": function.get("name") or "", "arguments": "", "status": "in_progress"}  # fmt: skip
-            namespace, _, name = item["name"].partition(NAMESPACE_SEPARATOR)
-            if name and namespace in ((self.chat.get(EXTRA) or {}).get("namespaces") or ()):
-                item.update(name=name, namespace=namespace)
+            n = len(self.tool_items)
+            known = {"call_id": call.get("id") or f"call_{self.hex_id}_{n}", "name": function.get("name") or "",
+                     "arguments": ""}  # fmt: skip
+            item = _tool_call_item(known, f"{self.hex_id}_{n}", self.chat.get(EXTRA) or {})
+            if item["type"] == "function_call":
+                item["status"] = "in_progress"
+            item["text"] = ""  # the arguments as written so far
             self.tool_items[index] = item
             self._open_item(item, out)
         elif function.get("name"):
             item["name"] += function["name"]
         if function.get("arguments"):
-            item["arguments"] += function["arguments"]
-            self._event("response.function_call_arguments.delta", out, item_id=item["id"],
-                        output_index=item["output_index"], delta=function["arguments"])  # fmt: skip
+            item["text"] += function["arguments"]
+            # A custom tool's input is sent whole when its call ends (its shim's JSON must be decoded first); vLLM
+            # too sends it only as far as it decodes.
+            if item["type"] == "function_call":
+                item["arguments"] = item["text"]
+                self._event("response.function_call_arguments.delta", out, item_id=item["id"],
+                            output_index=item["output_index"], delta=function["arguments"])  # fmt: skip
 
     def _close(self, out: list[bytes], final: list[dict[str, Any]] | None = None) -> None:
         """Finish the open item; `final` is the completed response's output, whose item the last one ends as."""
@@ -818,10 +927,16 @@ class _EventStream:
             self._event("response.reasoning_text.done", out, **at, content_index=0, text=item["text"])
             self._event("response.content_part.done", out, **at, content_index=0, part=part)
             done = {"type": "reasoning", "id": item["id"], "summary": [], "status": "completed", "content": [part]}
+        elif item["type"] == "custom_tool_call":
+            text = custom_input(item["text"]) if item["text"] else ""
+            if text:
+                self._event("response.custom_tool_call_input.delta", out, **at, delta=text)
+            self._event("response.custom_tool_call_input.done", out, **at, input=text)
+            done = {k: v for k, v in item.items() if k not in ("output_index", "text")} | {"input": text}
         else:
             self._event("response.function_call_arguments.done", out, **at, name=item["name"],
                         arguments=item["arguments"])  # fmt: skip
-            done = {k: v for k, v in item.items() if k != "output_index"} | {"status": "completed"}
+            done = {k: v for k, v in item.items() if k not in ("output_index", "text")} | {"status": "completed"}
         if final is not None and item["output_index"] < len(final):
             done = final[item["output_index"]]
         self._event("response.output_item.done", out, output_index=item["output_index"], item=done)

@@ -22,6 +22,7 @@ import pytest
 
 from gateway import api_messages
 from gateway.api_messages import MessagesRequest, StreamTranslator, to_chat
+from gateway.errors import GatewayError
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 from tests.fake_upstream import FIXTURES, FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
@@ -204,10 +205,102 @@ def test_claude_codes_inline_system_and_unknown_fields_pass_as_in_vllm() -> None
     assert api_messages.ignored_fields(data) == ["context_management"]
 
 
+WEATHER = {"name": "get_weather", "description": "Weather.", "input_schema": {"properties": {"city": {"type": "str"}}}}
+
+
+def test_blocks_and_fields_vllm_takes_loosely_are_taken_as_it_takes_them() -> None:
+    """vLLM 0.32's endpoint has one content-block model with every field optional, reads only the text of the
+    top-level system, takes max_tokens as pydantic reads an int, any tool type with an input_schema, and any
+    metadata; what a block lacks is skipped or defaulted as there (each checked against a running vLLM: same
+    status, same prompt length)."""
+    data = {
+        "model": "agent", "max_tokens": 8.0, "metadata": {"user_id": 5}, "top_k": -1, "speed": 1,
+        "system": [{"type": "text", "text": "Be brief."}, {"type": "image", "source": {"type": "url", "url": "u"}},
+                   {"type": "thinking", "thinking": "t"}, {"type": "text"}],
+        "tools": [{**WEATHER, "type": "bash_20250124"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text"}, {"type": "text", "text": None}, {"type": "image"},
+                                         {"type": "text", "text": "Hi"}]},
+            {"role": "assistant",
+             "content": [{"type": "thinking"}, {"type": "redacted_thinking"}, {"type": "tool_use"}]},
+            {"role": "user", "content": [{"type": "tool_result"}]},
+            {"role": "assistant", "content": [{"type": "tool_result", "content": [{"type": "text", "text": "a"}]}]},
+        ],
+    }  # fmt: skip
+    request = api_messages.parse_request(data, MessagesRequest)
+    chat = to_chat(request)
+    assert chat["max_tokens"] == 8 and chat["top_k"] == -1 and "user" not in chat
+    assert chat["tools"][0]["function"]["parameters"]["type"] == "object"
+    [call] = chat["messages"][2]["tool_calls"]
+    assert call["id"].startswith("call_") and call["function"] == {"name": "", "arguments": "{}"}
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "", "content": ""},
+        {"role": "assistant", "content": "Tool result: [{'type': 'text', 'text': 'a'}]"},  # as vLLM prints it
+    ]
+    for max_tokens in ("8", True):
+        assert api_messages.parse_request({**data, "max_tokens": max_tokens}, MessagesRequest).max_tokens in (8, 1)
+
+
+def test_tool_additions_and_removals_in_system_messages_change_the_tools_as_in_vllm() -> None:
+    """vLLM's `_resolve_tools`: the tools at the end of the conversation, after each system message's
+    tool_addition (by value, or by reference to a deferred tool, which is then no longer deferred) and
+    tool_removal; the blocks add no text."""
+    search = {"name": "search", "input_schema": {"type": "object"}, "defer_loading": True}
+
+    def change(kind: str, tool: dict[str, Any]) -> dict[str, Any]:
+        return {"role": "system", "content": [{"type": kind, "tool": tool}]}
+
+    data = {
+        "model": "agent", "max_tokens": 8, "tools": [WEATHER, search],
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            change("tool_addition", {"type": "tool_definition", "definition": {"name": "add", "input_schema": {}}}),
+            change("tool_addition", {"type": "tool_reference", "name": "search"}),
+            change("tool_removal", {"type": "tool_reference", "name": "get_weather"}),
+            {"role": "user", "content": "Go"},
+        ],
+    }  # fmt: skip
+    chat = to_chat(api_messages.parse_request(data, MessagesRequest))
+    assert [(t["function"]["name"], t["function"].get("defer_loading")) for t in chat["tools"]] == [
+        ("search", None), ("add", None)]  # fmt: skip
+    assert chat["messages"] == [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Go"}]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # vLLM's own refusals, each a 400 there too
+        ({"messages": [{"role": "user", "content": [{"type": "tool_addition", "tool": {
+            "type": "tool_reference", "name": "get_weather"}}]}]}, 'only allowed in messages with role "system"'),
+        ({"system": [{"type": "tool_removal", "tool": {"type": "tool_reference", "name": "get_weather"}}]},
+         'only allowed in messages with role "system"'),
+        ({"messages": [{"role": "system", "content": [{"type": "tool_addition"}]}]}, "tool is required"),
+        ({"messages": [{"role": "system", "content": [{"type": "tool_removal", "tool": {
+            "type": "tool_definition", "definition": WEATHER}}]}]}, "only accepts a tool_reference"),
+        ({"messages": [{"role": "system", "content": [{"type": "tool_addition", "tool": {
+            "type": "tool_reference", "name": "nope"}}]}]}, "not declared in tools"),
+        ({"max_tokens": 8.5}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": [{"type": "video"}]}]}, "messages.0.content"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "input_schema"),
+    ],
+)  # fmt: skip
+def test_what_vllm_refuses_is_a_400(change: dict[str, Any], message: str) -> None:
+    data = {"model": "agent", "max_tokens": 8, "tools": [WEATHER], "messages": [{"role": "user", "content": "Hi"}]}
+    with pytest.raises(GatewayError) as refused:
+        to_chat(api_messages.parse_request({**data, **change}, MessagesRequest))
+    assert refused.value.status == 400 and message in refused.value.message, refused.value.message
+
+
 def test_inline_system_messages_join_the_system_prompt_where_the_template_wants_one() -> None:
     """vLLM's endpoint asks the template to render [system, user, system, user] and, where it refuses (Qwen's
-    loop.first guard), merges later system messages into the first; the gateway asks vLLM's render endpoint the same
-    once per served model. A vLLM without a render endpoint keeps them in place; an unclear answer is asked again."""
+    loop.first guard), merges later system messages into the first; it asks the template it uses with tools too,
+    which may be another. The gateway asks vLLM's render endpoint the same once per served model, the tools variant
+    with a stand-in tool (vLLM refuses an empty list), which must render with one system message for a refusal with
+    two to count. A vLLM without a render endpoint keeps them in place; an unclear answer is asked again."""
     from types import SimpleNamespace
 
     from gateway.errors import GatewayError, UpstreamFailure
@@ -237,14 +330,22 @@ def test_inline_system_messages_join_the_system_prompt_where_the_template_wants_
     }  # fmt: skip
     request = api_messages.parse_request(data, MessagesRequest)
 
-    async def decisions(statuses: list[int]) -> list[bool]:
+    async def decisions(statuses: list[int], calls: int = 1) -> list[bool]:
         api = api_messages.MessagesApi(proxy)
         answers[:] = statuses
-        return [await api._merge_inline_system(request) for _ in statuses]
+        rendered.clear()
+        return [await api._merge_inline_system(request) for _ in range(calls)]
 
-    assert asyncio.run(decisions([400])) == [True]
+    assert asyncio.run(decisions([400])) == [True] and not answers
     assert [m["role"] for m in rendered[0]["messages"]] == ["system", "user", "system", "user"]
-    assert asyncio.run(decisions([503, 200])) == [False, False] and not answers  # asked again after the 503
+    assert "tools" not in rendered[0]
+    # a template that refuses only in its tools variant (the stand-in tool rendering with one system message)
+    assert asyncio.run(decisions([200, 200, 400])) == [True] and not answers
+    assert [(len(body["messages"]), len(body.get("tools") or ())) for body in rendered] == [(4, 0), (2, 1), (4, 1)]
+    assert asyncio.run(decisions([200, 200, 200])) == [False] and not answers
+    assert asyncio.run(decisions([200, 400])) == [False] and not answers  # the stand-in tool itself is refused
+    assert asyncio.run(decisions([503, 200, 200, 200], calls=2)) == [False, False] and not answers  # asked again
+    assert asyncio.run(decisions([200, 200, 503, 200, 200, 200], calls=2)) == [False, False] and not answers
     assert asyncio.run(decisions([403])) == [False]
     assert to_chat(request, merge_inline_system=True)["messages"] == [
         {"role": "system", "content": "Be brief. Really."},

@@ -74,7 +74,7 @@ def test_items_become_the_chat_messages_the_model_answered() -> None:
     ]
     tool_call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     assert api_responses.input_messages(items) == [
-        {"role": "system", "content": "be brief"},
+        {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
         {"role": "assistant", "content": "Let me look.", "tool_calls": [tool_call]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
@@ -88,7 +88,7 @@ def test_output_items_sent_back_as_input_give_the_answer_back() -> None:
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}},
         {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}},
     ]}  # fmt: skip
-    items = api_responses.output_items({"message": message, "finish_reason": "tool_calls"}, "ab" * 16)
+    items = api_responses.output_items({"message": message, "finish_reason": "tool_calls"}, "ab" * 16, {})
     assert [i["type"] for i in items] == ["message", "function_call", "function_call"]
     assert api_responses.input_messages(items) == [message]
 
@@ -122,11 +122,129 @@ def test_tools_and_fields_vllm_cannot_use_are_dropped_and_named_in_the_record() 
     assert "tools" not in only_search and "tool_choice" not in only_search
 
 
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+\u00e9t\u00e9 \"quoted\"\n*** End Patch\n"
+APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files."}
+
+
+def test_a_free_form_custom_tool_is_a_function_of_one_string_as_vllm_shows_it() -> None:
+    """vLLM 0.32's `get_function_tools`: a custom tool is shown as a function taking {"input": str}, a call of it
+    comes back as a `custom_tool_call` with the decoded input, and such an item sent back is that function call
+    again (with vLLM's encoding of it); its output is the tool message. A named custom tool_choice names the shim."""
+    body = {"model": "m", "input": "fix it", "tools": [APPLY_PATCH],
+            "tool_choice": {"type": "custom", "name": "apply_patch"}}  # fmt: skip
+    chat = api_responses.chat_request(body, None)
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "apply_patch", "description": "Edit files.", "parameters": api_responses.CUSTOM_PARAMETERS}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "apply_patch"}}
+    assert chat[api_responses.EXTRA]["custom_tools"] == ["apply_patch"]
+    arguments = json.dumps({"input": PATCH}, ensure_ascii=False)
+    message = {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "apply_patch", "arguments": arguments}}]}  # fmt: skip
+    [call] = api_responses.response_object("resp_" + "ab" * 16, chat, {"choices": [{"message": message}]})["output"]
+    assert call == {"type": "custom_tool_call", "id": "ctc_" + "ab" * 16 + "_0", "call_id": "c1",
+                    "name": "apply_patch", "input": PATCH}  # fmt: skip
+    output = {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done"}
+    assert api_responses.input_messages([call, output]) == [
+        {**message, "content": None}, {"role": "tool", "tool_call_id": "c1", "content": "Done"}]
+    # a model that writes the payload bare (not the shim's JSON) has that text taken as the input, as vLLM takes it
+    bare = {"role": "assistant", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "apply_patch", "arguments": "*** Begin"}}]}  # fmt: skip
+    [call] = api_responses.response_object("resp_" + "ab" * 16, chat, {"choices": [{"message": bare}]})["output"]
+    assert call["input"] == "*** Begin"
+
+
+def test_a_grammar_custom_tool_is_dropped_and_named_in_the_record() -> None:
+    """Codex's own apply_patch carries a lark grammar, which vLLM 0.32 refuses (a 400 for the whole request); the
+    gateway drops that tool as it drops built-in ones, so the session goes on, and the record says so."""
+    grammar = {**APPLY_PATCH, "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}
+    chat = api_responses.chat_request({"model": "m", "input": "hi", "tools": [grammar]}, None)
+    assert "tools" not in chat and chat[api_responses.EXTRA]["dropped_tools"] == ["custom:apply_patch"]
+
+
+def test_a_cut_off_answer_has_completed_items_in_an_incomplete_response() -> None:
+    """vLLM's endpoint: every output item says `completed`, and the cut shows in the Response's status."""
+    message = {"role": "assistant", "content": "Hal", "reasoning": "Think", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "run", "arguments": "{"}}]}  # fmt: skip
+    chat = api_responses.chat_request({"model": "m", "input": "hi", "max_output_tokens": 3}, None)
+    answer = {"choices": [{"message": message, "finish_reason": "length"}]}
+    response = api_responses.response_object("resp_" + "ab" * 16, chat, answer)
+    assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert [item["status"] for item in response["output"]] == ["completed"] * 3
+
+
+def test_an_unfinished_answer_sent_back_last_is_continued_as_vllm_does() -> None:
+    """vLLM's `should_continue_final_message`: a last message (or reasoning) item marked in_progress or incomplete
+    is continued, with no new assistant turn opened."""
+    partial = {"type": "message", "role": "assistant", "status": "incomplete",
+               "content": [{"type": "output_text", "text": "Hel", "annotations": []}]}  # fmt: skip
+    body = {"model": "m", "input": [{"role": "user", "content": "Hi"}, partial]}
+    chat = api_responses.chat_request(body, None)
+    assert chat["messages"][-1] == {"role": "assistant", "content": "Hel"}
+    assert (chat["add_generation_prompt"], chat["continue_final_message"]) == (False, True)
+    for done in ({**partial, "status": "completed"}, {**partial, "status": None}):
+        chat = api_responses.chat_request({**body, "input": [body["input"][0], done]}, None)
+        assert "continue_final_message" not in chat and "add_generation_prompt" not in chat
+
+
+def test_conversation_is_ignored_and_a_namespaced_tool_choice_found_as_vllm_does() -> None:
+    """vLLM's endpoint reads no `conversation` (the record names it as ignored), and a named tool choice may name a
+    namespace's function without its namespace where only one namespace has it."""
+    spawn = {"type": "function", "name": "spawn", "parameters": {"type": "object"}}
+    body = {"model": "m", "input": "hi", "conversation": "conv_1",
+            "tools": [{"type": "namespace", "name": "agents", "tools": [spawn]}],
+            "tool_choice": {"type": "function", "name": "spawn"}}  # fmt: skip
+    chat = api_responses.chat_request(body, None)
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "agents__spawn"}}
+    assert chat[api_responses.EXTRA]["ignored"] == ["conversation"]
+    both = [*body["tools"], {"type": "namespace", "name": "tasks", "tools": [spawn]}]
+    with pytest.raises(GatewayError, match="more than one namespace"):
+        api_responses.chat_request({**body, "tools": both}, None)
+    unknown = api_responses.chat_request({**body, "tool_choice": {"type": "function", "name": "nope"}}, None)
+    assert unknown["tool_choice"]["function"]["name"] == "nope"  # vLLM's chat endpoint refuses it, as its own does
+
+
+async def test_a_streamed_custom_tool_call_sends_its_input_as_vllm_does() -> None:
+    chat = api_responses.chat_request({"model": "m", "input": "fix", "tools": [APPLY_PATCH], "stream": True}, None)
+    arguments = json.dumps({"input": PATCH}, ensure_ascii=False)
+    pieces = [arguments[:9], arguments[9:30], arguments[30:]]
+    chunks = [{"id": "c", "created": 1, "choices": [{"index": 0, "delta": {"role": "assistant", "tool_calls": [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "apply_patch", "arguments": ""}}]}}]}]
+    chunks += [{"id": "c", "choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "function": {"arguments": piece}}]}}]} for piece in pieces]  # fmt: skip
+    chunks.append({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message.get("body", b""))
+
+    class Kept:
+        def remember(self, chat: dict[str, Any], response: dict[str, Any]) -> None:
+            pass
+
+    stream = api_responses._EventStream(Kept(), chat, "resp_" + "ab" * 16, None, send)  # type: ignore[arg-type]
+    sse = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
+    await stream.feed(sse, False)
+    events = [json.loads(block.split(b"data: ", 1)[1]) for block in b"".join(sent).split(b"\n\n") if block]
+    kinds = [event["type"] for event in events]
+    assert "response.function_call_arguments.delta" not in kinds
+    added = events[kinds.index("response.output_item.added")]["item"]
+    assert added == {"type": "custom_tool_call", "id": "ctc_" + "ab" * 16 + "_0", "call_id": "call_1",
+                     "name": "apply_patch", "input": ""}  # fmt: skip
+    deltas = [event["delta"] for event in events if event["type"] == "response.custom_tool_call_input.delta"]
+    assert "".join(deltas) == PATCH
+    assert events[kinds.index("response.custom_tool_call_input.done")]["input"] == PATCH
+    done = events[kinds.index("response.output_item.done")]["item"]
+    assert done == {**added, "input": PATCH} and events[-1]["response"]["output"] == [done]
+
+
 @pytest.mark.parametrize(
     ("body", "code"),
     [
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "unsupported_item"),
         ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "unsupported_item"),
+        # vLLM's input item models want a custom tool call's call_id, name and input
+        ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "apply_patch"}]}, "invalid_value"),
+        ({"input": [{"type": "custom_tool_call", "name": "apply_patch", "input": "x"}]}, "invalid_value"),
         ({"input": 5}, "invalid_value"),
         ({"input": "hi", "background": True}, "invalid_value"),
         ({"input": "hi", "metadata": [1]}, "invalid_value"),

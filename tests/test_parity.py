@@ -5,7 +5,8 @@ The corpus (tests/fixtures/parity/, built and recorded by scripts/record_parity.
 the real Claude Code and Codex CLIs and from the OpenAI and Anthropic Python SDKs, each with vLLM's own answer to it
 and the exchanges the gateway had with vLLM for it, which the fake upstream replays here. A shape is compared where
 both answers have it: list items are matched by their `type` (the model may write text in one answer and call a
-tool in the other), and a null matches any type (vLLM sends null for what is unset).
+tool in the other), and a null matches any type (vLLM sends null for what is unset). The prompt's length, which
+both answers report, must be the same: the gateway built the prompt vLLM's endpoint built.
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ def event_differences(vllm: list[list[Any]], ours: list[list[Any]]) -> list[str]
     return out
 
 
+def prompt_length(answer: Any) -> int | None:
+    """The prompt's length an answer reports (`input_tokens`, or chat's `prompt_tokens`): the last an event stream
+    reports, as the final usage is."""
+    if isinstance(answer, dict):
+        for key in ("input_tokens", "prompt_tokens"):
+            if isinstance(answer.get(key), int):
+                return int(answer[key])
+        answer = list(answer.values())
+    if isinstance(answer, list):
+        return next((n for n in map(prompt_length, reversed(answer)) if n is not None), None)
+    return None
+
+
 def _event_kind(event: list[Any]) -> str:
     name, data = event
     if name:
@@ -130,6 +144,8 @@ def test_the_gateway_answers_as_vllm_does(parity_gateway: tuple[RunningGateway, 
         assert event_differences(vllm["events"], got["events"]) == []
     else:
         assert got["response"] is not None and differences(vllm["response"], got["response"]) == []
+    theirs = prompt_length(vllm["response"] if vllm["events"] is None else vllm["events"])
+    assert theirs is not None and prompt_length(got["response"] or got["events"]) == theirs, "another prompt"
     if fixture["endpoint"] == "/v1/messages/count_tokens":
         return
     gateway.flush()
@@ -159,3 +175,4 @@ def test_the_shape_check_can_fail() -> None:
         ".usage.input_tokens: missing",
     ]
     assert differences(vllm, {**vllm, "content": [{"type": "tool_use", "id": "t"}]}) == []  # another block: unmatched
+    assert prompt_length(vllm) == 1 and prompt_length([["e", {"usage": {"prompt_tokens": 2}}], ["f", {}]]) == 2
