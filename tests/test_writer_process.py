@@ -107,7 +107,7 @@ def test_a_refused_record_is_set_aside_alone(pg_url: str, pg_engine: Engine, tmp
     process = WriterProcess(pg_url, nice=0)
     writer = RecordWriter(pg_engine, tmp_path / "spool", flush_interval_s=0.2, process=process)
     good = _records("good", 6)
-    bad = make_record("bad", 0, finish_reason="x" * 40)  # longer than the column
+    bad = make_record("bad", 0, prompt_token_ids=[2**40])  # cannot be stored as int32
     writer.start()
     try:
         for record in [*good[:3], bad, *good[3:]]:
