@@ -863,20 +863,25 @@ def for_derender(generated: dict[str, Any]) -> dict[str, Any]:
 
 def upstream_error(path: str, status: int, raw: bytes) -> GatewayError:
     """What the client is told when a scale-out step fails: a 403 means the endpoints are off (one clear error naming
-    the flag); other client errors pass vLLM's status and message through; server errors become a 502."""
+    the flag); other client errors pass vLLM's status and error (message, type, param, code) through as chat mode does;
+    server errors become a 502."""
     if status == 403:
         return GatewayError(502, f"vLLM refused {path} (403): {SCALE_OUT_HINT}", "upstream_error", "scale_out_disabled")
     message = raw[:2000].decode("utf-8", "replace").replace("\x00", "\ufffd")
     error_type = "upstream_error"
+    code: str | int | None = None
+    param: str | None = None
     with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
         error = orjson.loads(raw).get("error")
         if isinstance(error, dict):
             message = str(error.get("message") or message)
             error_type = str(error.get("type") or error_type)
+            code = error.get("code") if isinstance(error.get("code"), (str, int)) else None
+            param = error.get("param") if isinstance(error.get("param"), str) else None
         elif isinstance(error, str):
             message = error
     if 400 <= status < 500:
-        return GatewayError(status, message, error_type)
+        return GatewayError(status, message, error_type, code, param)
     return GatewayError(502, f"vLLM answered {status} on {path}: {message}", "upstream_error", "upstream_error")
 
 

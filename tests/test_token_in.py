@@ -123,6 +123,18 @@ def test_coalesced_generate_chunks_and_the_end_token_left_out_of_derender() -> N
     assert token_in.for_derender(chunk([1, 2], "length"))["choices"][0]["token_ids"] == [1, 2]
 
 
+def test_a_vllm_client_error_keeps_its_param_and_code() -> None:
+    # render's 400 for tool_choice "required" without tools, as vLLM 0.32 answers it (chat mode passes it verbatim)
+    error = {
+        "message": 'When using `tool_choice`, `tools` must be set.',
+        "type": "BadRequestError",
+        "param": "tool_choice",
+        "code": 400,
+    }
+    told = token_in.upstream_error(RENDER, 400, json.dumps({"error": error}).encode())
+    assert told.status == 400 and json.loads(told.body()) == {"error": error}
+
+
 # -- through the gateway -----------------------------------------------------------------------------------------
 
 
