@@ -758,6 +758,10 @@ class StreamRelay:
             self.head = {k: chunk.get(k) for k in ("id", "object", "created", "model")}
             for out in chunk.get("choices") or ():
                 out["token_ids"] = choice.get("token_ids")
+                # Streaming derender says `tool_calls` once a call was streamed, whatever ended the generation; vLLM's
+                # chat path only when it stopped, so a call cut by max_tokens ends with `length` there.
+                if out.get("finish_reason") == "tool_calls" and choice.get("finish_reason") not in (None, "stop"):
+                    out["finish_reason"] = choice["finish_reason"]
             if not self.prompt_sent:
                 chunk["prompt_token_ids"] = self.prompt
                 self.prompt_sent = True
