@@ -162,6 +162,19 @@ def test_tool_loop_turns_extend_and_clients_see_openai_shapes(
     assert all(c["history_key"] for c in calls) and len({c["history_key"] for c in calls}) == 3
 
 
+def test_read_api_and_export_show_why_a_segment_started(token_gateway: RunningGateway) -> None:
+    # README sends users to segment_reason; the admin read API and the export are where they read calls
+    trajectory = f"segment-{uuid.uuid4().hex[:8]}"
+    tool_loop(client_for(token_gateway, trajectory), False)
+    token_gateway.flush()
+    view = httpx.get(f"{token_gateway.url}/v1/trajectories/{trajectory}", timeout=30).json()
+    assert [c["segment_reason"] for c in view["calls"]] == ["first_call", None, None]
+    export = httpx.get(f"{token_gateway.url}/v1/runs/{RUN}/export?include_eval=true", timeout=60).text
+    exported = [json.loads(line) for line in export.splitlines() if line.strip()]
+    mine = next(t for t in exported if t["trajectory_id"] == trajectory)
+    assert [c["segment_reason"] for c in mine["calls"]] == ["first_call", None, None]
+
+
 def test_stream_ends_with_usage_and_done_and_strips_ids(token_gateway: RunningGateway) -> None:
     trajectory = f"usage-{uuid.uuid4().hex[:8]}"
     body = {
