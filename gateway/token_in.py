@@ -86,7 +86,8 @@ def normalise_message(message: Any) -> Any:
     This mirrors what vLLM hands the template (`vllm/renderers/chat_utils.py`: `_parse_chat_message_content` and
     `_postprocess_messages`): the role, the content (null, absent, "" and [] alike; a string equals one text part),
     `name`, an assistant's tool calls (id, function name, arguments parsed as JSON: re-serialised arguments and key
-    order match; arguments that are not JSON count as {}, see _normalise_tool_call), a tool message's `tool_call_id`, and a developer message's `tools`. Nothing else a client adds or
+    order match; arguments that are not JSON count as {}, see _normalise_tool_call), a tool message's
+    `tool_call_id`, and a developer message's `tools`. Nothing else a client adds or
     echoes back (`provider_specific_fields`, `refusal`, `annotations`, `audio`, nulls...) reaches the template, so
     nothing else counts. An assistant's reasoning (`reasoning`, or the older `reasoning_content`) is left out too:
     the turn it belongs to continues from the exact ids the gateway recorded, which hold the model's reasoning

@@ -475,7 +475,8 @@ def test_tool_arguments_that_are_not_an_object_are_answered_as_vllm_streams_them
         "usage": {"prompt_tokens": 5, "completion_tokens": 9},
     }
     message = api_messages.to_message(response)
-    assert message["content"] == [{"type": "tool_use", "id": "c1", "name": "calculator", "input": json.loads(arguments)}]
+    tool_use = {"type": "tool_use", "id": "c1", "name": "calculator", "input": json.loads(arguments)}
+    assert message["content"] == [tool_use]
     assert message["stop_reason"] == "tool_use"
     translator = StreamTranslator()
     chunks = [
@@ -490,10 +491,8 @@ def test_tool_arguments_that_are_not_an_object_are_answered_as_vllm_streams_them
     streamed = "".join(e["delta"]["partial_json"] for e in parsed if e["type"] == "content_block_delta")
     assert json.loads(streamed) == message["content"][0]["input"]
     assert [e["delta"]["stop_reason"] for e in parsed if e["type"] == "message_delta"] == ["tool_use"]
-    echoed = MessagesRequest.model_validate(
-        {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": message["content"]}]}
-    )
-    sent = to_chat(echoed)["messages"]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": message["content"]}]
+    sent = to_chat(MessagesRequest.model_validate({"model": "m", "max_tokens": 9, "messages": history}))["messages"]
     assert token_in.history_keys(sent) == token_in.history_keys([{"role": "user", "content": "hi"}, recorded])
 
 
@@ -505,7 +504,8 @@ def test_a_client_echoing_the_empty_input_of_arguments_that_are_not_json_continu
     # and the call's id still names the recorded turn.
     call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
     recorded = {"role": "assistant", "content": None, "tool_calls": [call]}
-    response = {"id": "chatcmpl-4", "model": "m", "choices": [{"index": 0, "finish_reason": "length", "message": recorded}]}
+    choice = {"index": 0, "finish_reason": "length", "message": recorded}
+    response = {"id": "chatcmpl-4", "model": "m", "choices": [choice]}
     content = api_messages.to_message(response)["content"]
     assert content == [{"type": "tool_use", "id": "c1", "name": "calculator", "input": {}}]
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]
