@@ -101,7 +101,9 @@ class Block(BaseModel):
     id: str | None = None
     tool_use_id: str | None = None
     name: str | None = None
-    input: dict[str, Any] | None = None
+    # vLLM's endpoint takes only an object; any JSON value is taken so a client can echo back a tool_use whose
+    # arguments were not an object, as the gateway answered it (see _tool_input), and continue the recorded turn.
+    input: Any = None
     # A tool result's items as vLLM takes them: text, image and tool_reference are used, any other kind is skipped.
     content: str | list[dict[str, Any]] | None = None
     is_error: bool | None = None
@@ -402,7 +404,8 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
         elif block.type == "image" and block.source:
             parts.append({"type": "image_url", "image_url": {"url": _source_url(block.source)}})
         elif block.type == "tool_use":
-            arguments = json.dumps(block.input or {})  # as vLLM's endpoint writes them, spaces and all
+            # as vLLM's endpoint writes them, spaces and all (a missing input is "{}" there)
+            arguments = json.dumps({} if block.input is None else block.input)
             function = {"name": block.name or "", "arguments": arguments}
             calls.append({"id": block.id or f"call_{int(time.time())}", "type": "function", "function": function})
         elif block.type == "tool_result":
@@ -497,14 +500,16 @@ def stop_reason(
     return "end_turn", None
 
 
-def _tool_input(arguments: str) -> tuple[dict[str, Any], bool]:
-    """The arguments as the object Anthropic's `input` must be, and whether they parsed as one (a call cut short by
-    max_tokens does not; its input is then empty, the record keeps the tokens)."""
+def _tool_input(arguments: str) -> tuple[Any, bool]:
+    """The arguments as `input`, and whether they are JSON (a call cut short by max_tokens is not; its input is then
+    empty, the record keeps the tokens). Any JSON value, an object or not, is the input, as vLLM's stream sends it:
+    the partial_json deltas join into exactly these arguments and vLLM calls the call complete when they parse.
+    (vLLM's non-stream answer is json.loads of them too; its response model then refuses a non-object, a 400 for an
+    answer already generated, so the gateway answers what the stream says.)"""
     try:
-        value = orjson.loads(arguments or "{}")
+        return orjson.loads(arguments or "{}"), True
     except orjson.JSONDecodeError:
         return {}, False
-    return (value, True) if isinstance(value, dict) else ({}, False)
 
 
 def message_id(chat_id: Any) -> str:

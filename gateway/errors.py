@@ -8,19 +8,30 @@ import orjson
 class GatewayError(Exception):
     """An error to send to the client as `{"error": {...}}` with an HTTP status; never a stack trace."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | int | None = None,
+        param: str | None = None,
+    ):
+        # code and param are vLLM's own (an int code, the offending field) when its client error is passed through
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.code = code
+        self.param = param
 
     def body(self) -> bytes:
-        return error_body(self.message, self.type, self.code)
+        return error_body(self.message, self.type, self.code, self.param)
 
 
-def error_body(message: str, type_: str = "invalid_request_error", code: str | None = None) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+def error_body(
+    message: str, type_: str = "invalid_request_error", code: str | int | None = None, param: str | None = None
+) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
 class UpstreamFailure(Exception):

@@ -48,6 +48,7 @@ def _parquet_schema() -> Any:
             ("finish_reason", pa.string()),
             ("trainable", pa.bool_()),
             ("merge_reason", pa.string()),
+            ("segment_reason", pa.string()),
             ("divergence", pa.int32()),
             ("parent", pa.struct([("seq", pa.int64()), ("choice_index", pa.int32())])),
             ("branch", pa.int64()),

@@ -86,7 +86,8 @@ def normalise_message(message: Any) -> Any:
     This mirrors what vLLM hands the template (`vllm/renderers/chat_utils.py`: `_parse_chat_message_content` and
     `_postprocess_messages`): the role, the content (null, absent, "" and [] alike; a string equals one text part),
     `name`, an assistant's tool calls (id, function name, arguments parsed as JSON: re-serialised arguments and key
-    order match), a tool message's `tool_call_id`, and a developer message's `tools`. Nothing else a client adds or
+    order match; arguments that are not JSON count as {}, see _normalise_tool_call), a tool message's
+    `tool_call_id`, and a developer message's `tools`. Nothing else a client adds or
     echoes back (`provider_specific_fields`, `refusal`, `annotations`, `audio`, nulls...) reaches the template, so
     nothing else counts. An assistant's reasoning (`reasoning`, or the older `reasoning_content`) is left out too:
     the turn it belongs to continues from the exact ids the gateway recorded, which hold the model's reasoning
@@ -146,7 +147,9 @@ def _normalise_tool_call(call: Any) -> Any:
         try:
             arguments = orjson.loads(arguments)
         except orjson.JSONDecodeError:
-            pass
+            # Arguments that are not JSON (a call cut by max_tokens) reach a Messages client as `input: {}`, which it
+            # echoes back as "{}"; the call's id still names the recorded turn, so both forms key alike.
+            arguments = {}
     return {"id": call.get("id"), "function": {"name": function.get("name"), "arguments": arguments}}
 
 
@@ -758,6 +761,10 @@ class StreamRelay:
             self.head = {k: chunk.get(k) for k in ("id", "object", "created", "model")}
             for out in chunk.get("choices") or ():
                 out["token_ids"] = choice.get("token_ids")
+                # Streaming derender says `tool_calls` once a call was streamed, whatever ended the generation; vLLM's
+                # chat path only when it stopped, so a call cut by max_tokens ends with `length` there.
+                if out.get("finish_reason") == "tool_calls" and choice.get("finish_reason") not in (None, "stop"):
+                    out["finish_reason"] = choice["finish_reason"]
             if not self.prompt_sent:
                 chunk["prompt_token_ids"] = self.prompt
                 self.prompt_sent = True
@@ -863,20 +870,25 @@ def for_derender(generated: dict[str, Any]) -> dict[str, Any]:
 
 def upstream_error(path: str, status: int, raw: bytes) -> GatewayError:
     """What the client is told when a scale-out step fails: a 403 means the endpoints are off (one clear error naming
-    the flag); other client errors pass vLLM's status and message through; server errors become a 502."""
+    the flag); other client errors pass vLLM's status and error (message, type, param, code) through as chat mode does;
+    server errors become a 502."""
     if status == 403:
         return GatewayError(502, f"vLLM refused {path} (403): {SCALE_OUT_HINT}", "upstream_error", "scale_out_disabled")
     message = raw[:2000].decode("utf-8", "replace").replace("\x00", "\ufffd")
     error_type = "upstream_error"
+    code: str | int | None = None
+    param: str | None = None
     with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
         error = orjson.loads(raw).get("error")
         if isinstance(error, dict):
             message = str(error.get("message") or message)
             error_type = str(error.get("type") or error_type)
+            code = error.get("code") if isinstance(error.get("code"), (str, int)) else None
+            param = error.get("param") if isinstance(error.get("param"), str) else None
         elif isinstance(error, str):
             message = error
     if 400 <= status < 500:
-        return GatewayError(status, message, error_type)
+        return GatewayError(status, message, error_type, code, param)
     return GatewayError(502, f"vLLM answered {status} on {path}: {message}", "upstream_error", "upstream_error")
 
 

@@ -20,7 +20,7 @@ import anthropic
 import httpx
 import pytest
 
-from gateway import api_messages
+from gateway import api_messages, token_in
 from gateway.api_messages import MessagesRequest, StreamTranslator, to_chat
 from gateway.errors import GatewayError
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
@@ -459,6 +459,58 @@ def test_answer_blocks_thinking_and_a_cut_tool_call() -> None:
     assert api_messages.stop_reason("stop", 2, False, False) == ("end_turn", None)  # a stop token id is no sequence
     assert api_messages.error_message(b'{"detail": "Forbidden"}') == "Forbidden"
     assert api_messages.error_message(b"upstream said no") == "upstream said no"
+
+
+@pytest.mark.parametrize("arguments", ['"infinity"', "[144, 5]", "2"], ids=["string", "array", "number"])
+def test_tool_arguments_that_are_not_an_object_are_answered_as_vllm_streams_them(arguments: str) -> None:
+    # vLLM 0.32's stream sends the arguments as partial_json and says tool_use (they are JSON); its non-stream answer
+    # is json.loads(arguments) (its model then refuses anything but an object: a 400 for an answer already made).
+    # The gateway answers the same value both ways, and a client echoing it back continues the recorded turn.
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+    recorded = {"role": "assistant", "content": None, "tool_calls": [call]}
+    response = {
+        "id": "chatcmpl-3",
+        "model": "m",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "stop_reason": None, "message": recorded}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 9},
+    }
+    message = api_messages.to_message(response)
+    tool_use = {"type": "tool_use", "id": "c1", "name": "calculator", "input": json.loads(arguments)}
+    assert message["content"] == [tool_use]
+    assert message["stop_reason"] == "tool_use"
+    translator = StreamTranslator()
+    chunks = [
+        {"id": "chatcmpl-3", "model": "m", "choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+        {
+            "id": "chatcmpl-3",
+            "choices": [{"index": 0, "delta": {"tool_calls": [{**call, "index": 0}]}, "finish_reason": "tool_calls"}],
+        },
+    ]
+    events = [e for chunk in chunks for e in translator.feed(json.dumps(chunk).encode())] + translator.feed(b"[DONE]")
+    parsed = [json.loads(e.split(b"\n")[1][6:]) for e in events]
+    streamed = "".join(e["delta"]["partial_json"] for e in parsed if e["type"] == "content_block_delta")
+    assert json.loads(streamed) == message["content"][0]["input"]
+    assert [e["delta"]["stop_reason"] for e in parsed if e["type"] == "message_delta"] == ["tool_use"]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": message["content"]}]
+    sent = to_chat(MessagesRequest.model_validate({"model": "m", "max_tokens": 9, "messages": history}))["messages"]
+    assert token_in.history_keys(sent) == token_in.history_keys([{"role": "user", "content": "hi"}, recorded])
+
+
+@pytest.mark.parametrize("arguments", ["infinity", '{"city": "Pa'], ids=["not-json", "cut"])
+def test_a_client_echoing_the_empty_input_of_arguments_that_are_not_json_continues_the_recorded_turn(
+    arguments: str,
+) -> None:
+    # Such arguments are answered as input {} (vLLM's non-stream answer fails on them); the echo sends "{}" back,
+    # and the call's id still names the recorded turn.
+    call = {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
+    recorded = {"role": "assistant", "content": None, "tool_calls": [call]}
+    choice = {"index": 0, "finish_reason": "length", "message": recorded}
+    response = {"id": "chatcmpl-4", "model": "m", "choices": [choice]}
+    content = api_messages.to_message(response)["content"]
+    assert content == [{"type": "tool_use", "id": "c1", "name": "calculator", "input": {}}]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]
+    sent = to_chat(MessagesRequest.model_validate({"model": "m", "max_tokens": 9, "messages": history}))["messages"]
+    assert token_in.history_keys(sent) == token_in.history_keys([{"role": "user", "content": "hi"}, recorded])
 
 
 # -- through the gateway ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ gets the fake upstream's 418 (it has no answer recorded for it), which must come
 Sent to vLLM 0.32's own endpoints, every one of these is a 4xx there too but `m-deep-schema`, which vLLM answers:
 the gateway refuses a body nested past the 254 levels its JSON writer (orjson) can write. Where vLLM's pydantic
 models refuse a Responses field the gateway never reads (`include: 5`, `stream: "sometimes"`, a tool of type 5...),
-the gateway passes the body on, which is never stricter than vLLM.
+the gateway passes the body on, which is never stricter than vLLM; so too a `tool_use` input that is not an object
+(`m-tool-use-input-list`), which the gateway takes so a client can send back the input it answered.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ a different prompt, bridge or derender body gets no answer and the test fails.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import threading
 import uuid
@@ -123,6 +124,18 @@ def test_coalesced_generate_chunks_and_the_end_token_left_out_of_derender() -> N
     assert token_in.for_derender(chunk([1, 2], "length"))["choices"][0]["token_ids"] == [1, 2]
 
 
+def test_a_vllm_client_error_keeps_its_param_and_code() -> None:
+    # render's 400 for tool_choice "required" without tools, as vLLM 0.32 answers it (chat mode passes it verbatim)
+    error = {
+        "message": 'When using `tool_choice`, `tools` must be set.',
+        "type": "BadRequestError",
+        "param": "tool_choice",
+        "code": 400,
+    }
+    told = token_in.upstream_error(RENDER, 400, json.dumps({"error": error}).encode())
+    assert told.status == 400 and json.loads(told.body()) == {"error": error}
+
+
 # -- through the gateway -----------------------------------------------------------------------------------------
 
 
@@ -147,6 +160,19 @@ def test_tool_loop_turns_extend_and_clients_see_openai_shapes(
         assert len(after["completion_logprobs"]) == len(after["completion_token_ids"])
     assert calls[0]["finish_reason"] == "tool_calls" and calls[0]["response"]["choices"][0]["message"]["tool_calls"]
     assert all(c["history_key"] for c in calls) and len({c["history_key"] for c in calls}) == 3
+
+
+def test_read_api_and_export_show_why_a_segment_started(token_gateway: RunningGateway) -> None:
+    # README sends users to segment_reason; the admin read API and the export are where they read calls
+    trajectory = f"segment-{uuid.uuid4().hex[:8]}"
+    tool_loop(client_for(token_gateway, trajectory), False)
+    token_gateway.flush()
+    view = httpx.get(f"{token_gateway.url}/v1/trajectories/{trajectory}", timeout=30).json()
+    assert [c["segment_reason"] for c in view["calls"]] == ["first_call", None, None]
+    export = httpx.get(f"{token_gateway.url}/v1/runs/{RUN}/export?include_eval=true", timeout=60).text
+    exported = [json.loads(line) for line in export.splitlines() if line.strip()]
+    mine = next(t for t in exported if t["trajectory_id"] == trajectory)
+    assert [c["segment_reason"] for c in mine["calls"]] == ["first_call", None, None]
 
 
 def test_stream_ends_with_usage_and_done_and_strips_ids(token_gateway: RunningGateway) -> None:
@@ -174,6 +200,62 @@ def test_stream_ends_with_usage_and_done_and_strips_ids(token_gateway: RunningGa
     assert all(ch.get("token_ids") is None and ch.get("logprobs") is None for c in chunks for ch in c["choices"])
     # derender answers every token; the client gets only the chunks that say something
     assert len(chunks) < 31
+
+
+def cut_tool_call_exchanges(cut_at: int) -> list[dict[str, Any]]:
+    """The recorded first streamed turn as vLLM answers it with `max_tokens` = cut_at, inside the tool call: the
+    generate stream ends with that token and `length`, and streaming derender, having streamed a call, says
+    `tool_calls` for it (vllm/renderers/online_derenderer.py rewrites any finish reason once tools_streamed)."""
+    recorded = copy.deepcopy(json.loads((FIXTURES / "token_in_tool_loop_stream.json").read_text())["exchanges"])
+    render, generate, derenders = recorded[0], recorded[1], recorded[2 : 2 + cut_at]
+    render["request"]["max_tokens"] = cut_at
+    render["response"]["sampling_params"]["max_tokens"] = cut_at
+    generate["request"]["sampling_params"]["max_tokens"] = cut_at
+    chunks = [json.loads(c) for c in generate["chunks"][:cut_at]]
+    chunks[-1]["choices"][0]["finish_reason"] = "length"
+    generate["chunks"] = [*(json.dumps(c) for c in chunks), "[DONE]"]
+    for derender in derenders:
+        derender["request"]["chat_request"]["max_tokens"] = cut_at
+    derenders[-1]["request"]["generate_chunk"]["choices"][0]["finish_reason"] = "length"
+    assert derenders[-1]["request"]["stream_state"]["tools_streamed"]
+    derenders[-1]["response"]["chunk"]["choices"][0]["finish_reason"] = "tool_calls"
+    return [render, generate, *derenders]
+
+
+def test_stream_tool_call_cut_by_max_tokens_finishes_with_length(
+    token_gateway: RunningGateway, upstream: FakeUpstream, db_url: str
+) -> None:
+    # vLLM's chat path says `length` for a call cut short (only a stopped one is `tool_calls`), as token_in does
+    # without stream; a streamed token_in call must not take derender's `tool_calls`.
+    names = []
+    for i, exchange in enumerate(cut_tool_call_exchanges(20)):
+        names.append(f"cut_tool_call#{i}")
+        upstream.fixtures[names[-1]] = {"stream": False, "headers": {"content-type": "application/json"}, **exchange}
+    trajectory = f"cut-{uuid.uuid4().hex[:8]}"
+    body = {
+        "model": RUN,
+        "messages": [*TOOL_EXAMPLE, {"role": "user", "content": WEATHER_QUESTION}],
+        "tools": TOOLS,
+        "max_tokens": 20,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        url = f"{token_gateway.url}/eval/t/{trajectory}/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=60) as response:
+            assert response.status_code == 200
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    finally:
+        for name in names:
+            del upstream.fixtures[name]
+    chunks = [json.loads(e) for e in events[:-1] if json.loads(e)["choices"]]
+    assert any(c["choices"][0]["delta"].get("tool_calls") for c in chunks)
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    token_gateway.flush()
+    (call,) = stored_calls(db_url, trajectory)
+    assert call["finish_reason"] == "length" and len(call["completion_token_ids"]) == 20
+    assert call["response"]["choices"][0]["finish_reason"] == "length"
 
 
 def test_retry_and_concurrent_turns_extend_the_same_predecessor(token_gateway: RunningGateway, db_url: str) -> None:

@@ -75,6 +75,7 @@ def _with_calls(conn: Any, page: list[Any]) -> Iterator[dict[str, Any]]:
             Call.finish_reason,
             Call.trainable,
             Call.merge_reason,
+            Call.segment_reason,
             Call.divergence,
             Call.parent_seq,
             Call.prefix_len,
@@ -140,6 +141,7 @@ def _call(row: Any, turn: int, rebuilder: Rebuilder) -> dict[str, Any]:
         "finish_reason": row.finish_reason,
         "trainable": row.trainable,
         "merge_reason": row.merge_reason,
+        "segment_reason": row.segment_reason,
         "divergence": row.divergence,
         "parent": parent_of(row.tree_parent_seq, row.tree_parent_choice),
     }

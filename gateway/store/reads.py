@@ -84,6 +84,7 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
         Call.retry_count,
         Call.created_at,
         Call.merge_reason,
+        Call.segment_reason,
         Call.divergence,
         Call.parent_seq,
         Call.prefix_len,
@@ -137,6 +138,7 @@ def trajectory_view(engine: Engine, trajectory_id: str, include_tokens: bool = F
             "retry_count": row.retry_count,
             "created_at": iso(row.created_at),
             "merge_reason": row.merge_reason,
+            "segment_reason": row.segment_reason,
             "divergence": row.divergence,
             "parent": parent_of(row.tree_parent_seq, row.tree_parent_choice),
         }
