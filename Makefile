@@ -32,9 +32,9 @@ test-e2e: $(STAMP) vllm-setup
 	$(PY) -m pytest -m e2e tests/e2e
 
 vllm-setup: $(STAMP)
-	$(PY) -m trainer.vllm_cpu setup
-	$(PY) -m trainer.vllm_cpu smollm2
-	$(PY) -m trainer.vllm_cpu tiny
+	$(PY) -m trainer.demo.vllm_cpu setup
+	$(PY) -m trainer.demo.vllm_cpu smollm2
+	$(PY) -m trainer.demo.vllm_cpu tiny
 
 fixtures: $(STAMP) vllm-setup
 	$(PY) scripts/record_fixtures.py

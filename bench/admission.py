@@ -3,7 +3,7 @@ stale, how stale the trained ones are, and who waits (the trainer for data, or t
 
 Real gateway (in-process, SQLite by default), the recorded-vLLM fake upstream (answers at once; each call then takes
 `--call-s` on the agent's side, jittered ±50 %, standing in for generation so episodes finish in varied order), and a
-scripted trainer on the real store API: it waits as trainer/loop.py does (enough ready groups, none due still
+scripted trainer on the real store API: it waits as trainer/worker/loop.py does (enough ready groups, none due still
 playing), claims, drops groups staler than max_staleness with trainer/samples.py's rule, sleeps `--step-s` for the
 optimizer step, commits and publishes the next version. No model: the figures are about scheduling.
 
@@ -46,7 +46,7 @@ from gateway.store.training import (  # noqa: E402
 from tests.fake_upstream import FakeUpstream  # noqa: E402
 from tests.gateway_harness import running_gateway  # noqa: E402
 from tests.test_gateway_capture import sdk_kwargs  # noqa: E402
-from trainer.loop import to_groups  # noqa: E402
+from trainer.worker.loop import to_groups  # noqa: E402
 from trainer.samples import build_samples  # noqa: E402
 
 RUN = "my-agent"
@@ -54,7 +54,7 @@ TRAINER = "bench-trainer"
 
 
 class Trainer:
-    """trainer/loop.py's schedule without the model: wait, claim, drop stale, step (sleep), commit, publish."""
+    """trainer/worker/loop.py's schedule without the model: wait, claim, drop stale, step (sleep), commit, publish."""
 
     def __init__(self, engine: Any, groups_per_step: int, max_staleness: int, step_s: float) -> None:
         self.engine, self.per_step, self.max_staleness, self.step_s = engine, groups_per_step, max_staleness, step_s

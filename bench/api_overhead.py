@@ -1,6 +1,6 @@
 """What the Anthropic Messages API costs on top of Chat Completions through the gateway: one run, both printed.
 
-`/v1/messages` is translated at the edge into the chat path (gateway/api_messages.py), so the difference between
+`/v1/messages` is translated at the edge into the chat path (gateway/edge/api_messages.py), so the difference between
 the two is the translation: validating the Anthropic body, building the chat request, and rewriting the answer (or
 every stream event) on the way out. Measured the way bench/gateway_overhead.py measures (same throwaway Postgres,
 bench/fast_upstream.py answering every chat request with the same recorded vLLM answer, `trajgate serve` with capture
@@ -69,7 +69,7 @@ def translation_cost(body: dict[str, Any], repeat: int = 2000) -> dict[str, floa
     """µs per call of each translation step, in this process (no I/O)."""
     import orjson
 
-    from gateway.api_messages import MessagesRequest, StreamTranslator, parse_request, to_chat, to_message
+    from gateway.edge.api_messages import MessagesRequest, StreamTranslator, parse_request, to_chat, to_message
 
     canned = build_canned()
     answer = orjson.loads(canned.routes[CHAT.encode()][0].split(b"\r\n\r\n", 1)[1])

@@ -1,6 +1,6 @@
 """What the OpenAI Responses API adds over Chat Completions through the gateway: one run, both APIs, one table.
 
-The Responses API is translated at the edge to the chat path (gateway/api_responses.py), so the same upstream call
+The Responses API is translated at the edge to the chat path (gateway/edge/api_responses.py), so the same upstream call
 happens either way; this measures the translation (request -> chat body, chat answer -> Response object / events,
 the in-memory store of the answer). Started here: bench/fast_upstream.py (a vLLM-shaped fake answering a recorded
 vLLM answer of ~16 tokens, stream and non-stream) and `trajgate serve` with capture on (SQLite). One keep-alive client

@@ -29,7 +29,7 @@ from unittest import mock
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from gateway.records import CallRecord  # noqa: E402
+from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store import records as store_records  # noqa: E402
 from gateway.store.records import write_calls  # noqa: E402

@@ -191,7 +191,7 @@ def _writer_processes(pid: int) -> list[int]:
     found = []
     for child in _children_of(pid):
         try:
-            if b"gateway.writer_process" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if b"gateway.recorder.writer_process" in Path(f"/proc/{child}/cmdline").read_bytes():
                 found.append(child)
         except OSError:
             continue

@@ -132,7 +132,7 @@ NUMERICS_SECONDS = {"qwen2.5-0.5b": 25.0, "qwen2.5-1.5b": 35.0, "qwen3-4b": 60.0
 OTHER_SHAPE_SECONDS = 30.0
 STAGES = ("peak", "step", "numerics", "unsloth")
 
-# The run's defaults (gateway.run_config.RunConfig: loss "cispo", learning_rate 2e-5, LoRA r16 α32
+# The run's defaults (gateway.runs.config.RunConfig: loss "cispo", learning_rate 2e-5, LoRA r16 α32
 # all-linear), restated: importing RunConfig would need pydantic, which the GPU machine lacks.
 LEARNING_RATE = 2e-5
 TRAINED_FRACTION = 0.5

@@ -27,7 +27,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere, like the other b
     sys.path.insert(0, str(REPO))
 
 from gateway.cli import build_parser, demo_options  # noqa: E402
-from trainer.demo import TASKS, DemoError, run_demo  # noqa: E402
+from trainer.demo.cpu_demo import TASKS, DemoError, run_demo  # noqa: E402
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""What the wait for other gateways' writers (gateway/peers.py) costs a reward: one gateway against two on one
+"""What the wait for other gateways' writers (gateway/recorder/heartbeat.py) costs a reward: one gateway against two on one
 Postgres, with each reward posted to the gateway that did NOT answer the episode's call.
 
 Everything runs in this process, as the fast tests do (tests.gateway_harness.running_gateway, the replaying

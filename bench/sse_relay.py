@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.fast_upstream import FIXTURES, load_fixtures, pick_chat_fixture, stream_from_answer  # noqa: E402
-from gateway import capture  # noqa: E402
+from gateway.proxy import capture  # noqa: E402
 from tests.stream_relay import relay, relay_proxy, sse_reads  # noqa: E402
 
 ASKS = {

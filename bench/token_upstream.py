@@ -28,7 +28,7 @@ from aiohttp import web
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from gateway.token_in import usage  # noqa: E402
+from gateway.proxy.token_in import usage  # noqa: E402
 
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "vllm"
 MODEL = "smollm2"

@@ -12,7 +12,7 @@ tokens in its rows, the tokens trained (completion tokens under the loss), prefi
 trained twice (goal 0); then every mode's four groups as one step, with build_samples' stats.
 
 Run: `python bench/tree_agents.py [--episodes 4] [--base-url http://127.0.0.1:PORT/v1]` (a running SmolLM2 server,
-e.g. `python -m trainer.vllm_cpu serve --model smollm2 --tools`; without it one is started and stopped). CPU heavy:
+e.g. `python -m trainer.demo.vllm_cpu serve --model smollm2 --tools`; without it one is started and stopped). CPU heavy:
 about 30 s per episode on 2 cores.
 """
 
@@ -37,7 +37,7 @@ from tests.examples import load_example  # noqa: E402
 from tests.gateway_harness import RunningGateway, running_gateway  # noqa: E402
 from tests.stored import as_trajectory_data, stored_calls  # noqa: E402
 from trainer.samples import GroupData, build_samples  # noqa: E402
-from trainer.vllm_cpu import smollm2_server  # noqa: E402
+from trainer.demo.vllm_cpu import smollm2_server  # noqa: E402
 
 AGENTS = {
     "supervisor": "supervisor_langgraph",

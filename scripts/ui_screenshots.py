@@ -4,10 +4,10 @@ Serves the UI on DATABASE with `trajgate serve` (an admin key set, so the pages 
 logs in through the form in Debian's headless chromium (selenium + chromium-driver, nothing downloaded), and saves
 the run page and one trajectory page as small palette PNGs. The trajectory shown is the run's trained train-mode
 trajectory with the most calls (the highest reward among those). Token text comes from the vLLM at --upstream
-(its completions derender, gateway.token_text): without one the page shows token ids.
+(its completions derender, gateway.ui.token_text): without one the page shows token ids.
 
     python -m gateway.cli demo --task tools --steps 2 ... --workdir /tmp/demo
-    python -m trainer.vllm_cpu serve --model smollm2 --tools --port 8001 &
+    python -m trainer.demo.vllm_cpu serve --model smollm2 --tools --port 8001 &
     python scripts/ui_screenshots.py --database sqlite:////tmp/demo/trajgate.db --upstream http://127.0.0.1:8001/v1
 """
 

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any
 
-from gateway.records import CallRecord
+from gateway.store.call_record import CallRecord
 
 
 def f32(x: float) -> float:

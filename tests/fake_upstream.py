@@ -2,7 +2,7 @@
 
 A request is answered only if its body equals a recorded request exactly (after the gateway's rewriting and
 injection), so replay also proves the gateway forwards bodies unchanged, with one exception: the sampling parameters
-the gateway sets in train mode (gateway.sampling.NEUTRAL) are left out of the match. The recordings are greedy so a
+the gateway sets in train mode (gateway.proxy.sampling.NEUTRAL) are left out of the match. The recordings are greedy so a
 re-record gives the same tokens, while train mode samples at temperature 1; tests assert those parameters on
 `received`. Fault modes (`mode`) cover what real
 vLLM can't be made to do on demand: a 500, a hang, a stream cut mid-way.
@@ -23,8 +23,8 @@ from typing import Any
 
 from aiohttp import ClientSession, web
 
-from gateway import chat_templates
-from gateway.sampling import NEUTRAL
+from gateway.proxy import chat_templates
+from gateway.proxy.sampling import NEUTRAL
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
 RENDER = "/v1/chat/completions/render"
@@ -92,7 +92,7 @@ class FakeUpstream:
         # Adapters unloaded from this vLLM: a call naming one is answered 404 as vLLM answers it.
         self.retired: set[str] = set()
         self.cancelled_streams = 0
-        # What token_in's template probe renders to (gateway/chat_templates.py); another template's, to test others.
+        # What token_in's template probe renders to (gateway/proxy/chat_templates.py); another template's, to test others.
         self.probe_token_ids = SMOLLM2_PROBE
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -16,7 +16,7 @@ import uvicorn
 
 from gateway.app import Gateway, create_app
 from gateway.cli import uvicorn_config
-from gateway.config import Settings, load_settings
+from gateway.runs.settings import Settings, load_settings
 from gateway.store import db
 from tests.pgcluster import free_port
 from tests.waiting import OutputLines, wait_until

@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from gateway.records import CallRecord
+from gateway.store.call_record import CallRecord
 from gateway.store.records import write_calls
 from tests.factories import make_record
 

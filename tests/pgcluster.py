@@ -15,7 +15,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from trainer.vllm_cpu import free_port  # noqa: F401  (tests take it from here, with the cluster helpers)
+from trainer.demo.vllm_cpu import free_port  # noqa: F401  (tests take it from here, with the cluster helpers)
 
 
 def _bindir() -> Path:

@@ -1,7 +1,7 @@
 """Drive the real `Proxy._relay_stream` in-process: no sockets, no aiohttp, no database.
 
 Only the ends are stubbed — the upstream response (`iter_chunks()` and `close()`, the part of
-gateway.upstream_client's response the relay reads), the ASGI `send`/`receive`, and the writer (records are kept in a list) — so what comes
+gateway.upstream.client's response the relay reads), the ASGI `send`/`receive`, and the writer (records are kept in a list) — so what comes
 out is exactly what a client would receive and what would be written. Shared by the relay's equivalence tests
 (tests/test_stream_relay.py) and its CPU benchmark (bench/sse_relay.py).
 """
@@ -13,12 +13,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from gateway import capture
-from gateway.attribution import Attribution
-from gateway.metrics import GatewayMetrics
-from gateway.proxy import Call, Proxy
-from gateway.records import CallRecord
-from gateway.routing import Route
+from gateway.proxy import capture
+from gateway.proxy.attribution import Attribution
+from gateway.http.metrics import GatewayMetrics
+from gateway.proxy.hot_path import Call, Proxy
+from gateway.store.call_record import CallRecord
+from gateway.proxy.routing import Route
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 

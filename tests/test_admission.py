@@ -2,7 +2,7 @@
 episodes, calls of an admitted group never wait, refusals are 429s with Retry-After in the OpenAI error shape,
 max_staleness 0 trains every group on exactly the previous policy, and two gateways share one bound.
 
-The trainer is scripted through the store API (claim, commit, publish), the way trainer/loop.py does it, so the
+The trainer is scripted through the store API (claim, commit, publish), the way trainer/worker/loop.py does it, so the
 tests control when room frees; the upstream is the recorded-vLLM fake. A scripted step publishes its version under
 the base model's name, which the recordings answer to.
 """
@@ -94,7 +94,7 @@ def engine_on(db_url: str) -> Iterator[Engine]:
 
 class ScriptedTrainer:
     """Trains whenever `groups_per_step` groups are ready: claim, commit (groups trained), then publish the step's
-    version, like trainer/loop.py without the model. Remembers each step's groups with their calls' versions."""
+    version, like trainer/worker/loop.py without the model. Remembers each step's groups with their calls' versions."""
 
     def __init__(self, engine: Engine, gateways: list[RunningGateway], groups_per_step: int, steps: int) -> None:
         self.engine, self.gateways, self.per_step, self.steps = engine, gateways, groups_per_step, steps
@@ -119,7 +119,7 @@ class ScriptedTrainer:
             self.error = exc
 
     def _can_step(self) -> bool:
-        """trainer/loop.py's condition: enough ready groups, and none due this step still playing."""
+        """trainer/worker/loop.py's condition: enough ready groups, and none due this step still playing."""
         due = due_groups(self.engine, RUN)
         ready = count_ready_groups(self.engine, RUN) >= self.per_step
         return ready and (due.playing == 0 or due.ready >= self.per_step)

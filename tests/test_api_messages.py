@@ -20,9 +20,10 @@ import anthropic
 import httpx
 import pytest
 
-from gateway import api_messages, token_in
-from gateway.api_messages import MessagesRequest, StreamTranslator, to_chat
-from gateway.errors import GatewayError
+from gateway.edge import api_messages
+from gateway.proxy import token_in
+from gateway.edge.api_messages import MessagesRequest, StreamTranslator, to_chat
+from gateway.http.errors import GatewayError
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 from tests.fake_upstream import FIXTURES, FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
@@ -303,7 +304,7 @@ def test_inline_system_messages_join_the_system_prompt_where_the_template_wants_
     two to count. A vLLM without a render endpoint keeps them in place; an unclear answer is asked again."""
     from types import SimpleNamespace
 
-    from gateway.errors import GatewayError, UpstreamFailure
+    from gateway.http.errors import GatewayError, UpstreamFailure
 
     answers: list[int] = []
     rendered: list[dict[str, Any]] = []

@@ -14,10 +14,10 @@ import httpx
 import openai
 import pytest
 
-from gateway import api_responses
-from gateway import writer as gateway_writer
-from gateway.capture import CHAT, StreamAssembler
-from gateway.errors import GatewayError
+from gateway.edge import api_responses
+from gateway.recorder import writer as gateway_writer
+from gateway.proxy.capture import CHAT, StreamAssembler
+from gateway.http.errors import GatewayError
 from gateway.store.db import make_engine
 from gateway.store.lineage import EXTENDS
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT

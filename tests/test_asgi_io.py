@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.asgi_io import relay_until_done
+from gateway.proxy.asgi_io import relay_until_done
 
 
 class Client:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.attribution import attribute, check_run, split_api_key, split_path
-from gateway.errors import GatewayError
-from gateway.turns import SeqClock
+from gateway.proxy.attribution import attribute, check_run, split_api_key, split_path
+from gateway.http.errors import GatewayError
+from gateway.proxy.turns import SeqClock
 
 
 def test_headers_win_over_path_and_key() -> None:
@@ -90,7 +90,7 @@ def test_run_names() -> None:
 
 def test_seq_clock_is_strictly_increasing_even_within_one_clock_tick(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = SeqClock()
-    monkeypatch.setattr("gateway.turns.time.time_ns", lambda: 5_000)
+    monkeypatch.setattr("gateway.proxy.turns.time.time_ns", lambda: 5_000)
     assert [clock.next() for _ in range(3)] == [5_000, 5_001, 5_002]
-    monkeypatch.setattr("gateway.turns.time.time_ns", lambda: 9_000)
+    monkeypatch.setattr("gateway.proxy.turns.time.time_ns", lambda: 9_000)
     assert clock.next() == 9_000

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser
-from gateway.config import ENV_PREFIX, Settings
-from trainer import vllm_cpu
+from gateway.runs.settings import ENV_PREFIX, Settings
+from trainer.demo import vllm_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -358,7 +358,7 @@ def test_trajgate_variables_are_real_settings(
     for svc in raw_services.values():
         names |= {key for key in env_of(svc) if key.startswith(ENV_PREFIX)}
     unknown = sorted(names - known)
-    assert not unknown, f"not trajgate settings (gateway/config.py): {unknown}"
+    assert not unknown, f"not trajgate settings (gateway/runs/settings.py): {unknown}"
     # Inside containers only real settings are set; compose-only names are interpolation variables.
     for name, svc in raw_services.items():
         passed = {key for key in env_of(svc) if key.startswith(ENV_PREFIX)}
@@ -547,7 +547,7 @@ def test_dockerfile_installs_torch_before_the_project() -> None:
     project_at = position(runs, r"pip install \S*/src\[", "installing the project with extras")
     assert torch_at < project_at, "torch must be installed before the project's extras"
     assert "--index-url" in runs[torch_at] and "TORCH_INDEX" in runs[torch_at]
-    # The same torch as everywhere else in the project (trainer/vllm_cpu.py, the Makefile).
+    # The same torch as everywhere else in the project (trainer/demo/vllm_cpu.py, the Makefile).
     assert f"torch=={args['TORCH_VERSION']}" == vllm_cpu.TORCH_SPEC
     assert args["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
     assert "train" in args["EXTRAS"].split(",")
@@ -682,7 +682,7 @@ def test_two_gateways_are_one_gateway_twice(scaled: dict[str, Any]) -> None:
     assert not second.get("ports"), "gateway-2 is reached through the load balancer only"
     environment = env_of(second)
     settings = Settings(_env_file=None, **{k[len(ENV_PREFIX) :].lower(): v for k, v in environment.items()})
-    # Gateways wait for each other's writers through Postgres (gateway/peers.py), not on a SQLite file.
+    # Gateways wait for each other's writers through Postgres (gateway/recorder/heartbeat.py), not on a SQLite file.
     assert settings.database_url.startswith("postgresql+psycopg://") and "@postgres:5432/" in settings.database_url
     assert environment["TRAJGATE_SPOOL_DIR"] in {target for _, target, _ in volume_mounts(second)}
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gateway.config import ConfigError, load_settings
+from gateway.runs.settings import ConfigError, load_settings
 
 
 @pytest.fixture(autouse=True)

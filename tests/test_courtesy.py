@@ -1,4 +1,4 @@
-"""gateway.courtesy: the writer thread pauses for the event loop at the yield points of its work, only it, and only
+"""gateway.store.courtesy: the writer thread pauses for the event loop at the yield points of its work, only it, and only
 while it keeps up."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import Engine
 
-from gateway import courtesy
-from gateway import writer as writer_module
-from gateway.records import CallRecord
+from gateway.store import courtesy
+from gateway.recorder import writer as writer_module
+from gateway.store.call_record import CallRecord
 from gateway.store.records import count_calls, write_calls
-from gateway.writer import FEW_CALLS_IN_FLIGHT, RecordWriter
+from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, RecordWriter
 from tests.factories import make_record
 
 
 class Clock:
-    """perf_counter and sleep for gateway.courtesy: time moves only when a test says so (or a pause is slept), and
+    """perf_counter and sleep for gateway.store.courtesy: time moves only when a test says so (or a pause is slept), and
     each pause is noted with the thread that took it."""
 
     def __init__(self) -> None:

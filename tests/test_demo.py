@@ -19,7 +19,7 @@ import pytest
 
 from gateway.cli import build_parser
 from gateway.store import db
-from trainer.demo import (
+from trainer.demo.cpu_demo import (
     PORT_TAKEN,
     TASKS,
     Child,
@@ -37,7 +37,7 @@ from trainer.demo import (
 )
 from tests.test_tool_agent import scripted  # noqa: F401 - a fixture
 from tests.waiting import OutputLines
-from trainer.vllm_cpu import VllmServer, free_port
+from trainer.demo.vllm_cpu import VllmServer, free_port
 
 
 def _load_agent():  # the example is a script, not part of the package
@@ -103,7 +103,7 @@ def test_curve_is_a_png(tmp_path: Path) -> None:
 
 
 def test_run_config_is_one_the_gateway_accepts() -> None:
-    from gateway.run_config import RunConfig
+    from gateway.runs.config import RunConfig
 
     config = RunConfig.model_validate(run_config(DemoOptions(ahead=2)))
     assert (config.max_staleness, config.admission) == (2, "wait")  # the gateway's admission paces the agent
@@ -111,7 +111,7 @@ def test_run_config_is_one_the_gateway_accepts() -> None:
 
 
 def test_each_task_gets_its_reply_length_and_the_token_mode_is_one_key() -> None:
-    from gateway.run_config import RunConfig
+    from gateway.runs.config import RunConfig
 
     assert run_config(DemoOptions())["sampling"]["max_tokens"] == 32
     tools = run_config(DemoOptions(task="tools"))
@@ -208,7 +208,7 @@ def test_negative_ahead_is_a_clear_error(tmp_path: Path) -> None:
 # wait for the agent's rounds. The CLI turns the KeyboardInterrupt into exit status 130.
 _INTERRUPTED_DEMO = """
 import sys, time
-from trainer.demo import _stopping_everything_on_exit
+from trainer.demo.cpu_demo import _stopping_everything_on_exit
 try:
     with _stopping_everything_on_exit() as stack:
         stack.callback(print, "children stopped", flush=True)
@@ -243,7 +243,7 @@ def test_interrupt_stops_the_children_however_the_demo_was_started(sigint: str, 
 
 
 def test_an_interrupt_while_a_process_starts_waits_until_its_stop_is_registered() -> None:
-    from trainer.demo import _interrupts_held
+    from trainer.demo.cpu_demo import _interrupts_held
 
     registered = []
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)

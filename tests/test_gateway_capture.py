@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.sampling import NEUTRAL
+from gateway.proxy.sampling import NEUTRAL
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway
 from tests.stored import stored_calls

@@ -17,8 +17,8 @@ import pytest
 from sqlalchemy import select, text
 
 from gateway.app import build_state
-from gateway.config import load_settings
-from gateway.records import CallRecord
+from gateway.runs.settings import load_settings
+from gateway.store.call_record import CallRecord
 from gateway.store import db
 from gateway.store.db import make_engine
 from gateway.store.models import Call

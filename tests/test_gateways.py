@@ -1,4 +1,4 @@
-"""Several gateways on one Postgres with no sticky sessions (gateway/peers.py): a reward, close or judge request
+"""Several gateways on one Postgres with no sticky sessions (gateway/recorder/heartbeat.py): a reward, close or judge request
 reaching one gateway counts the calls another gateway answered but has not yet written.
 
 The other gateway's writer is slowed by a hidden fault (its database writes wait at a gate the test opens, or sleep
@@ -28,11 +28,11 @@ from sqlalchemy import insert, select
 
 from gateway.store import peers as peer_store
 from gateway.store.db import READY_CHANNEL, make_engine
-from gateway.config import load_settings
+from gateway.runs.settings import load_settings
 from gateway.judge.worker import JudgeWorker
 from gateway.store.models import GatewayPeer, PolicyVersion
 from gateway.store.training import acquire_run_lease, commit_step
-from gateway.writer import RecordWriter
+from gateway.recorder.writer import RecordWriter
 from tests.fake_judge import FakeJudge
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway, start_serve
@@ -43,7 +43,7 @@ from tests.test_judge import judge_block
 from tests.test_replicas import FakeAdmin
 from tests.trajectories import group, make_calls, reward
 from tests.waiting import wait_until
-from trainer.publish import Publisher
+from trainer.worker.publish import Publisher
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 
 from gateway.judge.core import judge_trajectories
 from gateway.judge.worker import JudgeWorker
-from gateway.run_config import JudgeConfig
+from gateway.runs.config import JudgeConfig
 from gateway.store import db
 from gateway.store.judging import judgeable_groups, load_group
 from gateway.store.rewards import RewardItem, close_group, store_rewards
@@ -370,7 +370,7 @@ def test_worker_judges_complete_unrewarded_groups_only(
 
 
 def db_settings(db_url: str, fake_judge: FakeJudge) -> Any:
-    from gateway.config import load_settings
+    from gateway.runs.settings import load_settings
 
     return load_settings(_env_file=None, database_url=db_url, judge_api_bases=fake_judge.base_url)
 
@@ -478,9 +478,9 @@ def test_litellm_path(judged: RunningGateway, fake_judge: FakeJudge, monkeypatch
 def test_gateway_start_never_imports_litellm(tmp_path: Any) -> None:
     code = (
         "import sys\n"
-        "from gateway.config import load_settings\n"
+        "from gateway.runs.settings import load_settings\n"
         "from gateway.app import create_app\n"
-        "import gateway.cli, gateway.judge_api, gateway.judge.worker\n"
+        "import gateway.cli, gateway.api.judge_api, gateway.judge.worker\n"
         f"create_app(load_settings(_env_file=None, database_url='sqlite:///{tmp_path}/x.db', spool_dir='{tmp_path}'))\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('litellm', 'openai', 'tiktoken'))\n"
         "assert not loaded, loaded\n"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, func, select, text, update
 
-from gateway.records import CallRecord
+from gateway.store.call_record import CallRecord
 from gateway.store import db
 from gateway.store import records as store_records
 from gateway.store.export import iter_trajectories

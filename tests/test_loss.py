@@ -565,8 +565,8 @@ def test_input_token_logprobs_are_aligned_to_targets() -> None:
 def test_run_config_keys_reach_the_objective() -> None:
     from pydantic import ValidationError
 
-    from gateway.run_config import RunConfig
-    from trainer.loop import loss_config
+    from gateway.runs.config import RunConfig
+    from trainer.worker.loop import loss_config
 
     default = loss_config(RunConfig())
     assert (default.kind, default.aggregation, default.norm_tokens) == ("cispo", "token", None)
@@ -589,7 +589,7 @@ def test_run_config_keys_reach_the_objective() -> None:
 
 
 def test_the_step_line_shows_the_log_ratio() -> None:
-    from trainer.loop import format_step
+    from trainer.worker.loop import format_step
 
     metrics = {
         "reward_mean": 0.5, "reward_std": 0.1, "groups_used": 4, "groups_dropped": 0, "tokens": 100,

@@ -13,8 +13,8 @@ import orjson
 import pytest
 from sqlalchemy import Engine, Text, cast, func, select, text
 
-from gateway.export import write_jsonl
-from gateway.records import CallRecord
+from gateway.store.export_formats import write_jsonl
+from gateway.store.call_record import CallRecord
 from gateway.store import db
 from gateway.store import records as store_records
 from gateway.store.export import iter_trajectories

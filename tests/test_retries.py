@@ -16,7 +16,7 @@ import openai
 import pytest
 from sqlalchemy import Engine, select, update
 
-from gateway.records import CallRecord
+from gateway.store.call_record import CallRecord
 from gateway.store import db
 from gateway.store.models import Call
 from gateway.store.records import write_calls

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway import writer as gateway_writer
+from gateway.recorder import writer as gateway_writer
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import stored_calls

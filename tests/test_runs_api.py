@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.capture import CHAT, COMPLETIONS, prepare_upstream
-from gateway.run_config import RunConfig
+from gateway.proxy.capture import CHAT, COMPLETIONS, prepare_upstream
+from gateway.runs.config import RunConfig
 from gateway.store.db import make_engine
 from gateway.store.models import PolicyVersion
 from gateway.store.runs import record_train_step

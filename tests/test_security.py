@@ -20,8 +20,8 @@ import pytest
 import sqlalchemy
 from fastapi.routing import APIRoute
 
-from gateway.api_common import require_agent
-from gateway.config import load_settings
+from gateway.http.deps import require_agent
+from gateway.runs.settings import load_settings
 from gateway.judge.worker import JudgeSetupError, JudgeWorker
 from gateway.store import db
 from gateway.store.models import UiSession

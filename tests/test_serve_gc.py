@@ -14,7 +14,7 @@ SCRIPT = """
 import gc, json, tempfile, weakref
 from gateway.cli import _tune_gc
 from gateway.app import create_app
-from gateway.config import Settings
+from gateway.runs.settings import Settings
 
 app = create_app(Settings(database_url="sqlite:///:memory:", spool_dir=tempfile.mkdtemp()))
 

@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from bench.fast_upstream import pick_chat_fixture, stream_from_answer
-from gateway import capture
-from gateway.capture import CHAT, COMPLETIONS, ClientAsks, StreamAssembler, _ChoiceParts, strip_for_client
+from gateway.proxy import capture
+from gateway.proxy.capture import CHAT, COMPLETIONS, ClientAsks, StreamAssembler, _ChoiceParts, strip_for_client
 from tests.fake_upstream import load_fixtures
 from tests.stream_relay import relay, relay_proxy, sse_reads
 

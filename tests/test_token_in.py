@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from gateway import token_in
+from gateway.proxy import token_in
 from gateway.store.lineage import EXTENDS
 from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESULT, WEATHER_TOOL
 from tests.fake_upstream import FIXTURES, FakeUpstream

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from gateway import chat_templates, token_in
+from gateway.proxy import chat_templates, token_in
 from gateway.store.lineage import EXTENDS
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import running_gateway

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.store import db
 from tests.ui_seed import EVAL_REWARDS, RUN, STEP_METRICS, seed
-from trainer.trackers import TrackerError, TrackerTarget, flat_metrics, open_trackers
+from trainer.worker.trackers import TrackerError, TrackerTarget, flat_metrics, open_trackers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ SCRIPT = r"""
 import json, sys
 from gateway.store import db
 from gateway.store.runs import steps_after
-from trainer.trackers import StepReporter, TrackerTarget, open_trackers
+from trainer.worker.trackers import StepReporter, TrackerTarget, open_trackers
 
 kind, url, out = sys.argv[1:4]
 engine = db.make_engine(url)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.config import load_settings
+from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.records import write_calls
 from gateway.store.rewards import RewardItem, store_rewards
@@ -29,9 +29,9 @@ from gateway.store.training import (
 )
 from tests.factories import make_record
 from tests.test_backends import VOCAB, build_tiny_llama
-from trainer import loop
-from trainer.loop import Trainer, TrainerOptions
-from trainer.publish import Publisher, PublishError
+from trainer.worker import loop
+from trainer.worker.loop import Trainer, TrainerOptions
+from trainer.worker.publish import Publisher, PublishError
 
 PATTERN = 7
 

@@ -23,7 +23,7 @@ from tests.handoff_agent import play as play_handoff
 from tests.stored import stored_calls
 from tests.test_gateway_capture import sdk_kwargs
 from tests.trajectories import reward
-from trainer.loop import to_groups
+from trainer.worker.loop import to_groups
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 
 SUPERVISOR = ["tree_plan", "tree_research", "tree_report", "tree_conclude"]

@@ -18,8 +18,8 @@ import pytest
 
 from gateway.store import db
 from gateway.store.ui_reads import advantages
-from gateway.token_text import DERENDER_COMPLETIONS, TokenTextCache, batches, derender_body
-from gateway.ui_tree import layout as tree_layout
+from gateway.ui.token_text import DERENDER_COMPLETIONS, TokenTextCache, batches, derender_body
+from gateway.ui.tree_view import layout as tree_layout
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.pgcluster import create_database, drop_database

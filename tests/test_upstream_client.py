@@ -1,4 +1,4 @@
-"""The model-call HTTP client (gateway/upstream_client.py) against raw sockets that misbehave on purpose: what it
+"""The model-call HTTP client (gateway/upstream/client.py) against raw sockets that misbehave on purpose: what it
 sends, keep-alive reuse, streaming as bytes arrive, back pressure, timeouts, and every way vLLM can break the
 exchange. The gateway-level behaviour on top of it (502/504, in-band stream errors, records) is in
 test_gateway_faults.py."""
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from gateway.upstream_client import ConnectFailed, UpstreamError, UpstreamPool
+from gateway.upstream.client import ConnectFailed, UpstreamError, UpstreamPool
 from tests.pgcluster import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]

@@ -1,11 +1,11 @@
-"""Client writes joined per event-loop turn (gateway/write_coalescing.py), over a transport that records writes."""
+"""Client writes joined per event-loop turn (gateway/http/write_coalescing.py), over a transport that records writes."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from gateway.write_coalescing import CoalescingTransport
+from gateway.http.write_coalescing import CoalescingTransport
 
 
 class RecordingTransport:

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, select
 
-from gateway.records import CallRecord
+from gateway.store.call_record import CallRecord
 from gateway.store import db
 from gateway.store.arrays import decode_logprobs
 from gateway.store.models import Call
 from gateway.store.records import count_calls, write_calls
-from gateway.writer import RecordWriter, _Syncer, read_spool_line, spool_line
+from gateway.recorder.writer import RecordWriter, _Syncer, read_spool_line, spool_line
 from tests.factories import make_record
 from tests.pgcluster import PgCluster, free_port
 from tests.waiting import wait_until
@@ -241,7 +241,7 @@ def test_a_poison_record_is_isolated_without_writing_its_batch_row_by_row(
     engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """2 % of requests carrying something the database refuses must not turn every batch into 256 transactions."""
-    import gateway.writer as writer_module
+    import gateway.recorder.writer as writer_module
 
     transactions = []
 
@@ -267,7 +267,7 @@ def test_a_spool_that_cannot_be_opened_keeps_records_in_memory(
     engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """EMFILE ("Too many open files") opening the spool is the disk's problem, not the record's: nothing is lost."""
-    import gateway.writer as writer_module
+    import gateway.recorder.writer as writer_module
 
     failures = {"left": 3}
     real_open = writer_module._Spool._open_segment
@@ -312,7 +312,7 @@ def test_a_submitted_record_survives_the_process_being_killed(engine: Engine, sp
 import os, signal, sys
 from pathlib import Path
 from gateway.store.db import make_engine
-from gateway.writer import RecordWriter, read_spool_line
+from gateway.recorder.writer import RecordWriter, read_spool_line
 writer = RecordWriter(make_engine("sqlite://"), Path(sys.argv[1]))
 for line in sys.stdin.buffer:
     writer.submit(read_spool_line(line))
@@ -437,7 +437,7 @@ def test_committed_segments_are_rotated_and_removed_while_running(engine: Engine
 
 def test_a_stalled_database_keeps_memory_bounded_and_loses_nothing(engine: Engine, spool_dir: Path) -> None:
     """While writes cannot finish, records beyond the queue live only in the log, and are replayed afterwards."""
-    import gateway.writer as writer_module
+    import gateway.recorder.writer as writer_module
 
     gate = threading.Event()
     real_write = writer_module.write_calls

@@ -1,4 +1,4 @@
-"""The record writer with its database work in a process of its own (gateway.writer_process, TRAJGATE_WRITER_PROCESS):
+"""The record writer with its database work in a process of its own (gateway.recorder.writer_process, TRAJGATE_WRITER_PROCESS):
 records still all reach Postgres, a child that dies loses nothing, a refused record is set aside alone, and the
 gateway wires it up on Postgres only."""
 
@@ -16,11 +16,11 @@ import openai
 import pytest
 from sqlalchemy import Engine
 
-from gateway.records import CallRecord
+from gateway.store.call_record import CallRecord
 from gateway.store import db
 from gateway.store.records import count_calls
-from gateway.writer import RecordWriter, spool_line
-from gateway.writer_process import WriteFailed, WriterProcess
+from gateway.recorder.writer import RecordWriter, spool_line
+from gateway.recorder.writer_process import WriteFailed, WriterProcess
 from tests.factories import make_record
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import running_gateway

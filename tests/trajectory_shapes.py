@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.records import CallRecord
+from gateway.store.call_record import CallRecord
 
 SHAPES = ("linear", "supervisor", "forks", "compaction")
 SYSTEM = [1, 9690, 198, 2610, 359, 253, 5356, 11173, 30, 2, 198]  # "<|im_start|>system\nYou are ...<|im_end|>\n"

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gateway.run_names import check_run_name
+from gateway.runs.names import check_run_name
 from trainer.backends.base import TrainerBackend
 
 EXTRA_FILE = "checkpoint.json"
@@ -29,7 +29,7 @@ _TRASH_PREFIX = ".trash-"
 
 def run_dir(root: Path, run: str) -> Path:
     """``root/NAME``: one directory per run, directly under ``root``. Run names follow the gateway's rule
-    (gateway.run_names, so every run the gateway accepts can be trained); hub-style names keep their '/' as
+    (gateway.runs.names, so every run the gateway accepts can be trained); hub-style names keep their '/' as
     ``%2F`` ('%' is never in a run name, so the mapping is one-to-one), and no run can reach outside its own
     directory or into another run's."""
     return root / check_run_name(run).replace("/", "%2F")

@@ -1,6 +1,6 @@
 """Data-parallel training on torch.distributed, launched with ``torchrun`` (gloo on CPU, NCCL on CUDA).
 
-Rank 0 is the trainer of ``trainer.loop``: it alone talks to the database (claims, commits, the run's lease),
+Rank 0 is the trainer of ``trainer.worker.loop``: it alone talks to the database (claims, commits, the run's lease),
 saves checkpoints and publishes adapters. The other ranks ("followers", ``follow``) hold an identical replica
 of the adapter and its optimizer and do what rank 0 tells them over a command channel:
 

@@ -23,7 +23,7 @@ from sqlalchemy import Engine
 from gateway.judge import providers
 from gateway.judge.answer import InvalidAnswer, Score, parse_scores
 from gateway.judge.prompt import RETRY_RESERVE, JudgePrompt, Truncation, build_prompt, truncate_middle
-from gateway.run_config import JudgeConfig
+from gateway.runs.config import JudgeConfig
 from gateway.store.judging import GroupToJudge, load_group
 from gateway.store.rewards import FROZEN_STATES, RewardItem, RewardResult, store_rewards
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from gateway.config import ENV_PREFIX, Settings
+from gateway.runs.settings import ENV_PREFIX, Settings
 
 KEY_PREFIX = "TRAJGATE_JUDGE_KEY_"
 # The gateway's own secrets, by name; their values are refused under any other name too.

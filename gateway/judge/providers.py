@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.run_config import JudgeConfig
+from gateway.runs.config import JudgeConfig
 
 # Provider prefixes the built-in client serves, with their default base URL and the variable holding their key.
 BUILTIN_PROVIDERS: dict[str, tuple[str | None, str]] = {

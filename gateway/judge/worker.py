@@ -3,7 +3,7 @@ runs (or once, with `--once`).
 
 Every poll it reads the run's `judge` config (so changes apply without a restart) and the groups waiting for a
 judge (`gateway.store.judging.judgeable_groups`), waits until every gateway has written the calls it answered before
-then (gateway.peers: several gateways on one Postgres), and judges them one at a time. A group someone else has
+then (gateway.recorder.heartbeat: several gateways on one Postgres), and judges them one at a time. A group someone else has
 rewarded (even partly) is left to them. A group the judge fails on stays unrewarded and is tried again later with
 growing delays; the error is logged. One worker per run: two would judge the same groups twice (harmless, but wasted).
 """
@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.config import Settings
+from gateway.runs.settings import Settings
 from gateway.judge.core import GroupFrozen, GroupNotFound, JudgeFailed, judge_group
 from gateway.judge.policy import JudgeNotAllowed, JudgePolicy
 from gateway.judge.prompt import PromptTooLong
-from gateway.peers import others_caught_up
-from gateway.run_config import JudgeConfig
+from gateway.recorder.heartbeat import others_caught_up
+from gateway.runs.config import JudgeConfig
 from gateway.store.db import make_engine
 from gateway.store.judging import judgeable_groups, run_judge_block
 from gateway.store.rewards import RewardsRejected

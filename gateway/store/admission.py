@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from gateway.run_config import merged_config
+from gateway.runs.config import merged_config
 from gateway.store.db import write_transaction
 from gateway.store.models import Admission, AdmissionRefusal, Group, PolicyVersion, Run, TrainStep
 

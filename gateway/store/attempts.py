@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from gateway.records import CallRecord
+from gateway.store.call_record import CallRecord
 
 
 def request_hash(record: CallRecord) -> bytes | None:

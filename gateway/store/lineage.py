@@ -2,7 +2,7 @@
 
 The predecessor of a call is the previous seq's choice 0 in the same trajectory (every choice of an `n > 1` call has
 the same predecessor; a later call continues from choice 0 unless the agent picked another choice, which then shows
-as `history_edited`). A token_in call (gateway.token_in) instead names the recorded (seq, choice) its prompt was
+as `history_edited`). A token_in call (gateway.proxy.token_in) instead names the recorded (seq, choice) its prompt was
 built on, and is compared with that one: a repeated turn or a parallel branch then extends the turn it continues
 rather than counting as a `retry` or an edit of its sibling at the previous seq. A call *extends* its predecessor
 when its prompt ids start with the predecessor's prompt + completion ids; the trainer merges such calls into one row

@@ -72,7 +72,7 @@ class PolicyVersion(Base):
     # loaded -> retiring (no longer routed to; still in vLLM until every live gateway reloaded its routes) -> unloaded
     status: Mapped[str] = mapped_column(String(16), default="loaded")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    # Seconds since the epoch on the database's clock, taken once the retirement committed (trainer/publish.py).
+    # Seconds since the epoch on the database's clock, taken once the retirement committed (trainer/worker/publish.py).
     retired_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
@@ -161,7 +161,7 @@ class Call(Base):
     # choice 0's prompt + completion at parent_seq in the same trajectory. No parent: the whole prompt is stored.
     parent_seq: Mapped[int | None] = mapped_column(BigInteger)
     prefix_len: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    # token_in runs (gateway.token_in): hash of the messages answered plus the assistant message returned, by which
+    # token_in runs (gateway.proxy.token_in): hash of the messages answered plus the assistant message returned, by which
     # the next call finds this one; and why the call started a new token sequence (null when it continued one).
     history_key: Mapped[str | None] = mapped_column(String(64))
     segment_reason: Mapped[str | None] = mapped_column(String(32))
@@ -200,7 +200,7 @@ class TrainerLease(Base):
 
 
 class Admission(Base):
-    """A training group the gateway admitted (gateway/admission.py): once per group, whichever gateway did it.
+    """A training group the gateway admitted (gateway/proxy/admit.py): once per group, whichever gateway did it.
 
     What counts against the run's bound is read from here joined to groups (a group trained or dropped no longer
     counts), so every gateway on the database shares one bound.
@@ -241,7 +241,7 @@ class TrainStep(Base):
 
 
 class GatewayPeer(Base):
-    """A live gateway process and how far its record writer has caught up (gateway/peers.py): rewards, closes and
+    """A live gateway process and how far its record writer has caught up (gateway/recorder/heartbeat.py): rewards, closes and
     judge requests on any gateway wait for every other one's calls answered before they arrived.
 
     `started_at` and `seen_at` are seconds since the epoch on the database's clock (gateways need not agree on theirs);
@@ -256,7 +256,7 @@ class GatewayPeer(Base):
     # Every call this gateway answered before this time is in the database; null until its first flush.
     flushed_through: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # The database's clock just before this gateway last read its route table: versions retired before it are no
-    # longer routed to by this gateway (trainer/publish.py unloads them once every live gateway is past them).
+    # longer routed to by this gateway (trainer/worker/publish.py unloads them once every live gateway is past them).
     routes_read_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 

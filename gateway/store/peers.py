@@ -1,4 +1,4 @@
-"""The statements behind gateway/peers.py: each gateway's heartbeat row in `gateway_peers`, and which other live
+"""The statements behind gateway/recorder/heartbeat.py: each gateway's heartbeat row in `gateway_peers`, and which other live
 gateways have not yet written every call they answered before a given moment.
 
 A moment is a value of the Postgres sequence `gateway_peers_moment`: one taken after another is larger, whichever

@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
-from gateway.capture import COMPLETIONS
+from gateway.proxy.capture import COMPLETIONS
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.lineage import Rebuilder
 from gateway.store.models import Call, Group, Trajectory

@@ -51,8 +51,8 @@ from sqlalchemy.types import UserDefinedType
 
 import orjson
 
-from gateway.courtesy import give_way
-from gateway.records import CallRecord
+from gateway.store.courtesy import give_way
+from gateway.store.call_record import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
 from gateway.store.attempts import Attempt, Settlement, request_hash, settle
 from gateway.store.lineage import EXTENDS, Lineage, Predecessor, Rebuilder, classify

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection, Engine, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from gateway.run_config import RunConfig, merged_config
+from gateway.runs.config import RunConfig, merged_config
 from gateway.store.admission import admission_view
 from gateway.store.db import write_transaction
 from gateway.store.models import Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory, utcnow
@@ -31,7 +31,7 @@ class RouteRow(NamedTuple):
     sampling: dict[str, Any]
     on_policy_sampling: bool
     token_mode: str
-    admission: str  # "wait", "reject" or "off" (gateway/run_config.py)
+    admission: str  # "wait", "reject" or "off" (gateway/runs/config.py)
     admission_timeout_s: float
     # A trainer holds the run or has committed a step: admission has something to pace against.
     trained: bool
@@ -82,7 +82,7 @@ def _loaded_query() -> Any:
 def route_table(engine: Engine) -> tuple[list[RouteRow], float]:
     """Everything the gateway's in-memory router needs, in two queries on one connection (it runs every second):
     the runs, and every loaded version (a group is served by a version its staleness bound allows, which is not
-    always the newest: gateway/admission.py); and the database's clock before they ran (a version retired before it
+    always the newest: gateway/proxy/admit.py); and the database's clock before they ran (a version retired before it
     is not in the table: the gateway's heartbeat says so, gateway/store/peers.py `routes_behind`)."""
     with engine.connect() as conn:
         read_at = clock(conn)

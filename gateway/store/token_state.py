@@ -1,6 +1,6 @@
 """The token state a token_in call continues from: recorded turns of a trajectory found by their history key.
 
-Read on the response path (gateway/token_in.py), which is the one exception to "the response path never awaits the
+Read on the response path (gateway/proxy/token_in.py), which is the one exception to "the response path never awaits the
 database": the prompt of a token_in call *is* its predecessor's exact ids, so without them there is nothing to
 send to vLLM. It is asked only when this gateway's own memory of the trajectory misses (another gateway answered
 the previous turn, or this one restarted), and it is bounded: one indexed lookup on (trajectory_id, history_key)

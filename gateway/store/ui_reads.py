@@ -1,4 +1,4 @@
-"""What the web UI (gateway.ui) and the trainer's trackers read: runs at a glance, one run's curves, a group side by
+"""What the web UI (gateway.ui.pages) and the trainer's trackers read: runs at a glance, one run's curves, a group side by
 side, a trajectory with its completion tokens, and a filtered, keyset-paginated list of trajectories.
 
 Every query here is driven by an index (runs by name, groups by (run, state), trajectories by (run, created_at) or
@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Engine, and_, func, or_, select
 
 from gateway.store.arrays import decode_ids, decode_logprobs
-from gateway.run_config import merged_config
+from gateway.runs.config import merged_config
 from gateway.store.models import Call, Group, Run, TrainStep, Trajectory
 from gateway.store.reads import completion_of, iso, trajectory_view
 from gateway.store.runs import list_runs, trajectory_counts

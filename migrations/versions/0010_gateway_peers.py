@@ -4,7 +4,7 @@ Each gateway upserts its row every TRAJGATE_PEER_POLL_S: `seen_at` (liveness, se
 clock) and `flushed_through`, a moment such that every call the gateway answered before it is in the database. A
 reward, close or judge request reaching any gateway waits until every other live gateway's `flushed_through` has
 passed the moment the request arrived, so calls answered by another gateway are counted without sticky sessions
-(gateway/peers.py). Moments are values of the sequence `gateway_peers_moment` (Postgres): a later nextval is always
+(gateway/recorder/heartbeat.py). Moments are values of the sequence `gateway_peers_moment` (Postgres): a later nextval is always
 larger, so the order of moments is the order in which they were taken, with no clock to agree on or to step back.
 
 Revision ID: 0010

@@ -2,7 +2,7 @@
 
 Servers start once per session (~25 s each, plus a one-time venv build and model conversion on a
 fresh machine). Set TRAJGATE_VLLM_BASE_URL to reuse a server already running, e.g. one started with
-`python -m trainer.vllm_cpu serve --model smollm2 --tools`.
+`python -m trainer.demo.vllm_cpu serve --model smollm2 --tools`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.vllm_cpu import VllmServer, ensure_tiny_model, smollm2_server
+from trainer.demo.vllm_cpu import VllmServer, ensure_tiny_model, smollm2_server
 
 E2E_DIR = Path(__file__).resolve().parent
 

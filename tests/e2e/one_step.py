@@ -9,10 +9,10 @@ from typing import Any
 
 import httpx
 
-from gateway.config import load_settings
+from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.runs import steps_after
-from trainer.loop import Trainer, TrainerOptions
+from trainer.worker.loop import Trainer, TrainerOptions
 
 
 def reward_and_train_one_step(

@@ -28,7 +28,7 @@ import pytest
 
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import stored_calls
-from trainer.vllm_cpu import cache_dir, smollm2_server
+from trainer.demo.vllm_cpu import cache_dir, smollm2_server
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"
 CODEX = "@openai/codex@0.171.0"

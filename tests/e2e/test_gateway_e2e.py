@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionMessage
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import stored_calls
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
-from trainer.vllm_cpu import ensure_smollm2
+from trainer.demo.vllm_cpu import ensure_smollm2
 
 CALL_FIELDS = [f.name for f in fields(CallData)]
 
@@ -75,7 +75,7 @@ def tool_call_in(text: str) -> dict | None:
 
 
 def test_three_turn_conversation_with_tool_result(real_gateway: RunningGateway, pg_url: str, tokenizer: Any) -> None:
-    # Evaluation mode keeps the client's temperature 0 (train mode samples at 1, `gateway.sampling`): greedy replies
+    # Evaluation mode keeps the client's temperature 0 (train mode samples at 1, `gateway.proxy.sampling`): greedy replies
     # keep the decoded-text comparisons below about capture, not about odd bytes a random sample may end on. Nothing
     # asserted depends on what the model says: every expectation is derived from the ids vLLM returned.
     client = openai.OpenAI(

@@ -15,14 +15,14 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import load_settings
+from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.runs import steps_after
 from gateway.store.training import group_states
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.waiting import OutputLines, wait_until
-from trainer.loop import Trainer, TrainerOptions
-from trainer.vllm_cpu import ensure_tiny_model
+from trainer.worker.loop import Trainer, TrainerOptions
+from trainer.demo.vllm_cpu import ensure_tiny_model
 
 RUN = "loop-e2e"
 KILL_RUN = "loop-kill"

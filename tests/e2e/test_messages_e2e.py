@@ -23,7 +23,7 @@ from tests.gateway_harness import RunningGateway, running_gateway
 from tests.messages_agent import tool_loop, tool_uses
 from tests.stored import stored_calls
 from tests.token_in_agent import continues_exactly
-from trainer.vllm_cpu import ensure_smollm2
+from trainer.demo.vllm_cpu import ensure_smollm2
 
 TOKEN_RUN = "messages-token-in"
 

@@ -41,7 +41,7 @@ from tests.gateway_harness import RunningGateway, running_gateway
 from tests.responses_agent import TOOL_ITEMS
 from tests.stored import stored_calls, tree_rows
 from tests.token_in_agent import continues_exactly
-from trainer.vllm_cpu import ensure_smollm2
+from trainer.demo.vllm_cpu import ensure_smollm2
 
 RUN = "agents-sdk"
 MAX_TURNS = 4

@@ -24,7 +24,7 @@ import pytest
 from scripts.qualify_token_in import TEMPLATES, WEATHER_TOOL, Template, fetch
 from tests.gateway_harness import running_gateway
 from tests.stored import stored_calls
-from trainer.vllm_cpu import VllmServer, ensure_tiny_model_for
+from trainer.demo.vllm_cpu import VllmServer, ensure_tiny_model_for
 
 PARSERS = {
     "qwen3": ["--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],

@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.config import load_settings
+from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.runs import steps_after, upsert_run
 from gateway.store.training import group_states
 from tests.test_backends import build_tiny_llama
 from tests.test_trainer_loop import adapter, seed_groups
-from trainer.loop import Trainer, TrainerOptions
+from trainer.worker.loop import Trainer, TrainerOptions
 
 GROUPS, PER_STEP = 8, 2
 # The adapters after steps 2-4 (step 1 is the same process on both sides). The gradients agree to ~1e-7

@@ -1,0 +1,1 @@
+"""HTTP plumbing every surface shares (errors, auth, limits, metrics) and the request dependencies."""

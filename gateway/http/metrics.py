@@ -1,0 +1,204 @@
+"""Prometheus metrics for `GET /metrics`: traffic, latency the gateway adds, and the writer's health."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+WAIT_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1)
+
+
+class _WriterCollector(Collector):
+    """Reads the writer's counters at scrape time, so the hot path doesn't update gauges per record."""
+
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._stats()
+        yield GaugeMetricFamily("trajgate_writer_queue_depth", "Records waiting in memory", stats["queue_depth"])
+        yield GaugeMetricFamily(
+            "trajgate_spool_bytes", "Bytes in the spool (the write-ahead log) not known stored", stats["spool_bytes"]
+        )
+        yield GaugeMetricFamily("trajgate_db_up", "1 if the writer can reach the database", stats["db_up"])
+        yield GaugeMetricFamily(
+            "trajgate_records_held", "Records kept in memory because the spool could not be written", stats["held"]
+        )
+        yield CounterMetricFamily(
+            "trajgate_records_logged", "Records appended to the spool before their answer completed", stats["logged"]
+        )
+        yield CounterMetricFamily(
+            "trajgate_records_unlogged",
+            "Records answered without a copy in the spool (it could not be written): a crash would lose them",
+            stats["unlogged"],
+        )
+        yield CounterMetricFamily("trajgate_spool_syncs", "Group fsyncs of the spool", stats["syncs"])
+        yield CounterMetricFamily(
+            "trajgate_spool_sync_errors", "Failed fsyncs of the spool (safe from a crash, not power loss)",
+            stats["sync_errors"],
+        )
+        yield CounterMetricFamily("trajgate_records_written", "Records written to the database", stats["written"])
+        yield CounterMetricFamily(
+            "trajgate_records_spooled", "Records dropped from memory, left for replay from the spool", stats["spooled"]
+        )
+        yield CounterMetricFamily(
+            "trajgate_records_replayed", "Spooled records written to the database on replay", stats["replayed"]
+        )
+        yield CounterMetricFamily(
+            "trajgate_records_rejected", "Records the database refused, kept in spool/rejected/", stats["rejected"]
+        )
+        yield CounterMetricFamily(
+            "trajgate_records_lost", "Records neither stored nor kept on disk (see the log)", stats["lost"]
+        )
+        yield CounterMetricFamily(
+            "trajgate_spool_unreadable_lines",
+            "Spool lines replay could not read (torn by a crash): records lost, usually found at start-up",
+            stats["unreadable"],
+        )
+        yield CounterMetricFamily(
+            "trajgate_spool_errors", "Appends to the spool that failed (EMFILE, a full disk)", stats["spool_errors"]
+        )
+
+
+class _ReplicaCollector(Collector):
+    def __init__(self, replicas: Callable[[], list[tuple[str, bool, int]]]) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily("trajgate_replica_up", "1 while a vLLM replica is in rotation", labels=["replica"])
+        in_flight = GaugeMetricFamily(
+            "trajgate_replica_in_flight", "Calls a vLLM replica is answering now", labels=["replica"]
+        )
+        for url, healthy, calls in self._replicas():
+            up.add_metric([url], 1.0 if healthy else 0.0)
+            in_flight.add_metric([url], float(calls))
+        yield up
+        yield in_flight
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "trajgate_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=self.registry
+        )
+        self.upstream_latency = Histogram(
+            "trajgate_upstream_latency_seconds",
+            "Time vLLM took (to the full body, or to the first chunk for streams), by the replica that answered",
+            ["endpoint", "replica"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.added_latency = Histogram(
+            "trajgate_added_latency_seconds",
+            "Time the gateway itself added to a non-stream call",
+            ["endpoint"],
+            buckets=OVERHEAD_BUCKETS,
+            registry=self.registry,
+        )
+
+        # Admission (gateway/proxy/admit.py), counted by this process: groups it admitted, calls it turned away
+        # (rejected at once, or timed out waiting), calls waiting now, and how long admitted calls waited.
+        self.admission_admitted = Counter(
+            "trajgate_admission_admitted_groups", "New training groups admitted", ["run"], registry=self.registry
+        )
+        self.admission_refused = Counter(
+            "trajgate_admission_refused",
+            "Calls starting a group that got a 429 (reason: rejected or timed_out)",
+            ["run", "reason"],
+            registry=self.registry,
+        )
+        self.admission_waiting = Gauge(
+            "trajgate_admission_waiting", "Calls waiting for room to start a group", ["run"], registry=self.registry
+        )
+        self.admission_wait = Histogram(
+            "trajgate_admission_wait_seconds",
+            "How long a call starting a group waited to be admitted",
+            ["run"],
+            buckets=WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.admission_errors = Counter(
+            "trajgate_admission_errors",
+            "Admission decisions the database could not make (the group was admitted)",
+            registry=self.registry,
+        )
+        # Routing a group by its admitted version (gateway/proxy/admit.py): calls that waited for this process's route
+        # table to catch up with a version their group was admitted on elsewhere, and calls vLLM answered 404 for an
+        # adapter the trainer had retired, served again by the run's version now (gateway/proxy/hot_path.py).
+        self.route_catchups = Counter(
+            "trajgate_route_catchups",
+            "Calls that reloaded this gateway's routes before routing: their group's version was newer",
+            registry=self.registry,
+        )
+        self.retired_adapter_retries = Counter(
+            "trajgate_retired_adapter_retries",
+            "Calls answered 404 for a retired adapter and sent again to a version vLLM serves",
+            registry=self.registry,
+        )
+
+        # Several gateways on one database (gateway/recorder/heartbeat.py): how long rewards, closes and judge requests waited
+        # for the other gateways' writers, and how often that wait ran out.
+        self.peer_wait = Histogram(
+            "trajgate_peer_wait_seconds",
+            "How long a reward, close or judge request waited for other gateways to write the calls they answered",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.peer_wait_timeouts = Counter(
+            "trajgate_peer_wait_timeouts",
+            "Reward, close or judge requests that went ahead before some other gateway had caught up",
+            registry=self.registry,
+        )
+
+        # Label children per label values: `labels()` takes a lock and validates its arguments on every call, three
+        # times per model call on the hot path; the children themselves never change.
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def count_request(self, endpoint: str, status: int | str) -> None:
+        key = ("requests", endpoint, status)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(endpoint, str(status))
+        child.inc()
+
+    def observe_upstream(self, endpoint: str, replica: str, seconds: float) -> None:
+        key = ("upstream", endpoint, replica)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.upstream_latency.labels(endpoint, replica)
+        child.observe(seconds)
+
+    def observe_added(self, endpoint: str, seconds: float) -> None:
+        key = ("added", endpoint)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.added_latency.labels(endpoint)
+        child.observe(seconds)
+
+    def watch_replicas(self, replicas: Callable[[], list[tuple[str, bool, int]]]) -> None:
+        """(url, healthy, calls in flight) per vLLM replica, read at scrape time."""
+        self.registry.register(_ReplicaCollector(replicas))
+
+    def watch_responses(self, count: Callable[[], int], size: Callable[[], int]) -> None:
+        """The Responses API's stored responses held in memory (TRAJGATE_RESPONSES_MEMORY_BYTES bounds the bytes)."""
+        Gauge(
+            "trajgate_responses_kept", "Stored Responses API answers held in memory", registry=self.registry
+        ).set_function(count)
+        Gauge(
+            "trajgate_responses_kept_bytes",
+            "Bytes (as JSON) of the stored Responses API answers held in memory",
+            registry=self.registry,
+        ).set_function(size)
+
+    def watch_writer(self, stats: Callable[[], dict[str, float]]) -> None:
+        self.registry.register(_WriterCollector(stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

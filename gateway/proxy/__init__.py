@@ -1,0 +1,1 @@
+"""One model call: receive -> attribute -> admit -> forward -> relay -> record (and token-in)."""

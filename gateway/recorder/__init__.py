@@ -1,0 +1,1 @@
+"""Records on their way to the database: the WAL/spool, the writer thread and process, peers."""

@@ -1,0 +1,257 @@
+"""All configuration in one place, read from `TRAJGATE_*` environment variables (and an optional `.env`).
+
+One object so every process (gateway, trainer, CLI) agrees on what a setting means and a typo fails at start,
+naming the variable, instead of surfacing as odd behaviour later.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "TRAJGATE_"
+
+
+class ConfigError(Exception):
+    """A setting is invalid; the message is one line that names the environment variable."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=".env", extra="ignore")
+
+    database_url: str = Field(
+        "sqlite:///trajgate.db",
+        description="SQLAlchemy URL; SQLite file in the working directory by default, postgresql://... for Postgres.",
+    )
+    upstream_url: str = Field(
+        "http://127.0.0.1:8001/v1",
+        description="vLLM's OpenAI base URL (ends in /v1); several replicas: their URLs, comma-separated.",
+    )
+    replica_probe_s: float = Field(
+        2.0, gt=0, description="Several replicas: how often each one's /models is asked (health, adapters served)."
+    )
+    base_model: str | None = Field(None, description="Name vLLM serves the base model under.")
+    base_weights: str | None = Field(
+        None, description="Weights the trainer loads for runs that name none: the same weights vLLM serves."
+    )
+    agent_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list, description="Comma-separated keys agents may use; empty means no agent auth."
+    )
+    admin_key: SecretStr | None = Field(None, description="Key for admin and read endpoints; unset means no auth.")
+    judge_key_envs: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Environment variables a judge config may name in `api_key_env` (comma-separated), besides any "
+        "named TRAJGATE_JUDGE_KEY_*; never the database URL or the admin and agent keys (gateway/judge/policy.py).",
+    )
+    judge_api_bases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Base URLs a judge config may name in `api_base` (comma-separated), besides the vLLM upstreams.",
+    )
+    spool_dir: Path = Field(
+        Path("spool"), description="The write-ahead log: every record is appended here before its answer completes."
+    )
+    wal_fsync_ms: float = Field(
+        10.0,
+        ge=0,
+        description="Group fsync interval of the spool: the most answered calls a power loss can take (0: every call).",
+    )
+    checkpoint_dir: Path = Field(Path("checkpoints"), description="Adapters and optimizer state, per run and step.")
+    tracker_project: str = Field("trajgate", description="`trajgate train --log-to`: the tracker project / experiment.")
+    tracker_name: str | None = Field(None, description="`trajgate train --log-to`: the tracker run name (default: the run).")
+
+    host: str = Field("127.0.0.1", description="Address `trajgate serve` listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port `trajgate serve` listens on.")
+    upstream_api_key: SecretStr | None = Field(None, description="Key vLLM expects (its --api-key), if any.")
+    upstream_timeout_s: float = Field(600.0, gt=0, description="Longest wait for vLLM between bytes of a response.")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
+    writer_queue_size: int = Field(10_000, ge=1, description="Records held in memory before spilling to the spool.")
+    writer_batch_size: int = Field(256, ge=1, description="Records per database transaction.")
+    writer_process: bool = Field(
+        False,
+        description="On Postgres, write batches from a process of its own (gateway.recorder.writer_process): for a machine with "
+        "a core to spare, where the database work then takes neither the event loop's GIL nor its core. On one shared "
+        "core it delays calls or lags (bench/README.md). SQLite always writes on the writer thread.",
+    )
+    writer_nice: int = Field(
+        0,
+        ge=0,
+        le=19,
+        description="How much lower the writer process's OS priority is than the gateway's: higher delays answers less "
+        "on a busy core and lets records reach the database later.",
+    )
+    writer_slice_us: int = Field(
+        50,
+        ge=0,
+        description="How long the writer thread runs before pausing for the event loop, in µs (0: it never pauses). "
+        "It shares the event loop's core: a shorter slice delays calls less while a batch is written, and records "
+        "reach the database a little later. It pauses only while few calls are in flight and it keeps up "
+        "(gateway/store/courtesy.py).",
+    )
+    writer_pause_us: int = Field(
+        200, ge=1, le=100_000, description="How long each of those pauses is, in µs."
+    )
+    max_header_bytes: int = Field(65_536, ge=1024, description="Largest request head (431 above).")
+    request_read_timeout_s: float = Field(
+        60.0, gt=0, description="Longest time from a request's first byte to the end of its body (408, or closed)."
+    )
+    keep_alive_s: float = Field(
+        75.0, gt=0, description="How long an idle connection is kept open (before its first request or between)."
+    )
+    token_state_wait_s: float = Field(
+        2.0,
+        ge=0,
+        le=60,
+        description="token_in runs: how long a call whose history holds an assistant message no record matches yet "
+        "waits for another gateway's record of it to be written before it starts a new token segment.",
+    )
+    token_in_templates: str | None = Field(
+        None,
+        description="token_in runs: a JSON file of chat templates the operator vouches for, beside the qualified "
+        "ones (gateway/proxy/qualified_templates.json, same shape: fingerprint -> name, end_token_ids, turn_end_ids). "
+        "A template in neither is refused (template_not_qualified).",
+    )
+    peer_poll_s: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="Several gateways on one Postgres: how often each tells the others how far its record writer got "
+        "(and how often a reward waiting for another gateway's calls looks again).",
+    )
+    peer_alive_s: float = Field(
+        10.0,
+        ge=1,
+        le=600,
+        description="A gateway silent this long (killed, or cut off from the database) is no longer waited for.",
+    )
+    peer_wait_s: float = Field(
+        30.0,
+        ge=0,
+        le=600,
+        description="Longest a reward, close or judge request waits for other gateways to write the calls they "
+        "answered before it arrived (then a 503, nothing stored); 0 does not wait for them.",
+    )
+    db_threads: int = Field(
+        32,
+        ge=1,
+        le=512,
+        description="Threads for the database work of the ordinary endpoints (reads, rewards, runs): each holds a "
+        "thread while SQLite's busy timeout or Postgres makes it wait, so a reward burst must not starve the reads.",
+    )
+    responses_memory_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="OpenAI Responses API: how much of the recent stored responses (their conversation and answer, "
+        "as JSON) is kept in memory for `previous_response_id` and `GET /v1/responses/{id}`, oldest dropped first; "
+        "the others are read back from the database (0: keep none).",
+    )
+    admission_poll_s: float = Field(
+        0.5,
+        gt=0,
+        le=60,
+        description="How often calls waiting for admission ask the database again for room (the trainer frees it "
+        "by training, dropping or publishing, which the gateway is not told of).",
+    )
+    ui_session_s: float = Field(
+        12 * 3600.0,
+        gt=0,
+        le=90 * 86400,
+        description="How long a web UI login lasts; logging out, or changing the admin key, ends it sooner.",
+    )
+    forwarded_allow_ips: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["127.0.0.1"],
+        description="Reverse proxies (IP addresses, comma-separated; * for any) whose X-Forwarded-Proto: https makes "
+        "the web UI's session cookie Secure, as uvicorn's --forwarded-allow-ips; a request that reached the gateway "
+        "over https directly always gets it.",
+    )
+    ui_token_text_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=120,
+        description="Trajectory page: longest wait for vLLM's derender to give the completion tokens' text (the "
+        "page shows token ids instead past it).",
+    )
+    max_connections: int | None = Field(
+        None, ge=1, description="Open connections before new ones get a 503; unset: half the open-file limit."
+    )
+
+    @field_validator("database_url")
+    @classmethod
+    def _normalise_database_url(cls, url: str) -> str:
+        """Accept the URLs people paste (postgres://, postgresql://) and pin the psycopg 3 driver."""
+        url = url.strip()
+        for prefix in ("postgres://", "postgresql://"):
+            if url.startswith(prefix):
+                return "postgresql+psycopg://" + url[len(prefix) :]
+        if url.startswith(("postgresql+psycopg://", "sqlite://")):
+            return url
+        raise ValueError("must start with sqlite:/// or postgresql://")
+
+    @field_validator("upstream_url")
+    @classmethod
+    def _check_upstream_url(cls, value: str) -> str:
+        urls = [url.strip().rstrip("/") for url in value.split(",") if url.strip()]
+        if not urls or not all(url.startswith(("http://", "https://")) for url in urls):
+            raise ValueError("must be an http(s) URL such as http://vllm:8000/v1 (several: comma-separated)")
+        if len(set(urls)) != len(urls):
+            raise ValueError("lists the same replica twice")
+        return ",".join(urls)
+
+    @field_validator("agent_keys", "judge_key_envs", "forwarded_allow_ips", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    @field_validator("judge_api_bases", mode="before")
+    @classmethod
+    def _split_api_bases(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [url.strip() for url in value.split(",") if url.strip()]
+        if isinstance(value, list):
+            if not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in value):
+                raise ValueError("must be http(s) URLs such as http://judge:8000/v1 (several: comma-separated)")
+            return [url.rstrip("/") for url in value]
+        return value
+
+    @field_validator("agent_keys")
+    @classmethod
+    def _check_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        # '#' separates a real key from attribution in the api-key form, so a key may not contain it.
+        if any("#" in key.get_secret_value() for key in keys):
+            raise ValueError("a key may not contain '#'")
+        return keys
+
+    @field_validator("admin_key", "base_model", "base_weights", "upstream_api_key", "tracker_name", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def upstream_urls(self) -> list[str]:
+        """The vLLM replicas, in the order given (one for a single upstream)."""
+        return self.upstream_url.split(",")
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Build settings, turning pydantic's multi-line report into one line naming the variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "?"
+        raise ConfigError(f"invalid {ENV_PREFIX}{field.upper()}: {first['msg']}") from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Process-wide settings, read once."""
+    return load_settings()

@@ -1,0 +1,59 @@
+"""What the gateway hands the writer for each upstream call: plain data, cheap to build on the hot path.
+
+Token ids and logprobs stay Python lists here; the store packs them into bytes when it writes. A record
+round-trips through JSON (`to_json` / `from_json`) so it can wait in the disk spool while the database is away.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import orjson
+
+
+@dataclass(slots=True)
+class CallRecord:
+    id: str
+    run: str
+    base_model: str
+    trajectory_id: str
+    group_id: str
+    group_size: int | None
+    mode: str
+    seq: int
+    choice_index: int
+    policy_version: int
+    endpoint: str
+    stream: bool
+    request: dict[str, Any] | None
+    response: dict[str, Any] | None
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[int] | None
+    completion_logprobs: list[float] | None
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+    status_code: int | None
+    error: str | None
+    trainable: bool
+    untrainable_reason: str | None
+    latency_ms: float | None
+    ttft_ms: float | None
+    retry_count: int
+    idempotency_key: str | None
+    created_at: float
+    # token_in runs only (gateway.proxy.token_in); absent from records spooled before they existed. The predecessor is the
+    # recorded call (seq, choice) whose exact ids the prompt continues: the writer's lineage compares against it
+    # rather than the previous seq, which a retry or a parallel branch of the same turn is not built on.
+    history_key: str | None = None
+    segment_reason: str | None = None
+    predecessor_seq: int | None = None
+    predecessor_choice: int | None = None
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: bytes) -> CallRecord:
+        data = orjson.loads(line)
+        return cls(**{f.name: data.get(f.name) for f in fields(cls)})

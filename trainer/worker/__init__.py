@@ -1,0 +1,1 @@
+"""The trainer process: the loop that follows a run, publishing adapters, experiment trackers."""

@@ -1,0 +1,567 @@
+"""The trainer worker, one step at a time: wait for ready groups -> claim them -> build samples -> one optimizer
+step -> checkpoint -> commit (groups trained + metrics, in one transaction) -> repeat.
+
+The order is what makes a step all-or-nothing: the checkpoint is written (atomically) before the commit, and on
+start-up any checkpoint newer than the last committed step is discarded, so a crash anywhere leaves either the
+whole step or nothing, and the groups of an uncommitted step return to the pool when their lease expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine
+
+from gateway.runs.settings import Settings
+from gateway.runs.config import RunConfig
+from gateway.runs.names import check_run_name
+from gateway.store import db
+from gateway.store.admission import due_groups
+from gateway.store.training import (
+    LeaseLost,
+    ReadyListener,
+    RunSpec,
+    acquire_run_lease,
+    claim_ready_groups,
+    commit_step,
+    count_ready_groups,
+    current_policy_version,
+    drop_groups,
+    get_run,
+    last_step,
+    load_groups,
+    release_expired_claims,
+    release_run_lease,
+    renew_leases,
+    renew_run_lease,
+    run_lease,
+)
+from trainer.backends import LoraSpec, TrainerBackend, make_backend, resolve_backend_name
+from trainer.checkpoint import (
+    checkpoint_dir,
+    discard_after,
+    latest_checkpoint,
+    load_checkpoint,
+    run_dir,
+    save_checkpoint,
+)
+from trainer.distributed import DataParallel, ReplicaSpec
+from trainer.loss import LossConfig
+from trainer.worker.publish import Publisher, vllm_admin
+from trainer.samples import CallData, GroupData, SampleBatch, TrajectoryData, build_samples
+from trainer.worker.trackers import StepReporter, TrackerTarget, open_trackers
+
+log = logging.getLogger("trajgate.trainer")
+
+
+class TrainerError(RuntimeError):
+    """Something the user must fix before training can start; the message says what."""
+
+
+@dataclass
+class TrainerOptions:
+    run: str
+    backend: str = "auto"
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
+    lease_s: float = 600.0
+    poll_s: float = 1.0
+    max_steps: int | None = None
+    base_weights: str | None = None
+    # Load each committed step into vLLM (TRAJGATE_UPSTREAM_URL) and publish it; off trains without serving.
+    publish: bool = True
+    wait_for_run: bool = False
+    keep_adapters: int = 2
+    # One trainer per run: the run's lease, renewed every third of it; another trainer takes over once it expires.
+    run_lease_s: float = 60.0
+    # If another trainer holds the run: wait for it (True) or raise TrainerError saying who holds it (False).
+    wait_for_lease: bool = True
+    # Experiment trackers to log every step to (trainer.worker.trackers): "wandb", "trackio", "mlflow".
+    log_to: list[str] = field(default_factory=list)
+    tracker_project: str = "trajgate"
+    tracker_name: str | None = None  # default: the run's name
+
+
+def loss_config(config: RunConfig) -> LossConfig:
+    """The objective's settings from the run's; Dr. GRPO's constant defaults to ``max_seq_len``, the
+    most trained tokens a row can hold."""
+    constant = config.loss_aggregation == "constant"
+    return LossConfig(
+        kind=config.loss,
+        clip_eps=config.clip_eps,
+        clip_eps_high=config.clip_eps_high,
+        cispo_max_ratio=config.cispo_max_ratio,
+        gspo_clip_eps=config.gspo_clip_eps,
+        gspo_clip_eps_high=config.gspo_clip_eps_high,
+        gspo_is_cap=config.gspo_is_cap,
+        tis_cap=config.truncated_is_cap,
+        aggregation=config.loss_aggregation,
+        norm_tokens=(config.loss_norm_tokens or config.max_seq_len) if constant else None,
+    )
+
+
+def to_groups(loaded: list[dict[str, Any]]) -> list[GroupData]:
+    """The store's plain dicts as the sample builder's input types."""
+    return [
+        GroupData(
+            group_id=group["group_id"],
+            trajectories=[
+                TrajectoryData(
+                    trajectory_id=traj["trajectory_id"],
+                    reward=traj["reward"],
+                    calls=[CallData(**call) for call in traj["calls"]],
+                )
+                for traj in group["trajectories"]
+            ],
+        )
+        for group in loaded
+    ]
+
+
+class LeaseKeeper:
+    """Renews the claimed groups' leases in the background while a (possibly long) step runs."""
+
+    def __init__(self, engine: Engine, group_ids: list[str], worker: str, lease_s: float) -> None:
+        self._args = (engine, group_ids, worker, lease_s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+
+    def _run(self) -> None:
+        engine, group_ids, worker, lease_s = self._args
+        while not self._stop.wait(lease_s / 3):
+            try:
+                renew_leases(engine, group_ids, worker, lease_s)
+            except Exception as exc:  # the commit will find out if the lease was really lost
+                log.warning("could not renew leases: %s", exc)
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class RunLeaseKeeper:
+    """Holds the run for this trainer: renews its lease in the background for as long as the trainer lives, so a
+    second trainer of the run waits, and takes over only once this one is gone (stopped renewing).
+
+    `lost` is set if another trainer took the run over (this one stalled past the lease); the trainer must stop,
+    and commit_step refuses its step anyway.
+    """
+
+    def __init__(self, engine: Engine, run: str, holder: str, lease_s: float) -> None:
+        self.run, self.holder = run, holder
+        self._engine, self._lease_s = engine, lease_s
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="run-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self._lease_s / 3):
+            try:
+                if not renew_run_lease(self._engine, self.run, self.holder, self._lease_s):
+                    log.warning("run %r was taken over by another trainer", self.run)
+                    self.lost.set()
+                    return
+            except Exception as exc:  # the database is away: keep trying until the lease really runs out
+                log.warning("could not renew the lease on run %r: %s", self.run, exc)
+
+    def stop(self, release: bool = True) -> None:
+        """Stop renewing; `release` gives the run up at once (a clean exit) rather than letting the lease expire."""
+        self._stop.set()
+        self._thread.join()
+        if release and not self.lost.is_set():
+            try:
+                release_run_lease(self._engine, self.run, self.holder)
+            except Exception as exc:  # the lease expires on its own; the next trainer just waits for that
+                log.warning("could not release the lease on run %r: %s", self.run, exc)
+
+
+def _local_time(value: datetime) -> str:
+    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def format_step(step: int, metrics: dict[str, Any]) -> str:
+    """The one line per step a user watches."""
+    return (
+        f"step {step:>4} | reward {metrics['reward_mean']:.3f} ± {metrics['reward_std']:.3f}"
+        f" | groups {metrics['groups_used']} used / {metrics['groups_dropped']} dropped"
+        f" | tokens {metrics['tokens']} ({metrics['trainable_tokens']} trained)"
+        f" | loss {metrics['loss']:+.4f} | ratio {metrics['ratio_mean']:.3f} (max {metrics['ratio_max']:.2f})"
+        f" | |log r| {metrics['log_ratio_abs_mean']:.4f} | clip {metrics['clip_frac']:.3f} | grad {metrics['grad_norm']:.3f}"
+        f" | {metrics['step_seconds']:.1f}s | {metrics['tokens_per_s']:.0f} tok/s"
+    )
+
+
+class Trainer:
+    def __init__(
+        self,
+        settings: Settings,
+        options: TrainerOptions,
+        *,
+        engine: Engine | None = None,
+        echo: Callable[[str], None] = print,
+        data_parallel: DataParallel | None = None,
+    ) -> None:
+        """``data_parallel``: this is rank 0 of a torchrun job (``trainer.distributed``); the other ranks
+        build the same replica, train their share of every step and are kept equal to this one."""
+        self.settings = settings
+        self.data_parallel = data_parallel
+        self.options = options
+        self.engine = engine or db.make_engine(settings.database_url)
+        self.echo = echo
+        self.checkpoints = Path(settings.checkpoint_dir)
+        try:
+            check_run_name(options.run)
+        except ValueError as exc:
+            raise TrainerError(f"{exc}; the gateway no longer accepts such a name, create the run under another") from None
+        self.spec: RunSpec = self._run_spec()
+        try:
+            self.config = RunConfig.model_validate(self.spec.config)
+        except ValueError as exc:
+            raise TrainerError(f"run {options.run!r} has an invalid config: {exc}") from None
+        self.loss = loss_config(self.config)
+        # Before the lease and the weights: a tracker whose package is missing fails in a second, not minutes.
+        target = TrackerTarget(options.tracker_project, options.tracker_name or options.run, self.config.model_dump(mode="json"))
+        self.reporter = StepReporter(self.engine, options.run, open_trackers(options.log_to, target))
+        # Seconds spent waiting for ready groups since the last committed step: the step's `wait_seconds`, from which
+        # the run's read API gives the trainer's idle share (gateway admission trades it against agents' waiting).
+        self.idle_s = 0.0
+        self.lease = self._take_run()
+        try:
+            if data_parallel is not None:
+                data_parallel.setup(self._replica_spec())  # the followers load their weights meanwhile
+            self.backend: TrainerBackend = self._load_backend()
+            self.step = self._resume()
+            if data_parallel is not None:
+                data_parallel.sync(self.backend)
+            self.listener = ReadyListener(self.engine, self.spec.name)
+            self.publisher = self._publisher() if options.publish else None
+        except BaseException:
+            self.lease.stop()
+            self.reporter.close()
+            raise
+
+    def _take_run(self) -> RunLeaseKeeper:
+        """Become the run's only trainer, waiting while another one holds it (or refusing, without
+        `wait_for_lease`). Taken before anything touches the run's checkpoints."""
+        name, lease_s = self.spec.name, self.options.run_lease_s
+        holder = f"{self.options.worker_id} ({uuid.uuid4().hex[:6]})"
+        announced = None
+        while True:
+            current = run_lease(self.engine, name)
+            if current is None or current.lease_until < datetime.now(timezone.utc):
+                current = acquire_run_lease(self.engine, name, holder, lease_s)
+                if current.holder == holder:
+                    return RunLeaseKeeper(self.engine, name, holder, lease_s)
+            if not self.options.wait_for_lease:
+                raise TrainerError(
+                    f"run {name!r} is being trained by {current.holder} until {_local_time(current.lease_until)} "
+                    "(renewed while it runs): stop that trainer first, or start this one without --exit-if-busy "
+                    "to wait and take over"
+                )
+            if current.holder != announced:
+                self.echo(
+                    f"run {name!r} is being trained by {current.holder} until {_local_time(current.lease_until)}; "
+                    "waiting"
+                )
+                announced = current.holder
+            time.sleep(self.options.poll_s)
+
+    def close(self) -> None:
+        """Give the run up (the next trainer starts at once), close the database listener and the trackers."""
+        self.lease.stop()
+        self.listener.close()
+        self.reporter.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _check_lease(self) -> None:
+        """Raise TrainerError if another trainer took the run over (this one stalled past its lease): from then on
+        the run's checkpoints and steps are the other trainer's."""
+        current = run_lease(self.engine, self.spec.name)
+        if self.lease.lost.is_set() or current is None or current.holder != self.lease.holder:
+            raise TrainerError(
+                f"run {self.spec.name!r} was taken over by {current.holder if current else 'another trainer'} "
+                f"(this trainer stalled past its {self.options.run_lease_s:g}s lease); stopping at step {self.step}"
+            )
+
+    def _run_spec(self) -> RunSpec:
+        spec = get_run(self.engine, self.options.run)
+        if spec is None and self.options.wait_for_run:
+            # Under compose the trainer starts before anyone created the run: wait rather than crash-loop.
+            self.echo(f"waiting for run {self.options.run!r} to be created (POST /v1/runs or a first call)")
+            while spec is None:
+                time.sleep(max(self.options.poll_s, 1.0))
+                spec = get_run(self.engine, self.options.run)
+        if spec is None:
+            raise TrainerError(
+                f"run {self.options.run!r} does not exist yet: create it with POST /v1/runs, or send a call with "
+                f"model={self.options.run!r} through the gateway"
+            )
+        return spec
+
+    def _base_weights(self) -> str:
+        weights = self.options.base_weights or self.spec.base_weights or self.settings.base_weights
+        if not weights:
+            raise TrainerError(
+                f"no weights to train for run {self.spec.name!r}: set base_weights on the run (POST /v1/runs), "
+                "TRAJGATE_BASE_WEIGHTS, or --base-weights to the directory vLLM serves"
+            )
+        return weights
+
+    def _backend_args(self) -> dict[str, Any]:
+        """``make_backend``'s arguments but the backend's name and the device (every rank has its own)."""
+        return {
+            "base_weights": self._base_weights(),
+            "lora": LoraSpec(
+                rank=self.config.lora_rank, alpha=self.config.lora_alpha, targets=self.config.lora_targets
+            ),
+            "learning_rate": self.config.learning_rate,
+            "dtype": self.options.dtype,
+            "seed": self.options.seed,
+            "grad_clip": self.config.max_grad_norm,
+        }
+
+    def _load_backend(self) -> TrainerBackend:
+        if self.data_parallel is not None:
+            return self.data_parallel.build_backend(self._replica_spec())
+        return make_backend(self.options.backend, device=self.options.device, **self._backend_args())
+
+    def _replica_spec(self) -> ReplicaSpec:
+        """What every rank builds: rank 0 resolves ``auto`` so that all ranks run the same backend."""
+        assert self.data_parallel is not None
+        backend = resolve_backend_name(self.options.backend, str(self.data_parallel.device))  # type: ignore[arg-type]
+        return ReplicaSpec(backend, self._backend_args(), self.loss, self.config.micro_batch_tokens)
+
+    def _publisher(self) -> Publisher:
+        key = self.settings.upstream_api_key
+        return Publisher(
+            self.engine,
+            vllm_admin(self.settings.upstream_urls, key.get_secret_value() if key else None),
+            self.spec.name,
+            lambda step: checkpoint_dir(self.checkpoints, self.spec.name, step).resolve(),
+            keep=self.options.keep_adapters,
+            echo=self.echo,
+            alive_s=self.settings.peer_alive_s,
+        )
+
+    def _resume(self) -> int:
+        """Continue from the last committed step, dropping any checkpoint the database never committed."""
+        committed = last_step(self.engine, self.spec.name)
+        discard_after(self.checkpoints, self.spec.name, committed)
+        if committed == 0:
+            return 0
+        latest = latest_checkpoint(self.checkpoints, self.spec.name)
+        if latest is None or latest[0] != committed:
+            raise TrainerError(
+                f"run {self.spec.name!r} has committed step {committed} but its checkpoint is missing under "
+                f"{run_dir(self.checkpoints, self.spec.name)}: point TRAJGATE_CHECKPOINT_DIR at the directory the trainer used"
+            )
+        load_checkpoint(self.backend, latest[1])
+        self.echo(f"resumed run {self.spec.name!r} at step {committed} from {latest[1]}")
+        return committed
+
+    def wait_for_groups(self, stop: threading.Event) -> bool:
+        """Block until enough groups are ready (True) or `stop` is set (False); woken early by Postgres NOTIFY.
+
+        With gateway admission on, the admitted groups this step is the last to train fresh (gateway/store/
+        admission.py `due_groups`) are claimed first; while some still play, wait for them unless enough are ready
+        to fill the step, so that a slow group is not overtaken by newer ones and dropped as stale.
+        """
+        announced = False
+        while not stop.is_set():
+            self._check_lease()
+            if self.publisher is not None:
+                self.publisher.reconcile()
+            release_expired_claims(self.engine, self.spec.name)
+            ready = count_ready_groups(self.engine, self.spec.name)
+            due = due_groups(self.engine, self.spec.name)
+            if ready >= self.config.groups_per_step and (due.playing == 0 or due.ready >= self.config.groups_per_step):
+                return True
+            if not announced:
+                late = f"; {due.playing} admitted group(s) due this step still playing" if due.playing else ""
+                self.echo(
+                    f"waiting for {self.config.groups_per_step} ready groups of run {self.spec.name!r} ({ready} now"
+                    f"{late})"
+                )
+                announced = True
+            self.listener.wait(self.options.poll_s, stop)
+        return False
+
+    def train_one_step(self) -> dict[str, Any] | None:
+        """Claim, train and commit one step; None if the claimed groups were all dropped (or lost)."""
+        started = time.perf_counter()
+        worker = self.options.worker_id
+        claimed = claim_ready_groups(
+            self.engine, self.spec.name, worker, self.config.groups_per_step, self.options.lease_s
+        )
+        if not claimed:
+            return None
+        with LeaseKeeper(self.engine, claimed, worker, self.options.lease_s):
+            loaded, batch = self._samples(claimed)
+            seen = [t.trajectory_id for group in loaded for t in group.trajectories]
+            drop_groups(self.engine, batch.dropped_groups, worker, trajectory_ids=seen)
+            if not batch.rows:
+                reasons = "; ".join(f"{gid}: {why}" for gid, why in batch.dropped_groups)
+                self.echo(f"no step: all {len(claimed)} claimed groups were dropped ({reasons})")
+                return None
+            step = self.step + 1
+            metrics = self._optimise(batch, step)
+            used = sorted(set(claimed) - {gid for gid, _ in batch.dropped_groups})
+            trained = [t.trajectory_id for group in loaded if group.group_id in used for t in group.trajectories]
+            metrics["step_seconds"] = time.perf_counter() - started
+            metrics["wait_seconds"] = self.idle_s
+            self._check_lease()  # a trainer that lost the run must not write into its checkpoints
+            # Holding the run, anything newer than the last committed step is an orphan (of a crash, or of a
+            # trainer that stalled and lost the run): it must not block this step's save.
+            discard_after(self.checkpoints, self.spec.name, self.step)
+            save_checkpoint(self.backend, self.checkpoints, self.spec.name, step, {"metrics": metrics})
+            try:
+                commit_step(
+                    self.engine, self.spec.name, step, worker, used, metrics,
+                    trajectory_ids=trained, lease_holder=self.lease.holder,
+                )
+            except LeaseLost as exc:
+                self._check_lease()  # lost the run: its checkpoints are the new trainer's now, touch nothing
+                self._roll_back(f"step {step} not committed: {exc}")
+                return None
+        committed_at = time.perf_counter()
+        self.step = step
+        self.idle_s = 0.0
+        self.echo(format_step(step, metrics))
+        samples = [group.trajectories[0].trajectory_id for group in loaded if group.group_id in used and group.trajectories]
+        self.reporter.report(step, metrics, samples)
+        if self.publisher is not None:
+            self.publisher.publish(step, committed_at)
+        return metrics
+
+    def _samples(self, claimed: list[str]) -> tuple[list[GroupData], SampleBatch]:
+        """The claimed groups as loaded (what the step saw), and their training rows. A group that cannot be read
+        or built is dropped with the error as its reason: raising here would kill the worker, and the next one
+        would claim the same group once its lease expired, and crash the same way, forever."""
+        version = current_policy_version(self.engine, self.spec.name)
+        try:
+            groups = to_groups(load_groups(self.engine, claimed))
+            return groups, self._build(groups, version)
+        except Exception:
+            log.exception("could not build the step's samples; retrying group by group")
+        groups, broken, seen = [], [], []
+        for group_id in claimed:
+            try:
+                (group,) = to_groups(load_groups(self.engine, [group_id]))
+                seen.append(group)
+                self._build([group], version)
+            except Exception as exc:
+                broken.append((group_id, f"cannot build samples: {type(exc).__name__}: {exc}"[:500]))
+            else:
+                groups.append(group)
+        batch = self._build(groups, version)
+        batch.dropped_groups.extend(broken)
+        batch.stats["groups_dropped"] += len(broken)
+        reasons = batch.stats.setdefault("drop_reasons", {})
+        reasons["cannot build samples"] = reasons.get("cannot build samples", 0) + len(broken)
+        return seen, batch
+
+    def _build(self, groups: list[GroupData], version: int) -> SampleBatch:
+        return build_samples(
+            groups,
+            advantage_mode=self.config.advantage,
+            drop_zero_variance=self.config.drop_zero_variance,
+            max_seq_len=self.config.max_seq_len,
+            current_policy_version=version,
+            max_staleness=self.config.max_staleness,
+        )
+
+    def _optimise(self, batch: SampleBatch, step: int) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        with tqdm(total=None, desc=f"step {step}", unit="mb", leave=False, disable=None) as bar:
+
+            def progress(done: int, total: int) -> None:
+                bar.total = total
+                bar.n = done
+                bar.refresh()
+
+            try:
+                if self.data_parallel is None:
+                    trained = self.backend.train_step(batch.rows, self.loss, self.config.micro_batch_tokens, progress)
+                else:
+                    trained = self.backend.train_step(
+                        self.data_parallel.step(batch.rows),
+                        self.loss,
+                        self.config.micro_batch_tokens,
+                        progress,
+                        data_parallel=self.data_parallel,
+                    )
+            except Exception:
+                # Data-parallel, every rank failed alike (or one died, and torchrun stops the job): the other
+                # ranks are not told to roll back, the step is simply never committed.
+                self._roll_back(f"step {step} failed while training", followers=False)
+                raise
+        # The sample stats count tokens of the rows (all / trained); the backend's own counts are per micro-batch.
+        return {**trained, **batch.stats, "policy_version": current_policy_version(self.engine, self.spec.name)}
+
+    def _roll_back(self, why: str, followers: bool = True) -> None:
+        """Put the model back to the last committed step: the in-memory update was never committed.
+        Data-parallel, the other ranks take this rank's restored replica unless ``followers`` is off."""
+        self.echo(f"{why}; rolling back to step {self.step}")
+        discard_after(self.checkpoints, self.spec.name, self.step)
+        if self.step == 0:
+            self.backend = self._load_backend()
+        else:
+            latest = latest_checkpoint(self.checkpoints, self.spec.name)
+            assert latest is not None and latest[0] == self.step
+            load_checkpoint(self.backend, latest[1])
+        if followers and self.data_parallel is not None:
+            self.data_parallel.sync(self.backend)
+
+    def finish_publishing(self, stop: threading.Event, timeout_s: float) -> bool:
+        """Wait (retrying with backoff) until the last committed step is served; False if it still is not after
+        `timeout_s` or `stop`. A worker told to do N steps exits after the last one, and nothing else would retry
+        a publication that failed then (vLLM restarting, say)."""
+        if self.publisher is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while (step := self.publisher.pending()) is not None:
+            if stop.is_set() or time.monotonic() >= deadline:
+                self.echo(
+                    f"step {step} is committed but vLLM does not serve it yet; the next `trajgate train --run "
+                    f"{self.spec.name}` publishes it before it trains"
+                )
+                return False
+            self.publisher.reconcile()
+            stop.wait(0.5)
+        return True
+
+    def run(self, stop: threading.Event | None = None) -> int:
+        """Train until `stop` is set or `max_steps` steps are done; returns the steps done."""
+        stop = stop or threading.Event()
+        done = 0
+        while not stop.is_set() and (self.options.max_steps is None or done < self.options.max_steps):
+            waiting = time.perf_counter()
+            if not self.wait_for_groups(stop):
+                break
+            self.idle_s += time.perf_counter() - waiting
+            if self.train_one_step() is not None:
+                done += 1
+        return done
