@@ -12,7 +12,6 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -27,6 +26,7 @@ from gateway.edge.api_responses import ResponsesAPI
 from gateway.proxy.attribution import split_path
 from gateway.http.auth import Auth
 from gateway.runs.settings import Settings
+from gateway.http.deps import GatewayState
 from gateway.http.errors import GatewayError
 from gateway.http.metrics import GatewayMetrics
 from gateway.recorder.heartbeat import Peers
@@ -43,24 +43,6 @@ log = logging.getLogger("trajgate.gateway")
 
 # How often the in-memory routing table (policy versions, sampling overrides) is reloaded from the database.
 ROUTE_REFRESH_S = 1.0
-
-
-@dataclass
-class GatewayState:
-    settings: Settings
-    engine: Engine
-    writer: RecordWriter
-    router: PolicyRouter
-    auth: Auth
-    metrics: GatewayMetrics
-    proxy: Proxy
-    responses: ResponsesAPI
-    messages: MessagesApi
-    peers: Peers
-    # Set when the server begins a graceful shutdown, so endless responses (the event stream) end and let it finish.
-    stopping: threading.Event = field(default_factory=threading.Event)
-    # The trajectory page's token strings per call id (gateway.ui.token_text).
-    token_texts: TokenTextCache = field(default_factory=TokenTextCache)
 
 
 def build_state(settings: Settings) -> GatewayState:
@@ -125,7 +107,9 @@ def build_state(settings: Settings) -> GatewayState:
         lambda: policy_router.read_at,
     )  # fmt: skip
     proxy.token_in.peers = peers
-    return GatewayState(settings, engine, writer, policy_router, auth, metrics, proxy, responses, messages, peers)
+    return GatewayState(
+        settings, engine, writer, policy_router, auth, metrics, proxy, responses, messages, TokenTextCache(), peers
+    )
 
 
 class Gateway:

@@ -31,7 +31,7 @@ from gateway.http.errors import GatewayError
 from gateway.store.rewards import RewardItem, RewardResult, RewardsRejected, close_group, store_rewards
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayState
+    from gateway.http.deps import GatewayState
 
 router = APIRouter(dependencies=[Depends(require_agent)])
 

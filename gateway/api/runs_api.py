@@ -26,7 +26,7 @@ from gateway.store.export import iter_trajectories
 from gateway.store.runs import MissingBaseModel, list_runs, run_exists, run_view, steps_after, upsert_run
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayState
+    from gateway.http.deps import GatewayState
 
 log = logging.getLogger("trajgate.runs")
 router = APIRouter(dependencies=[Depends(require_admin)])

@@ -13,19 +13,15 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.http.deps import GatewayState, gateway_state
 from gateway.http.errors import GatewayError
 from gateway.store.records import ping
 
 if TYPE_CHECKING:
-    from gateway.app import GatewayState
     from gateway.upstream.replicas import Replica
 
 log = logging.getLogger("trajgate.api")
 router = APIRouter()
-
-
-def state(request: Request) -> GatewayState:
-    return request.app.state.gateway
 
 
 @router.get("/health")
@@ -38,7 +34,7 @@ async def health() -> dict[str, str]:
 async def ready(request: Request) -> JSONResponse:
     """The database and vLLM are reachable (readiness): 503 names what isn't. With several replicas, each is listed
     and one reachable replica is enough to be ready."""
-    gw = state(request)
+    gw = gateway_state(request)
     db_ok = await asyncio.to_thread(ping, gw.engine)
     replicas = gw.proxy.replicas.all
     reachable = await asyncio.gather(*(_answers(gw, replica) for replica in replicas))
@@ -62,13 +58,13 @@ async def _answers(gw: GatewayState, replica: Replica) -> bool:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(state(request).metrics.render(), media_type="text/plain; version=0.0.4")
+    return Response(gateway_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, object]:
     """The runs, named as agents should call them, plus the base model."""
-    gw = state(request)
+    gw = gateway_state(request)
     base = await gw.proxy.base_model()
     now = int(time.time())
     names = [base] + [run for run in gw.router.runs() if run != base]

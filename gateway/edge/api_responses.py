@@ -54,7 +54,7 @@ from gateway.proxy.attribution import PathPrefix, split_api_key
 from gateway.http.auth import presented_key
 from gateway.http.errors import GatewayError
 from gateway.proxy.hot_path import Proxy, parse_json
-from gateway.api.service import state as gateway_state
+from gateway.http.deps import gateway_state
 from gateway.store.exchanges import RecordedExchange, recorded_exchange
 
 

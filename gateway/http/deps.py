@@ -1,5 +1,8 @@
-"""What the JSON API endpoints share: key checks as dependencies, and request bodies read with a size limit and
-validated into OpenAI-style errors.
+"""What every endpoint depends on: the gateway's state object, key checks as dependencies, and request bodies read
+with a size limit and validated into OpenAI-style errors.
+
+The state lives here, not in the composition root (gateway.app), so the routers (gateway.api, gateway.edge,
+gateway.ui) import no entry point and the import graph has no cycle (tests/test_layers.py).
 
 Bodies are parsed with the standard library's JSON parser on purpose: Python clients serialise a NaN reward as the
 non-standard literal `NaN`, and that must come back as a 422 saying the reward is not finite, not as unparseable
@@ -11,18 +14,52 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
 
 import orjson
 from fastapi import Request, Response
 from pydantic import AfterValidator, BaseModel, Field, ValidationError
+from sqlalchemy import Engine
 
-from gateway.proxy.attribution import split_api_key
-from gateway.http.auth import presented_key
+from gateway.http.auth import Auth, presented_key
 from gateway.http.errors import GatewayError
-from gateway.api.service import state as gateway_state
+from gateway.http.metrics import GatewayMetrics
+from gateway.proxy.attribution import split_api_key
+from gateway.proxy.hot_path import Proxy
+from gateway.proxy.routing import PolicyRouter
+from gateway.recorder.heartbeat import Peers
+from gateway.recorder.writer import RecordWriter
+from gateway.runs.settings import Settings
 
 Model = TypeVar("Model", bound=BaseModel)
+
+
+@dataclass
+class GatewayState:
+    """Everything one gateway process serves with, built by gateway.app.build_state."""
+
+    settings: Settings
+    engine: Engine
+    writer: RecordWriter
+    router: PolicyRouter
+    auth: Auth
+    metrics: GatewayMetrics
+    proxy: Proxy
+    # The edge translators (gateway.edge: ResponsesAPI, MessagesApi) and the trajectory page's token strings per call
+    # id (gateway.ui.token_text.TokenTextCache). Typed loosely on purpose: those modules import this one, so naming
+    # their classes here would be an import cycle; the composition root that builds them knows their types.
+    responses: Any
+    messages: Any
+    token_texts: Any
+    peers: Peers
+    # Set when the server begins a graceful shutdown, so endless responses (the event stream) end and let it finish.
+    stopping: threading.Event = field(default_factory=threading.Event)
+
+
+def gateway_state(request: Request) -> GatewayState:
+    return request.app.state.gateway
 
 
 async def require_agent(request: Request) -> None:

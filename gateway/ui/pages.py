@@ -26,7 +26,7 @@ from gateway.api import runs_api
 from gateway.proxy.attribution import check_id
 from gateway.http.auth import presented_key
 from gateway.http.errors import GatewayError
-from gateway.api.service import state as gateway_state
+from gateway.http.deps import gateway_state
 from gateway.store.ui_reads import (
     BadCursor,
     TrajectoryFilter,
