@@ -25,7 +25,6 @@ to `rejected/` for an operator to inspect.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import fcntl
 import logging
@@ -36,66 +35,26 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import orjson
 from sqlalchemy import Engine
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError, StatementError
+from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.store.courtesy import giving_way
 from gateway.store.call_record import CallRecord
-from gateway.store.arrays import decode_ids, decode_logprobs, encode_ids, encode_logprobs
 from gateway.store.records import ping, write_calls
 from gateway.recorder.threads import name_os_thread
-from gateway.recorder.writer_process import WriteFailed, WriterProcess
+from gateway.recorder.spool_lines import is_record_error, read_spool_line, reason, spool_line
+from gateway.recorder.writer_process import WriterProcess
 
 log = logging.getLogger("trajgate.writer")
 
-_FIELDS = tuple(f.name for f in fields(CallRecord))
 _SEGMENT_PREFIX = "spool-"
 _SEGMENT_SUFFIX = ".jsonl"
 _DRAINS_PER_FLUSH = 10  # how often per flush interval the writer looks for more records once a batch has begun
-
-
-# Token arrays travel as base64 of the store's packed bytes: JSON (orjson) turns a -inf logprob into null, and
-# parsing thousands of JSON numbers per record made replay the bottleneck of catching up after an outage.
-_PACKED: dict[str, tuple[Callable[[Any], bytes | None], Callable[[bytes], list[Any] | None]]] = {
-    "prompt_token_ids": (encode_ids, decode_ids),
-    "completion_token_ids": (encode_ids, decode_ids),
-    "completion_logprobs": (encode_logprobs, decode_logprobs),
-}
-
-
-def spool_line(record: CallRecord) -> bytes:
-    """One JSONL line, lossless for every field the database stores. Every record passes here on the response path,
-    so the common case (string keys only, as JSON parsing gives) skips orjson's slower non-string-key mode."""
-    data = {name: getattr(record, name) for name in _FIELDS}
-    for name, (encode, _) in _PACKED.items():
-        try:
-            packed = encode(data[name])
-        except (TypeError, OverflowError):
-            continue  # unpackable values stay JSON, to be refused by the store and kept in rejected/
-        if packed is not None:
-            data[name] = base64.b64encode(packed).decode()
-    try:
-        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE)
-    except TypeError:
-        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
-
-
-def read_spool_line(line: bytes) -> CallRecord:
-    """Inverse of `spool_line`; raises ValueError for a line that is not a whole record (a torn append)."""
-    data = orjson.loads(line)  # a torn line is truncated JSON, so it fails here
-    if not isinstance(data, dict):
-        raise ValueError("not a record")
-    for name, (_, decode) in _PACKED.items():
-        if isinstance(data.get(name), str):
-            data[name] = decode(base64.b64decode(data[name]))
-    # Fields added to CallRecord after a line was spooled read as None, so an upgrade can replay an older spool.
-    values: dict[str, Any] = {name: data.get(name) for name in _FIELDS}
-    return CallRecord(**values)
 
 
 def _segment_order(path: Path) -> tuple[int, int] | None:
@@ -388,27 +347,6 @@ class _Spool:
             with contextlib.suppress(FileNotFoundError):  # replayed since the listing
                 total += used[path] if path in used else path.stat().st_size
         return total
-
-
-def reason(exc: BaseException) -> str:
-    """The driver's first line only: SQLAlchemy's message carries the SQL and its parameters (whole records)."""
-    text = str(getattr(exc, "orig", None) or exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def is_record_error(exc: BaseException) -> bool:
-    """Whether the failure is about the data of some record (retrying it can never succeed) rather than the
-    database being unavailable (retrying later will). Unknown database errors count as unavailability, so a
-    misconfigured or read-only database spools records instead of rejecting them."""
-    if isinstance(exc, WriteFailed):
-        return exc.record
-    if isinstance(exc, (IntegrityError, DataError)):
-        return True
-    if isinstance(exc, DBAPIError):
-        return False
-    if isinstance(exc, StatementError):
-        return True  # raised while binding parameters, e.g. JSON that cannot be serialized
-    return not isinstance(exc, SQLAlchemyError)  # e.g. a token id that does not fit int32
 
 
 # At most this many calls in flight, the writer gives way to the event loop (RecordWriter._gives_way).

@@ -13,7 +13,7 @@ database is unavailable, or a record in the batch is refused. A child that dies 
 batch; the batch it held is treated as a database outage (let go from memory, stored by replaying the log).
 
 Frames both ways: a 4-byte little-endian length, then the bytes. A request is the batch's spool lines
-(`gateway.recorder.writer.spool_line`), one per record; an empty answer is success, anything else JSON
+(`gateway.recorder.spool_lines.spool_line`), one per record; an empty answer is success, anything else JSON
 `{"reason": str, "record": bool}`.
 """
 
@@ -30,20 +30,13 @@ from typing import IO
 
 import orjson
 
+from gateway.recorder.spool_lines import WriteFailed
+
 log = logging.getLogger("trajgate.writer")
 
 _FRAME = struct.Struct("<I")
 _URL_ENV = "TRAJGATE_WRITER_PROCESS_URL"
 _NICE_ENV = "TRAJGATE_WRITER_PROCESS_NICE"
-
-
-class WriteFailed(Exception):
-    """A batch the writer process could not store: `record` says whether a record's data is the cause (retrying it
-    can never succeed) or the database or the process (retrying later will)."""
-
-    def __init__(self, reason: str, record: bool) -> None:
-        super().__init__(reason)
-        self.record = record
 
 
 class WriterProcess:
@@ -155,7 +148,7 @@ def main() -> int:
     from gateway.store.db import make_engine
     from gateway.store.records import write_calls
     from gateway.recorder.threads import name_os_thread
-    from gateway.recorder.writer import is_record_error, read_spool_line, reason
+    from gateway.recorder.spool_lines import is_record_error, read_spool_line, reason
 
     threading.current_thread().name = "trajgate-store"
     name_os_thread()

@@ -1,0 +1,90 @@
+"""A record as one line of the spool (the writer's write-ahead log), and how a failed write is classified.
+
+Shared by the writer thread (gateway.recorder.writer) and the writer process (gateway.recorder.writer_process),
+which both read spool lines and sort failures into "this record can never be stored" and "the database is away";
+kept apart from both so neither imports the other's module.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import orjson
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError, StatementError
+
+from gateway.store.arrays import decode_ids, decode_logprobs, encode_ids, encode_logprobs
+from gateway.store.call_record import CallRecord
+
+_FIELDS = tuple(f.name for f in fields(CallRecord))
+
+
+class WriteFailed(Exception):
+    """A batch the writer process could not store: `record` says whether a record's data is the cause (retrying it
+    can never succeed) or the database or the process (retrying later will)."""
+
+    def __init__(self, reason: str, record: bool) -> None:
+        super().__init__(reason)
+        self.record = record
+
+
+# Token arrays travel as base64 of the store's packed bytes: JSON (orjson) turns a -inf logprob into null, and
+# parsing thousands of JSON numbers per record made replay the bottleneck of catching up after an outage.
+_PACKED: dict[str, tuple[Callable[[Any], bytes | None], Callable[[bytes], list[Any] | None]]] = {
+    "prompt_token_ids": (encode_ids, decode_ids),
+    "completion_token_ids": (encode_ids, decode_ids),
+    "completion_logprobs": (encode_logprobs, decode_logprobs),
+}
+
+
+def spool_line(record: CallRecord) -> bytes:
+    """One JSONL line, lossless for every field the database stores. Every record passes here on the response path,
+    so the common case (string keys only, as JSON parsing gives) skips orjson's slower non-string-key mode."""
+    data = {name: getattr(record, name) for name in _FIELDS}
+    for name, (encode, _) in _PACKED.items():
+        try:
+            packed = encode(data[name])
+        except (TypeError, OverflowError):
+            continue  # unpackable values stay JSON, to be refused by the store and kept in rejected/
+        if packed is not None:
+            data[name] = base64.b64encode(packed).decode()
+    try:
+        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError:
+        return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+
+
+def read_spool_line(line: bytes) -> CallRecord:
+    """Inverse of `spool_line`; raises ValueError for a line that is not a whole record (a torn append)."""
+    data = orjson.loads(line)  # a torn line is truncated JSON, so it fails here
+    if not isinstance(data, dict):
+        raise ValueError("not a record")
+    for name, (_, decode) in _PACKED.items():
+        if isinstance(data.get(name), str):
+            data[name] = decode(base64.b64decode(data[name]))
+    # Fields added to CallRecord after a line was spooled read as None, so an upgrade can replay an older spool.
+    values: dict[str, Any] = {name: data.get(name) for name in _FIELDS}
+    return CallRecord(**values)
+
+
+def reason(exc: BaseException) -> str:
+    """The driver's first line only: SQLAlchemy's message carries the SQL and its parameters (whole records)."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def is_record_error(exc: BaseException) -> bool:
+    """Whether the failure is about the data of some record (retrying it can never succeed) rather than the
+    database being unavailable (retrying later will). Unknown database errors count as unavailability, so a
+    misconfigured or read-only database spools records instead of rejecting them."""
+    if isinstance(exc, WriteFailed):
+        return exc.record
+    if isinstance(exc, (IntegrityError, DataError)):
+        return True
+    if isinstance(exc, DBAPIError):
+        return False
+    if isinstance(exc, StatementError):
+        return True  # raised while binding parameters, e.g. JSON that cannot be serialized
+    return not isinstance(exc, SQLAlchemyError)  # e.g. a token id that does not fit int32
