@@ -123,6 +123,12 @@ class Trajectory(Base):
     __table_args__ = (Index(None, "group_id"), Index(None, "run", "created_at"))
 
 
+# What `Call.endpoint` holds: which OpenAI endpoint a call came in on, and so the shape of its request and response.
+# Defined here, with the column, because reading a stored call depends on it (gateway.store.reads).
+CHAT = "chat"
+COMPLETIONS = "completions"
+
+
 class Call(Base):
     """One upstream call (one row per choice when n > 1), with the exact ids and logprobs vLLM produced."""
 
@@ -136,7 +142,7 @@ class Call(Base):
     choice_index: Mapped[int] = mapped_column(Integer, default=0)
     run: Mapped[str] = mapped_column(String(ID_LENGTH))
     policy_version: Mapped[int] = mapped_column(Integer, default=0)
-    endpoint: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(64))  # CHAT or COMPLETIONS: the shape of the stored request
     stream: Mapped[bool] = mapped_column(Boolean, default=False)
     request: Mapped[dict[str, Any] | None] = mapped_column(JsonType)
     response: Mapped[dict[str, Any] | None] = mapped_column(JsonType)

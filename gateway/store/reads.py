@@ -12,10 +12,9 @@ from typing import Any
 
 from sqlalchemy import Engine, func, select
 
-from gateway.proxy.capture import COMPLETIONS
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.lineage import Rebuilder
-from gateway.store.models import Call, Group, Trajectory
+from gateway.store.models import COMPLETIONS, Call, Group, Trajectory
 from gateway.store.tree import parent_of, with_branches
 
 

@@ -1,4 +1,4 @@
-"""What the web UI (gateway.ui.pages) and the trainer's trackers read: runs at a glance, one run's curves, a group side by
+"""What the web UI (gateway.ui.pages) reads: runs at a glance, one run's curves, a group side by
 side, a trajectory with its completion tokens, and a filtered, keyset-paginated list of trajectories.
 
 Every query here is driven by an index (runs by name, groups by (run, state), trajectories by (run, created_at) or
@@ -19,60 +19,13 @@ from sqlalchemy import Engine, and_, func, or_, select
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.runs.config import merged_config
 from gateway.store.models import Call, Group, Run, TrainStep, Trajectory
+from gateway.store.progress import eval_curve
 from gateway.store.reads import completion_of, iso, trajectory_view
 from gateway.store.runs import list_runs, trajectory_counts
 
-# z for a two-sided 95% normal interval: the eval curve's error bars.
-Z95 = 1.959964
 # Trainer's advantage epsilon (trainer.samples.STD_EPS); a test keeps the two in step.
 STD_EPS = 1e-6
 MAX_STEPS_SHOWN = 5000
-
-
-def eval_curve(engine: Engine, run: str) -> list[dict[str, Any]]:
-    """Mean reward of the run's evaluation trajectories per policy version (the version of their first call), with
-    a 95% normal-approximation interval: the curve that says whether training helps."""
-    # The first call's version, one index probe per trajectory (calls by (trajectory_id, seq)); a min() over the
-    # correlated calls let Postgres plan one aggregate over every call of the table instead (0.4 s at 100k calls).
-    first_version = (
-        select(Call.policy_version)
-        .where(Call.trajectory_id == Trajectory.trajectory_id)
-        .order_by(Call.seq, Call.choice_index)
-        .limit(1)
-        .scalar_subquery()
-    )
-    rewards = (
-        select(Trajectory.reward.label("reward"), first_version.label("version"))
-        .where(Trajectory.run == run, Trajectory.mode == "eval", Trajectory.reward.is_not(None))
-        .subquery()
-    )
-    with engine.connect() as conn:
-        rows = conn.execute(
-            select(
-                rewards.c.version,
-                func.count(),
-                func.avg(rewards.c.reward),
-                func.avg(rewards.c.reward * rewards.c.reward),
-            )
-            .where(rewards.c.version.is_not(None))
-            .group_by(rewards.c.version)
-            .order_by(rewards.c.version)
-        ).all()
-    curve = []
-    for version, count, mean, mean_sq in rows:
-        std = math.sqrt(max(0.0, float(mean_sq) - float(mean) ** 2)) if count else 0.0
-        half = Z95 * std / math.sqrt(count) if count > 1 else 0.0
-        curve.append(
-            {
-                "policy_version": version,
-                "trajectories": count,
-                "mean_reward": float(mean),
-                "std": std,
-                "ci_low": float(mean) - half,
-                "ci_high": float(mean) + half,
-            }
-        )
-    return curve
 
 
 def _groups_by_state(engine: Engine, runs: list[str] | None = None) -> dict[str, dict[str, dict[str, int]]]:
@@ -373,42 +326,3 @@ def search_trajectories(
     ]
     more = len(rows) > limit
     return items, encode_cursor(page[-1].created_at, page[-1].trajectory_id) if more and page else None
-
-
-def sample_trajectories(engine: Engine, trajectory_ids: list[str]) -> list[dict[str, Any]]:
-    """A few trajectories for a tracker's table: id, group, reward, number of calls and the last answer."""
-    if not trajectory_ids:
-        return []
-    with engine.connect() as conn:
-        trajectories = conn.execute(
-            select(Trajectory.trajectory_id, Trajectory.group_id, Trajectory.reward).where(
-                Trajectory.trajectory_id.in_(trajectory_ids)
-            )
-        ).all()
-        calls = conn.execute(
-            select(Call.trajectory_id, Call.seq, Call.choice_index, Call.endpoint, Call.response)
-            .where(Call.trajectory_id.in_(trajectory_ids), Call.choice_index == 0)
-            .order_by(Call.trajectory_id, Call.seq)
-        ).all()
-    last: dict[str, tuple[int, str]] = {}
-    counts: dict[str, int] = {}
-    for call in calls:
-        text, tool_calls = completion_of(call.response, call.choice_index, call.endpoint)
-        shown = text or ""
-        if tool_calls:
-            shown += " " + " ".join(
-                f"{(t.get('function') or {}).get('name')}({(t.get('function') or {}).get('arguments')})" for t in tool_calls
-            )
-        counts[call.trajectory_id] = counts.get(call.trajectory_id, 0) + 1
-        last[call.trajectory_id] = (call.seq, shown.strip())
-    order = {tid: i for i, tid in enumerate(trajectory_ids)}
-    return [
-        {
-            "trajectory_id": t.trajectory_id,
-            "group_id": t.group_id,
-            "reward": t.reward,
-            "calls": counts.get(t.trajectory_id, 0),
-            "last_answer": last.get(t.trajectory_id, (0, ""))[1],
-        }
-        for t in sorted(trajectories, key=lambda t: order[t.trajectory_id])
-    ]

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import Engine
 
-from gateway.store.ui_reads import eval_curve, sample_trajectories
+from gateway.store.progress import eval_curve, sample_trajectories
 
 log = logging.getLogger("trajgate.trackers")
 
