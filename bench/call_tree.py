@@ -29,9 +29,9 @@ from unittest import mock
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store import records as store_records  # noqa: E402
+from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.records import write_calls  # noqa: E402
 from gateway.store.tree import Candidate, LookupWork, find_parent, own_key  # noqa: E402
 from tests.factories import make_record  # noqa: E402

@@ -24,11 +24,10 @@ if str(REPO) not in sys.path:  # run as a script from anywhere, like the other b
 
 from sqlalchemy import Engine, text  # noqa: E402
 
-from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store import db  # noqa: E402
+from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.records import count_calls, write_calls  # noqa: E402
 from tests.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
-
 
 TARGET_ROWS_S = 5_000
 

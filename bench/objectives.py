@@ -31,10 +31,10 @@ if str(REPO) not in sys.path:  # run as a script from anywhere, like the other b
     sys.path.insert(0, str(REPO))
 
 from trainer.backends import HFBackend, LoraSpec  # noqa: E402
-from trainer.loss import LossConfig  # noqa: E402
-from trainer.worker.publish import VllmAdmin  # noqa: E402
-from trainer.samples import CallData, GroupData, Row, TrajectoryData, build_samples  # noqa: E402
 from trainer.demo.vllm_cpu import ensure_smollm2, smollm2_server  # noqa: E402
+from trainer.loss import LossConfig  # noqa: E402
+from trainer.samples import CallData, GroupData, Row, TrajectoryData, build_samples  # noqa: E402
+from trainer.worker.publish import VllmAdmin  # noqa: E402
 
 PROMPTS = ["Name a colour.", "Say a number between one and ten.", "Name an animal.", "Name a fruit."]
 REWARDS = [1.0, 0.0, 0.5, 0.25]  # by sample index: an advantage spread whatever the model writes

@@ -41,8 +41,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from sqlalchemy import Engine, Text, cast, func, select  # noqa: E402
 
-from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store import db  # noqa: E402
+from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.models import Call  # noqa: E402
 from gateway.store.records import write_calls  # noqa: E402
 from tests.trajectory_shapes import SHAPES, shaped  # noqa: E402

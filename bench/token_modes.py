@@ -47,8 +47,8 @@ from gateway.store.training import load_groups  # noqa: E402
 from tests.gateway_harness import running_gateway  # noqa: E402
 from tests.stored import stored_calls  # noqa: E402
 from tests.waiting import wait_until  # noqa: E402
-from trainer.worker.loop import to_groups  # noqa: E402
 from trainer.samples import build_samples  # noqa: E402
+from trainer.worker.loop import to_groups  # noqa: E402
 
 MODES = ("chat", "token_in")
 

@@ -36,8 +36,8 @@ sys.path.insert(0, str(REPO_ROOT))
 from tests.examples import load_example  # noqa: E402
 from tests.gateway_harness import RunningGateway, running_gateway  # noqa: E402
 from tests.stored import as_trajectory_data, stored_calls  # noqa: E402
-from trainer.samples import GroupData, build_samples  # noqa: E402
 from trainer.demo.vllm_cpu import smollm2_server  # noqa: E402
+from trainer.samples import GroupData, build_samples  # noqa: E402
 
 AGENTS = {
     "supervisor": "supervisor_langgraph",

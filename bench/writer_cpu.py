@@ -29,8 +29,8 @@ if str(REPO) not in sys.path:  # run as a script from anywhere, like the other b
 
 from sqlalchemy import Engine  # noqa: E402
 
-from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store import db  # noqa: E402
+from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.records import write_calls  # noqa: E402
 from tests.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
 

@@ -23,7 +23,6 @@ import json
 import random
 import string
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

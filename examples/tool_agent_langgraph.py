@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import openai
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage, ToolMessage
@@ -24,7 +23,15 @@ from langgraph.prebuilt import create_react_agent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py and tool_agent.py beside this script
 from harness import Outcome, Task, main_for  # noqa: E402
 from tool_agent import (  # noqa: E402
-    DIRECTORY, MAX_CALLS, MAX_TOKENS, SYSTEM, Question, describe, example_messages, reward, right,
+    DIRECTORY,
+    MAX_CALLS,
+    MAX_TOKENS,
+    SYSTEM,
+    Question,
+    describe,
+    example_messages,
+    reward,
+    right,
 )
 
 

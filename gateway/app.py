@@ -8,36 +8,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.api import judge_api, read_api, rewards_api, runs_api
+from gateway.api.service import install_error_handlers, router
 from gateway.edge import api_messages, api_responses
-from gateway.ui import pages as ui
 from gateway.edge.api_messages import MessagesApi
 from gateway.edge.api_responses import ResponsesAPI
-from gateway.proxy.attribution import split_path
 from gateway.http.auth import Auth
-from gateway.runs.settings import Settings
 from gateway.http.deps import GatewayState
 from gateway.http.errors import GatewayError
 from gateway.http.metrics import GatewayMetrics
-from gateway.recorder.heartbeat import Peers
+from gateway.proxy.attribution import split_path
 from gateway.proxy.hot_path import ENDPOINTS, Proxy, send_json
-from gateway.api.service import install_error_handlers, router
 from gateway.proxy.routing import PolicyRouter
-from gateway.store.db import make_engine
+from gateway.recorder.heartbeat import Peers
 from gateway.recorder.threads import name_os_thread
-from gateway.ui.token_text import TokenTextCache
 from gateway.recorder.writer import RecordWriter
 from gateway.recorder.writer_process import WriterProcess
+from gateway.runs.settings import Settings
+from gateway.store.db import make_engine
+from gateway.ui import pages as ui
+from gateway.ui.token_text import TokenTextCache
 
 log = logging.getLogger("trajgate.gateway")
 

@@ -136,9 +136,9 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _export(settings: Settings, args: argparse.Namespace) -> int:
-    from gateway.store.export_formats import ExportError, check_available, write_jsonl, write_parquet
     from gateway.store.db import make_engine
     from gateway.store.export import iter_trajectories
+    from gateway.store.export_formats import ExportError, check_available, write_jsonl, write_parquet
     from gateway.store.runs import run_exists
 
     try:

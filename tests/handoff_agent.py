@@ -6,7 +6,6 @@ re-record gives the same tokens and the replay sends vLLM exactly the recorded r
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from agents import ModelSettings, RunConfig
 

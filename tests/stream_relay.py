@@ -13,12 +13,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from gateway.http.metrics import GatewayMetrics
 from gateway.proxy import capture
 from gateway.proxy.attribution import Attribution
-from gateway.http.metrics import GatewayMetrics
 from gateway.proxy.hot_path import Call, Proxy
-from gateway.store.call_record import CallRecord
 from gateway.proxy.routing import Route
+from gateway.store.call_record import CallRecord
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import datetime, timezone
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -157,7 +157,7 @@ def watch_bound(db_url: str, stop: threading.Event, seen: list[tuple[int, int, i
                 if conn.dialect.name == "postgresql":
                     conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"))
                 config = conn.execute(select(Run.config).where(Run.name == RUN)).scalar_one()
-                bound = _bound(conn, RUN, config, datetime.now(timezone.utc))
+                bound = _bound(conn, RUN, config, datetime.now(UTC))
                 recorded = conn.execute(
                     select(func.count()).where(Group.run == RUN, Group.state.not_in(("claimed", "trained", "dropped")))
                 ).scalar_one()

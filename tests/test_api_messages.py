@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from gateway.edge import api_messages
-from gateway.proxy import token_in
 from gateway.edge.api_messages import MessagesRequest, StreamTranslator, to_chat
 from gateway.http.errors import GatewayError
+from gateway.proxy import token_in
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 from tests.fake_upstream import FIXTURES, FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
@@ -706,10 +706,9 @@ def test_upstream_failures_get_anthropic_errors(
     }  # type: ignore[index]
     assert failed.value.body["request_id"].startswith("req-")  # type: ignore[index]
     upstream.mode = "cut_stream"
-    with pytest.raises(anthropic.APIStatusError) as cut:
-        with sdk.messages.stream(**kwargs) as events:
-            for _ in events:
-                pass
+    with pytest.raises(anthropic.APIStatusError) as cut, sdk.messages.stream(**kwargs) as events:
+        for _ in events:
+            pass
     assert "vLLM stream ended unexpectedly" in str(cut.value)
     upstream.mode = "forbidden"  # vLLM without --enable-scale-out: no render endpoint for count_tokens
     with pytest.raises(anthropic.InternalServerError) as no_render:
@@ -717,9 +716,8 @@ def test_upstream_failures_get_anthropic_errors(
     assert no_render.value.status_code == 502 and "--enable-scale-out" in no_render.value.message
     upstream.mode = "replay"
     down = {**gateway_settings, "upstream_url": f"http://127.0.0.1:{free_port()}/v1", "spool_dir": tmp_path / "down"}
-    with running_gateway(**down) as gw:
-        with pytest.raises(anthropic.InternalServerError) as unreachable:
-            client(gw).messages.create(**kwargs)
+    with running_gateway(**down) as gw, pytest.raises(anthropic.InternalServerError) as unreachable:
+        client(gw).messages.create(**kwargs)
     body: Any = unreachable.value.body
     assert unreachable.value.status_code == 502 and body["error"]["type"] == "api_error"
 

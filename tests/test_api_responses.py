@@ -15,9 +15,9 @@ import openai
 import pytest
 
 from gateway.edge import api_responses
-from gateway.recorder import writer as gateway_writer
-from gateway.proxy.capture import CHAT, StreamAssembler
 from gateway.http.errors import GatewayError
+from gateway.proxy.capture import CHAT, StreamAssembler
+from gateway.recorder import writer as gateway_writer
 from gateway.store.db import make_engine
 from gateway.store.lineage import EXTENDS
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.proxy.attribution import attribute, check_run, split_api_key, split_path
 from gateway.http.errors import GatewayError
+from gateway.proxy.attribution import attribute, check_run, split_api_key, split_path
 from gateway.proxy.turns import SeqClock
 
 

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import Engine
 
-from gateway.store import courtesy
 from gateway.recorder import writer as writer_module
+from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, RecordWriter
+from gateway.store import courtesy
 from gateway.store.call_record import CallRecord
 from gateway.store.records import count_calls, write_calls
-from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, RecordWriter
 from tests.factories import make_record
 
 

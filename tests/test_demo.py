@@ -19,6 +19,8 @@ import pytest
 
 from gateway.cli import build_parser
 from gateway.store import db
+from tests.test_tool_agent import scripted  # noqa: F401 - a fixture
+from tests.waiting import OutputLines
 from trainer.demo.cpu_demo import (
     PORT_TAKEN,
     TASKS,
@@ -35,8 +37,6 @@ from trainer.demo.cpu_demo import (
     split_cpus,
     start_gateway,
 )
-from tests.test_tool_agent import scripted  # noqa: F401 - a fixture
-from tests.waiting import OutputLines
 from trainer.demo.vllm_cpu import VllmServer, free_port
 
 
@@ -247,10 +247,9 @@ def test_an_interrupt_while_a_process_starts_waits_until_its_stop_is_registered(
 
     registered = []
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    with pytest.raises(KeyboardInterrupt):
-        with _interrupts_held():
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C just after the process was started ...
-            registered.append("stop")  # ... still lets the demo register how to stop it
+    with pytest.raises(KeyboardInterrupt), _interrupts_held():
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C just after the process was started ...
+        registered.append("stop")  # ... still lets the demo register how to stop it
     assert registered == ["stop"]
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # handlers restored
 

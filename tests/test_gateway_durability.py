@@ -18,8 +18,8 @@ from sqlalchemy import select, text
 
 from gateway.app import build_state
 from gateway.runs.settings import load_settings
-from gateway.store.call_record import CallRecord
 from gateway.store import db
+from gateway.store.call_record import CallRecord
 from gateway.store.db import make_engine
 from gateway.store.models import Call
 from tests.fake_upstream import FakeUpstream

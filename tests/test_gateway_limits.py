@@ -33,7 +33,7 @@ def _closed_by_server(conn: socket.socket, deadline_s: float) -> bool:
         while time.monotonic() < end:
             if conn.recv(65536) == b"":
                 return True
-    except (socket.timeout, ConnectionResetError):
+    except (TimeoutError, ConnectionResetError):
         return False
     return False
 

@@ -26,19 +26,19 @@ import psycopg
 import pytest
 from sqlalchemy import insert, select
 
+from gateway.judge.worker import JudgeWorker
+from gateway.recorder.writer import RecordWriter
+from gateway.runs.settings import load_settings
 from gateway.store import peers as peer_store
 from gateway.store.db import READY_CHANNEL, make_engine
-from gateway.runs.settings import load_settings
-from gateway.judge.worker import JudgeWorker
 from gateway.store.models import GatewayPeer, PolicyVersion
 from gateway.store.training import acquire_run_lease, commit_step
-from gateway.recorder.writer import RecordWriter
 from tests.fake_judge import FakeJudge
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway, start_serve
 from tests.stored import stored_calls
-from tests.test_gateway_faults import assert_openai_error
 from tests.test_gateway_capture import client_body
+from tests.test_gateway_faults import assert_openai_error
 from tests.test_judge import judge_block
 from tests.test_replicas import FakeAdmin
 from tests.trajectories import group, make_calls, reward

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, func, select, text, update
 
-from gateway.store.call_record import CallRecord
 from gateway.store import db
 from gateway.store import records as store_records
+from gateway.store.call_record import CallRecord
 from gateway.store.export import iter_trajectories
 from gateway.store.lineage import Predecessor, classify
 from gateway.store.models import Call, Trajectory
 from gateway.store.reads import trajectory_view
-from gateway.store.runs import run_view
 from gateway.store.records import write_calls
+from gateway.store.runs import run_view
 from gateway.store.training import load_groups
 from tests.factories import make_record
 from tests.stored import insert_old_calls

@@ -13,11 +13,11 @@ import orjson
 import pytest
 from sqlalchemy import Engine, Text, cast, func, select, text
 
-from gateway.store.export_formats import write_jsonl
-from gateway.store.call_record import CallRecord
 from gateway.store import db
 from gateway.store import records as store_records
+from gateway.store.call_record import CallRecord
 from gateway.store.export import iter_trajectories
+from gateway.store.export_formats import write_jsonl
 from gateway.store.judging import load_group
 from gateway.store.lineage import classify
 from gateway.store.models import Call

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from gateway.runs.settings import load_settings
-from gateway.upstream.replicas import Replicas
 from gateway.store import db
 from gateway.store.runs import upsert_run
 from gateway.store.training import acquire_run_lease, commit_step, loaded_versions
+from gateway.upstream.replicas import Replicas
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import stored_calls
@@ -26,7 +26,7 @@ from tests.test_gateway_capture import client_body, sdk
 from tests.test_token_in import client_for, start_token_in
 from tests.token_in_agent import tool_loop
 from tests.waiting import wait_until
-from trainer.worker.publish import PublishError, Publisher, Unreachable, VllmReplicas, vllm_admin
+from trainer.worker.publish import Publisher, PublishError, Unreachable, VllmReplicas, vllm_admin
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ import openai
 import pytest
 from sqlalchemy import Engine, select, update
 
-from gateway.store.call_record import CallRecord
 from gateway.store import db
+from gateway.store.call_record import CallRecord
 from gateway.store.models import Call
 from gateway.store.records import write_calls
 from tests.factories import make_record

@@ -21,8 +21,8 @@ import sqlalchemy
 from fastapi.routing import APIRoute
 
 from gateway.http.deps import require_agent
-from gateway.runs.settings import load_settings
 from gateway.judge.worker import JudgeSetupError, JudgeWorker
+from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.models import UiSession
 from gateway.store.runs import upsert_run

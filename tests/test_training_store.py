@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -265,7 +265,7 @@ def test_run_lease_one_trainer_at_a_time(db_url: str) -> None:
     try:
         assert acquire_run_lease(engine, "run-a", "first", 60).holder == "first"
         taken = acquire_run_lease(engine, "run-a", "second", 60)
-        assert taken.holder == "first" and taken.lease_until > datetime.now(timezone.utc)
+        assert taken.holder == "first" and taken.lease_until > datetime.now(UTC)
         assert renew_run_lease(engine, "run-a", "second", 60) is False
         assert renew_run_lease(engine, "run-a", "first", 60) is True
         (group,) = claim_ready_groups(engine, "run-a", "second", limit=1, lease_s=60)

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import itertools
 import threading
-from unittest import mock
 from typing import Any
+from unittest import mock
 
 import pytest
 from sqlalchemy import Engine, select, update
 
-from gateway.store.call_record import CallRecord
 from gateway.store import db
 from gateway.store import records as store_records
+from gateway.store.call_record import CallRecord
 from gateway.store.export import iter_trajectories
 from gateway.store.models import Call, Trajectory
 from gateway.store.reads import trajectory_view

@@ -23,8 +23,8 @@ from tests.handoff_agent import play as play_handoff
 from tests.stored import stored_calls
 from tests.test_gateway_capture import sdk_kwargs
 from tests.trajectories import reward
-from trainer.worker.loop import to_groups
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
+from trainer.worker.loop import to_groups
 
 SUPERVISOR = ["tree_plan", "tree_research", "tree_report", "tree_conclude"]
 PARALLEL = ["tree_plan", "tree_branch_a", "tree_branch_b", "tree_conclude"]

@@ -363,7 +363,7 @@ def test_trajectory_search_keyset_pages(ui: RunningGateway) -> None:
         ids = re.findall(r'href="/ui/trajectory\?id=([^"]+)"', winners)
         expected = {f"{g}-t{i}" for g, r in TRAIN_REWARDS.items() for i, v in enumerate(r) if v >= 1}
         assert set(ids) == expected
-        evals = re.findall(r'href="/ui/trajectory\?id=([^"]+)"', client.get(f"/ui/trajectories?group=eval-v2").text)
+        evals = re.findall(r'href="/ui/trajectory\?id=([^"]+)"', client.get("/ui/trajectories?group=eval-v2").text)
         assert sorted(evals) == [f"eval-v2-t{i}" for i in range(4)]
         none = client.get(f"/ui/trajectories?run={RUN}&untrainable=yes").text
         assert "no trajectory matches" in none

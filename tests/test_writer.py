@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, select
 
-from gateway.store.call_record import CallRecord
+from gateway.recorder.writer import RecordWriter, _Syncer, read_spool_line, spool_line
 from gateway.store import db
 from gateway.store.arrays import decode_logprobs
+from gateway.store.call_record import CallRecord
 from gateway.store.models import Call
 from gateway.store.records import count_calls, write_calls
-from gateway.recorder.writer import RecordWriter, _Syncer, read_spool_line, spool_line
 from tests.factories import make_record
 from tests.pgcluster import PgCluster, free_port
 from tests.waiting import wait_until
@@ -308,7 +308,7 @@ def test_a_submitted_record_survives_the_process_being_killed(engine: Engine, sp
     """Once `submit` returns, the record is in the log: a process SIGKILLed before its writer stored anything
     (here: never started) leaves every record for the next start to replay."""
     records = _records(300)
-    child = f"""
+    child = """
 import os, signal, sys
 from pathlib import Path
 from gateway.store.db import make_engine

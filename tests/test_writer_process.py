@@ -16,11 +16,11 @@ import openai
 import pytest
 from sqlalchemy import Engine
 
-from gateway.store.call_record import CallRecord
-from gateway.store import db
-from gateway.store.records import count_calls
 from gateway.recorder.writer import RecordWriter, spool_line
 from gateway.recorder.writer_process import WriteFailed, WriterProcess
+from gateway.store import db
+from gateway.store.call_record import CallRecord
+from gateway.store.records import count_calls
 from tests.factories import make_record
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import running_gateway

@@ -18,11 +18,11 @@ from fastapi import APIRouter, Depends, Request, Response
 from pydantic import ValidationError
 
 from gateway.http.deps import gateway_state, json_response, read_json, require_admin, validation_message
-from gateway.proxy.attribution import check_id
 from gateway.http.errors import GatewayError
 from gateway.judge.core import GroupFrozen, GroupJudgement, GroupNotFound, JudgeFailed, judge_group
 from gateway.judge.policy import JudgeNotAllowed, JudgePolicy
 from gateway.judge.prompt import PromptTooLong
+from gateway.proxy.attribution import check_id
 from gateway.runs.config import JudgeConfig
 from gateway.store.judging import load_group, run_judge_block
 from gateway.store.rewards import RewardsRejected

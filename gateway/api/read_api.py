@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 
 from gateway.http.deps import gateway_state, json_response, require_admin
-from gateway.proxy.attribution import check_id
 from gateway.http.errors import GatewayError
+from gateway.proxy.attribution import check_id
 from gateway.store.reads import group_view, trajectory_view
 
 router = APIRouter(dependencies=[Depends(require_admin)])

@@ -26,8 +26,8 @@ from gateway.http.deps import (
     validated,
     validation_message,
 )
-from gateway.proxy.attribution import ID_RE, ID_RULE, check_id
 from gateway.http.errors import GatewayError
+from gateway.proxy.attribution import ID_RE, ID_RULE, check_id
 from gateway.store.rewards import RewardItem, RewardResult, RewardsRejected, close_group, store_rewards
 
 if TYPE_CHECKING:

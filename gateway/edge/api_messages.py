@@ -23,9 +23,9 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gateway.proxy.attribution import PathPrefix, check_run, split_api_key
 from gateway.http.auth import presented_key
 from gateway.http.errors import GatewayError, UpstreamFailure
+from gateway.proxy.attribution import PathPrefix, check_run, split_api_key
 from gateway.proxy.hot_path import Proxy
 
 ENDPOINT = "messages"  # the label records and metrics carry

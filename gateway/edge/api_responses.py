@@ -48,15 +48,13 @@ from fastapi.responses import Response
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.proxy import capture
-from gateway.http.deps import json_response, require_agent
-from gateway.proxy.attribution import PathPrefix, split_api_key
 from gateway.http.auth import presented_key
+from gateway.http.deps import gateway_state, json_response, require_agent
 from gateway.http.errors import GatewayError
+from gateway.proxy import capture
+from gateway.proxy.attribution import PathPrefix, split_api_key
 from gateway.proxy.hot_path import Proxy, parse_json
-from gateway.http.deps import gateway_state
 from gateway.store.exchanges import RecordedExchange, recorded_exchange
-
 
 ENDPOINT = "responses"  # the record's endpoint label
 PATH = "/v1/responses"
@@ -636,7 +634,7 @@ class ResponsesAPI:
                 exchange = await asyncio.wait_for(
                     asyncio.to_thread(recorded_exchange, self.engine, f"req-{match[1]}"), _READ_TIMEOUT_S
                 )
-            except (SQLAlchemyError, asyncio.TimeoutError):
+            except (TimeoutError, SQLAlchemyError):
                 exchange, unavailable = None, True
             except LookupError:  # a broken message chain: the request cannot be rebuilt
                 exchange = None

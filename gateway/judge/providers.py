@@ -190,7 +190,7 @@ async def _complete_builtin(
                 data = await response.json(content_type=None)
     except ProviderError:
         raise
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ProviderError(f"no answer from {url} within {config.timeout_s:g}s") from None
     except (aiohttp.ClientError, OSError, ValueError) as exc:
         raise ProviderError(f"{type(exc).__name__} calling {url}: {_short(str(exc))}") from None

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.runs.settings import Settings
 from gateway.judge.core import GroupFrozen, GroupNotFound, JudgeFailed, judge_group
 from gateway.judge.policy import JudgeNotAllowed, JudgePolicy
 from gateway.judge.prompt import PromptTooLong
 from gateway.recorder.heartbeat import others_caught_up
 from gateway.runs.config import JudgeConfig
+from gateway.runs.settings import Settings
 from gateway.store.db import make_engine
 from gateway.store.judging import judgeable_groups, run_judge_block
 from gateway.store.rewards import RewardsRejected

@@ -35,9 +35,9 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.proxy.attribution import Attribution
 from gateway.http.errors import GatewayError
 from gateway.http.metrics import GatewayMetrics
+from gateway.proxy.attribution import Attribution
 from gateway.proxy.routing import PolicyRouter, Route
 from gateway.store.admission import Decision, admit_groups, count_refusal
 
@@ -170,7 +170,7 @@ class Admission:
             if any(not ask.answer.done() for ask in queue.asks):
                 try:
                     await asyncio.wait_for(queue.arrived.wait(), self.poll_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
 
     async def _decide(self, run: str, asks: list[tuple[str, float]]) -> Decision:

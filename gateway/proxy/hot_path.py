@@ -6,7 +6,6 @@ every model call; everything it records goes to the writer's queue and it never 
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import time
@@ -17,21 +16,20 @@ import aiohttp
 import orjson
 from sqlalchemy import Engine
 
-from gateway.proxy import capture, sampling
-from gateway.proxy.admit import Admission, Refused
-from gateway.proxy.attribution import Attribution, PathPrefix, attribute, check_run, split_api_key
 from gateway.http.auth import Auth, presented_key
-from gateway.proxy.asgi_io import relay_until_done
 from gateway.http.errors import GatewayError
 from gateway.http.metrics import GatewayMetrics
-from gateway.store.call_record import CallRecord
-from gateway.upstream.replicas import Lease, Replica, Replicas, fetch_models
+from gateway.proxy import capture, sampling
+from gateway.proxy.admit import Admission, Refused
+from gateway.proxy.asgi_io import relay_until_done
+from gateway.proxy.attribution import Attribution, PathPrefix, attribute, check_run, split_api_key
 from gateway.proxy.routing import PolicyRouter, Route
 from gateway.proxy.token_in import TokenIn
 from gateway.proxy.turns import SeqClock
-from gateway.upstream.client import UpstreamError, UpstreamPool, UpstreamResponse
 from gateway.recorder.writer import RecordWriter
-
+from gateway.store.call_record import CallRecord
+from gateway.upstream.client import UpstreamError, UpstreamPool, UpstreamResponse
+from gateway.upstream.replicas import Lease, Replica, Replicas, fetch_models
 
 ENDPOINTS = {"/v1/chat/completions": capture.CHAT, "/v1/completions": capture.COMPLETIONS}
 _SSE_DATA = b"data:"
@@ -136,7 +134,7 @@ class Proxy:
         replica = replica or self.replicas.pick(None, None)
         try:
             models = await fetch_models(self.session, self.upstream_headers, replica)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             raise GatewayError(502, f"vLLM unreachable: {type(exc).__name__}", "upstream_error") from None
         if models is None:
             raise GatewayError(502, "vLLM /models did not answer 200", "upstream_error")

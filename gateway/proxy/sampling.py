@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import functools
 import math
-from types import MappingProxyType
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 # The values under which vLLM samples from exactly the distribution its raw logprobs describe.

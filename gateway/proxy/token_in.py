@@ -39,17 +39,17 @@ import orjson
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from gateway.http.errors import GatewayError, UpstreamFailure
 from gateway.proxy import capture, chat_templates
 from gateway.proxy.asgi_io import relay_until_done
 from gateway.proxy.chat_templates import TemplateInfo
-from gateway.http.errors import GatewayError, UpstreamFailure
-from gateway.upstream.replicas import Lease
 from gateway.store.token_state import RecordedTurn, recorded_turns
 from gateway.upstream.client import UpstreamError, UpstreamResponse
+from gateway.upstream.replicas import Lease
 
 if TYPE_CHECKING:
-    from gateway.recorder.heartbeat import Peers
     from gateway.proxy.hot_path import Call, Proxy
+    from gateway.recorder.heartbeat import Peers
 
 log = logging.getLogger("trajgate.token_in")
 
@@ -360,7 +360,7 @@ class TokenIn:
             wanted = [length for length in candidates if best is None or length > best[1]]
             try:
                 found, recorded = await self._read(trajectory_id, [keys[length - 1] for length in wanted])
-            except (SQLAlchemyError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, SQLAlchemyError) as exc:
                 log.warning("token state read failed: %s", type(exc).__name__)
                 if best is not None:
                     return best[0], best[1], None

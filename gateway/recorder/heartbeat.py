@@ -38,8 +38,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.http.errors import GatewayError
 from gateway.http.metrics import GatewayMetrics
-from gateway.store import peers as store
 from gateway.recorder.writer import RecordWriter
+from gateway.store import peers as store
 
 log = logging.getLogger("trajgate.peers")
 

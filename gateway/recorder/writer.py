@@ -37,18 +37,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-import orjson
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
 
-from gateway.store.courtesy import giving_way
-from gateway.store.call_record import CallRecord
-from gateway.store.records import ping, write_calls
-from gateway.recorder.threads import name_os_thread
 from gateway.recorder.spool_lines import is_record_error, read_spool_line, reason, spool_line
+from gateway.recorder.threads import name_os_thread
 from gateway.recorder.writer_process import WriterProcess
+from gateway.store.call_record import CallRecord
+from gateway.store.courtesy import giving_way
+from gateway.store.records import ping, write_calls
 
 log = logging.getLogger("trajgate.writer")
 

@@ -145,10 +145,10 @@ def main() -> int:
     requests = os.fdopen(0, "rb")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    from gateway.recorder.spool_lines import is_record_error, read_spool_line, reason
+    from gateway.recorder.threads import name_os_thread
     from gateway.store.db import make_engine
     from gateway.store.records import write_calls
-    from gateway.recorder.threads import name_os_thread
-    from gateway.recorder.spool_lines import is_record_error, read_spool_line, reason
 
     threading.current_thread().name = "trajgate-store"
     name_os_thread()

@@ -22,18 +22,19 @@ from datetime import UTC, datetime
 from functools import cache, partial
 from typing import Any, NamedTuple, cast
 
+import orjson
 from sqlalchemy import (
+    JSON,
     ColumnElement,
     Connection,
     Dialect,
     Engine,
     Executable,
-    JSON,
     Float,
     LargeBinary,
-    Text,
     String,
     Table,
+    Text,
     any_,
     bindparam,
     column,
@@ -49,14 +50,12 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.types import UserDefinedType
 
-import orjson
-
-from gateway.store.courtesy import give_way
-from gateway.store.call_record import CallRecord
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
 from gateway.store.attempts import Attempt, Settlement, request_hash, settle
-from gateway.store.lineage import EXTENDS, Lineage, Predecessor, Rebuilder, classify
+from gateway.store.call_record import CallRecord
+from gateway.store.courtesy import give_way
 from gateway.store.db import without_nul
+from gateway.store.lineage import EXTENDS, Lineage, Predecessor, Rebuilder, classify
 from gateway.store.messages import (
     compact_request,
     first_message,

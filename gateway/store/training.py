@@ -18,20 +18,19 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from gateway.store.arrays import decode_ids, decode_logprobs
-from gateway.store.lineage import Rebuilder
-from gateway.store.db import READY_CHANNEL, write_transaction
 from gateway.store import peers
+from gateway.store.arrays import decode_ids, decode_logprobs
+from gateway.store.db import READY_CHANNEL, write_transaction
+from gateway.store.lineage import Rebuilder
 from gateway.store.models import Admission, Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory
 from gateway.store.rewards import lock_groups, settle_group
 from gateway.store.runs import record_train_step
-
 
 log = logging.getLogger("trajgate.store")
 
@@ -100,13 +99,13 @@ class ReadyListener:
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def _aware(value: datetime | None) -> datetime | None:
     """SQLite hands back naive datetimes; they were written as UTC."""
     if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
+        return value.replace(tzinfo=UTC)
     return value
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from sqlalchemy import Engine, and_, func, or_, select
 
-from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.runs.config import merged_config
+from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.models import Call, Group, Run, TrainStep, Trajectory
 from gateway.store.progress import eval_curve
 from gateway.store.reads import completion_of, iso, trajectory_view

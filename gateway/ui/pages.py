@@ -23,10 +23,10 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 
 from gateway.api import runs_api
-from gateway.proxy.attribution import check_id
 from gateway.http.auth import presented_key
-from gateway.http.errors import GatewayError
 from gateway.http.deps import gateway_state
+from gateway.http.errors import GatewayError
+from gateway.proxy.attribution import check_id
 from gateway.store.ui_reads import (
     BadCursor,
     TrajectoryFilter,

@@ -100,7 +100,7 @@ class Replicas:
     async def _probe_one(self, session: aiohttp.ClientSession, headers: dict[str, str], replica: Replica) -> None:
         try:
             models = await fetch_models(session, headers, replica)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             self.mark_down(replica, f"/models failed ({type(exc).__name__})")
             return
         if models is None:

@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from gateway.store import db
 from gateway.store.export import iter_trajectories
 from gateway.store.reads import trajectory_view

@@ -15,8 +15,8 @@ from openai.types.chat import ChatCompletionMessage
 
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import stored_calls
-from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 from trainer.demo.vllm_cpu import ensure_smollm2
+from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 
 CALL_FIELDS = [f.name for f in fields(CallData)]
 

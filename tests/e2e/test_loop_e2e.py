@@ -21,8 +21,8 @@ from gateway.store.runs import steps_after
 from gateway.store.training import group_states
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.waiting import OutputLines, wait_until
-from trainer.worker.loop import Trainer, TrainerOptions
 from trainer.demo.vllm_cpu import ensure_tiny_model
+from trainer.worker.loop import Trainer, TrainerOptions
 
 RUN = "loop-e2e"
 KILL_RUN = "loop-kill"

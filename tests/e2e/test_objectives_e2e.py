@@ -12,8 +12,8 @@ import pytest
 
 from bench.objectives import OBJECTIVES, PROMPTS, on_policy_rows, sample_groups
 from trainer.backends import HFBackend, LoraSpec
-from trainer.samples import Row
 from trainer.demo.vllm_cpu import ensure_smollm2
+from trainer.samples import Row
 
 # Bounds: about twice what bench/objectives.py measured on this setup at temperature 1 (4 prompts × 4 samples, ≤ 24
 # tokens, base weights): mean |log ratio| 0.039, ratio mean 0.9977, k3 KL 1.4e-3, token ratios within 0.84..1.17

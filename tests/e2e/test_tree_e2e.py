@@ -28,9 +28,9 @@ from gateway.store.runs import steps_after
 from tests.examples import load_example
 from tests.gateway_harness import RunningGateway, running_gateway
 from tests.stored import as_trajectory_data, stored_calls
-from trainer.worker.loop import Trainer, TrainerOptions
-from trainer.samples import GroupData, build_samples
 from trainer.demo.vllm_cpu import ensure_smollm2
+from trainer.samples import GroupData, build_samples
+from trainer.worker.loop import Trainer, TrainerOptions
 
 MODES = ("chat", "token_in")
 

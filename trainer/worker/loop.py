@@ -16,15 +16,15 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
 
-from gateway.runs.settings import Settings
 from gateway.runs.config import RunConfig
 from gateway.runs.names import check_run_name
+from gateway.runs.settings import Settings
 from gateway.store import db
 from gateway.store.admission import due_groups
 from gateway.store.training import (
@@ -57,8 +57,8 @@ from trainer.checkpoint import (
 )
 from trainer.distributed import DataParallel, ReplicaSpec
 from trainer.loss import LossConfig
-from trainer.worker.publish import Publisher, vllm_admin
 from trainer.samples import CallData, GroupData, SampleBatch, TrajectoryData, build_samples
+from trainer.worker.publish import Publisher, vllm_admin
 from trainer.worker.trackers import StepReporter, TrackerTarget, open_trackers
 
 log = logging.getLogger("trajgate.trainer")
@@ -265,7 +265,7 @@ class Trainer:
         announced = None
         while True:
             current = run_lease(self.engine, name)
-            if current is None or current.lease_until < datetime.now(timezone.utc):
+            if current is None or current.lease_until < datetime.now(UTC):
                 current = acquire_run_lease(self.engine, name, holder, lease_s)
                 if current.holder == holder:
                     return RunLeaseKeeper(self.engine, name, holder, lease_s)

@@ -52,9 +52,7 @@ def flat_metrics(metrics: dict[str, Any], prefix: str = "") -> dict[str, float]:
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             out.update(flat_metrics(value, f"{name}/"))
-        elif isinstance(value, bool):
-            out[name] = float(value)
-        elif isinstance(value, (int, float)) and math.isfinite(value):
+        elif isinstance(value, bool) or isinstance(value, (int, float)) and math.isfinite(value):
             out[name] = float(value)
     return out
 
