@@ -177,31 +177,33 @@ class FakeUpstream:
         """Recording: ask the real vLLM, keep the exchange, answer as it did."""
         exchange: dict[str, Any] = {"path": request.path, "request": body}
         self.recorded.append(exchange)
-        async with ClientSession() as session:
-            async with session.post(self.forward_to + request.path, json=body) as upstream:
-                content_type = upstream.headers.get("content-type", "")
-                exchange["status"] = upstream.status
-                if not (body.get("stream") and content_type.startswith("text/event-stream")):
-                    text = await upstream.text()
-                    exchange.update(stream=False, response=json.loads(text) if "json" in content_type else text)
-                    headers = {"content-type": content_type}
-                    return web.Response(status=upstream.status, body=text.encode(), headers=headers)
-                chunks: list[str] = []
-                exchange.update(stream=True, chunks=chunks)
-                response = web.StreamResponse(status=200, headers={"content-type": content_type})
-                await response.prepare(request)
-                derenders_before = self._derenders
-                buffer = b""
-                async for data in upstream.content.iter_any():
-                    buffer += data
-                    *lines, buffer = buffer.split(b"\n")
-                    for line in lines:
-                        if line.startswith(b"data: "):
-                            await self._in_step(request, derenders_before, len(chunks))
-                            chunks.append(line[6:].decode())
-                            await response.write(line + b"\n\n")
-                await response.write_eof()
-                return response
+        async with (
+            ClientSession() as session,
+            session.post(self.forward_to + request.path, json=body) as upstream,
+        ):
+            content_type = upstream.headers.get("content-type", "")
+            exchange["status"] = upstream.status
+            if not (body.get("stream") and content_type.startswith("text/event-stream")):
+                text = await upstream.text()
+                exchange.update(stream=False, response=json.loads(text) if "json" in content_type else text)
+                headers = {"content-type": content_type}
+                return web.Response(status=upstream.status, body=text.encode(), headers=headers)
+            chunks: list[str] = []
+            exchange.update(stream=True, chunks=chunks)
+            response = web.StreamResponse(status=200, headers={"content-type": content_type})
+            await response.prepare(request)
+            derenders_before = self._derenders
+            buffer = b""
+            async for data in upstream.content.iter_any():
+                buffer += data
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if line.startswith(b"data: "):
+                        await self._in_step(request, derenders_before, len(chunks))
+                        chunks.append(line[6:].decode())
+                        await response.write(line + b"\n\n")
+            await response.write_eof()
+            return response
 
     async def _stream(self, request: web.Request, chunks: list[str]) -> web.StreamResponse:
         response = web.StreamResponse(status=200, headers={"content-type": "text/event-stream; charset=utf-8"})

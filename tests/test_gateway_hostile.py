@@ -104,7 +104,7 @@ def _post_raw(gw: RunningGateway, path: str, raw: str) -> httpx.Response:
     ids=["seed", "max_tokens", "groups_per_step", "5000-digits"],
 )
 def test_integers_the_store_cannot_hold_are_422(gateway: RunningGateway, config: str) -> None:
-    response = _post_raw(gateway, "/v1/runs", '{"name": "big-ints", "config": %s}' % config)
+    response = _post_raw(gateway, "/v1/runs", f'{{"name": "big-ints", "config": {config}}}')
     assert "out of range" in assert_openai_error(response, 422)["message"]
 
 

@@ -67,8 +67,8 @@ ACROSS = {
 # Edges left out of the cycle check, each with its reason.
 EXCEPTIONS = {
     ("gateway.proxy.token_in", "gateway.proxy.hot_path"): (
-        "token_in is the hot path's token-in mode: Proxy builds a TokenIn and hands it each call, and TokenIn calls back "
-        "into the Proxy (and its Call) it was built by. Breaking it means reshaping token_in's internals, which "
+        "token_in is the hot path's token-in mode: Proxy builds a TokenIn and hands it each call, and TokenIn calls "
+        "back into the Proxy (and its Call) it was built by. Breaking it means reshaping token_in's internals, which "
         "are being rewritten on another branch (issue 37 leaves them alone)."
     ),
 }
@@ -95,7 +95,8 @@ def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
             else:
                 source = node.module or ""
             # `from gateway.proxy import capture` imports the module gateway.proxy.capture
-            found.update(f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source for alias in node.names)
+            for alias in node.names:
+                found.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source)
     return {target for target in found if target.split(".")[0] in PACKAGES and target in known}
 
 

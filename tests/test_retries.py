@@ -199,9 +199,11 @@ class _RoundRobin(httpx.HTTPTransport):
 
 @pytest.fixture
 def two_gateways(gateway_settings: dict[str, object], tmp_path: Any) -> Any:
-    with running_gateway(**gateway_settings) as a:
-        with running_gateway(**{**gateway_settings, "spool_dir": tmp_path / "spool-b"}) as b:
-            yield a, b
+    with (
+        running_gateway(**gateway_settings) as a,
+        running_gateway(**{**gateway_settings, "spool_dir": tmp_path / "spool-b"}) as b,
+    ):
+        yield a, b
 
 
 def test_sdk_retry_on_another_gateway_replaces_the_first_attempt(

@@ -155,7 +155,9 @@ async def _complete_litellm(
         response = await litellm.acompletion(**kwargs)
     except Exception as exc:  # litellm maps every provider's failures onto its own exception classes
         status = getattr(exc, "status_code", None)
-        raise ProviderError(f"{type(exc).__name__}: {_short(str(exc))}", status if isinstance(status, int) else None)
+        raise ProviderError(
+            f"{type(exc).__name__}: {_short(str(exc))}", status if isinstance(status, int) else None
+        ) from exc
     choice = response.choices[0]
     return Completion(choice.message.content, choice.finish_reason, "litellm")
 
@@ -182,12 +184,14 @@ async def _complete_builtin(
         body["response_format"] = fmt
     url = f"{str(base).rstrip('/')}/chat/completions"
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=config.timeout_s)) as session:
-            async with session.post(url, json=body, headers=headers) as response:
-                text = await response.text()
-                if response.status != 200:
-                    raise ProviderError(f"HTTP {response.status} from {url}: {_error_message(text)}", response.status)
-                data = await response.json(content_type=None)
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=config.timeout_s)) as session,
+            session.post(url, json=body, headers=headers) as response,
+        ):
+            text = await response.text()
+            if response.status != 200:
+                raise ProviderError(f"HTTP {response.status} from {url}: {_error_message(text)}", response.status)
+            data = await response.json(content_type=None)
     except ProviderError:
         raise
     except TimeoutError:

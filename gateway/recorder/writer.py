@@ -139,7 +139,8 @@ class _Spool:
         self._last_ns = max(time.time_ns(), self._last_ns + 1)
         name = f"{_SEGMENT_PREFIX}{self._last_ns}-{os.getpid()}{_SEGMENT_SUFFIX}"
         temporary = self.directory / f".{name}.tmp"
-        handle = open(temporary, "x+b", buffering=0)  # held open until the segment is removed or handed to replay
+        # Held open until the segment is removed or handed to replay, so no context manager.
+        handle = open(temporary, "x+b", buffering=0)  # noqa: SIM115
         try:
             os.posix_fallocate(handle.fileno(), 0, capacity)
             mapped = mmap.mmap(handle.fileno(), capacity)
@@ -741,7 +742,7 @@ class RecordWriter:
 
     def _replay_segment(self, path: Path) -> int | None:
         try:
-            handle = open(path, "rb")
+            handle = open(path, "rb")  # noqa: SIM115 - the `with handle:` below, once it is known to exist
         except FileNotFoundError:
             return 0  # another process replayed it after we listed the directory
         with handle:

@@ -1033,7 +1033,7 @@ def _reparent_late(
         return
     rebuilt = full_calls()
     key_order = keeps_key_order(conn.dialect.name)
-    for key, row in suspects:
+    for key, _row in suspects:
         prompt = rebuilt.prompts.get(key)
         found = find_parent(prompt, (c for c in candidates if c.seq < key[0]))
         if found is not None:
