@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast test-e2e vllm-setup fixtures clean
+.PHONY: setup demo lint test test-fast test-e2e vllm-setup fixtures clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,13 @@ $(STAMP): pyproject.toml
 DEMO_ARGS ?=
 demo: $(STAMP)
 	$(PY) -m gateway.cli demo $(DEMO_ARGS)
+
+# ruff (rules in pyproject.toml; the tree is not reformatted), the layer contract (tests/test_layers.py), and mypy
+# on the bottom layers (gateway/http, gateway/runs).
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
+	$(PY) -m mypy gateway/http gateway/runs
 
 test: test-fast test-e2e
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -241,7 +241,7 @@ class Settings(BaseSettings):
         return self.database_url.startswith("sqlite")
 
 
-def load_settings(**overrides: object) -> Settings:
+def load_settings(**overrides: Any) -> Settings:
     """Build settings, turning pydantic's multi-line report into one line naming the variable."""
     try:
         return Settings(**overrides)
