@@ -1,8 +1,8 @@
 """What every endpoint depends on: the gateway's state object, key checks as dependencies, and request bodies read
 with a size limit and validated into OpenAI-style errors.
 
-The state lives here, not in the composition root (gateway.app), so the routers (gateway.api, gateway.edge,
-gateway.ui) import no entry point and the import graph has no cycle (tests/test_layers.py).
+The state lives here, not in the composition root (gateway/app.py), so the routers (gateway/api, gateway/edge,
+gateway/ui) import no entry point and the import graph has no cycle (tests/test_layers.py).
 
 Bodies are parsed with the standard library's JSON parser on purpose: Python clients serialise a NaN reward as the
 non-standard literal `NaN`, and that must come back as a 422 saying the reward is not finite, not as unparseable
