@@ -193,7 +193,8 @@ class VllmRenderer:
         self.end_token_ids = chat_templates.end_token_ids({"eos_token_id": template.generation_eos}, config, vocab)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        request = urllib.request.Request(self.root_url + path, json.dumps(body).encode(), {"content-type": "application/json"})
+        headers = {"content-type": "application/json"}
+        request = urllib.request.Request(self.root_url + path, json.dumps(body).encode(), headers)
         try:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return dict(json.load(response))
@@ -204,7 +205,8 @@ class VllmRenderer:
         return list(self._post("/v1/chat/completions/render", {**body, "model": self._model()})["token_ids"])
 
     def encode(self, text: str) -> list[int]:
-        return list(self._post("/tokenize", {"model": self._model(), "prompt": text, "add_special_tokens": False})["tokens"])
+        body = {"model": self._model(), "prompt": text, "add_special_tokens": False}
+        return list(self._post("/tokenize", body)["tokens"])
 
     def decode(self, ids: list[int]) -> str:
         return str(self._post("/detokenize", {"model": self._model(), "tokens": ids})["prompt"])
@@ -333,7 +335,9 @@ class Outcome:
         return text + (f" (breaks: {', '.join(sorted(set(self.breaks)))})" if self.breaks else "")
 
 
-def run_scenario(renderer: Renderer | VllmRenderer, scenario: Scenario, exchanges: list[dict[str, Any]]) -> tuple[Outcome, Outcome]:
+def run_scenario(
+    renderer: Renderer | VllmRenderer, scenario: Scenario, exchanges: list[dict[str, Any]]
+) -> tuple[Outcome, Outcome]:
     """Drive one conversation through both modes; append token_in's planned calls to `exchanges`."""
     template = renderer.template
     ends = frozenset(renderer.end_token_ids)
@@ -401,7 +405,9 @@ def run_scenario(renderer: Renderer | VllmRenderer, scenario: Scenario, exchange
     return chat, tin
 
 
-def check_bridge(renderer: Renderer | VllmRenderer, bridge: list[int], full: list[int], new: list[dict[str, Any]]) -> str | None:
+def check_bridge(
+    renderer: Renderer | VllmRenderer, bridge: list[int], full: list[int], new: list[dict[str, Any]]
+) -> str | None:
     """An independent look at a bridge, None if it passes: past its first token (the end token it may add) it is
     the tail of the full render, and it holds the text of every message after the matched assistant message (which
     needs a tokenizer that gives text back as it took it: one that does not is named as the problem)."""
@@ -477,7 +483,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="regenerate the registry and the test fixture")
     parser.add_argument(
-        "--with-vllm", action="store_true", help="also as vLLM's venv loads each tokenizer (trainer.demo.vllm_cpu setup)"
+        "--with-vllm",
+        action="store_true",
+        help="also as vLLM's venv loads each tokenizer (trainer.demo.vllm_cpu setup)",
     )
     parser.add_argument(
         "--vllm", action="append", default=[], metavar="TEMPLATE=URL",

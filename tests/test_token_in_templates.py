@@ -236,7 +236,8 @@ def test_a_template_not_qualified_is_refused_unless_the_operator_vouches(
     finally:
         other.stop()
     assert refused.value.status_code == 400
-    assert "not qualified" in refused.value.message and chat_templates.fingerprint([[1, 2, 3], [1, 2, 3]]) in refused.value.message
+    assert "not qualified" in refused.value.message
+    assert chat_templates.fingerprint([[1, 2, 3], [1, 2, 3]]) in refused.value.message
     [call] = stored_calls(db_url, trajectory)
     assert call["status_code"] == 400 and not call["trainable"] and "not qualified" in call["error"]
     assert len(turns) == 3

@@ -10,7 +10,8 @@ the template itself:
   a tool offered, and hashes the ids: the *fingerprint* names tokenizer + template (its tool prompt included),
   whatever the model weights or served name;
 - the fingerprint is looked up in the registry of templates the qualification suite passed
-  (`gateway/proxy/qualified_templates.json`, written by `scripts/qualify_token_in.py`), which holds the model's end tokens
+  (`gateway/proxy/qualified_templates.json`, written by `scripts/qualify_token_in.py`), which holds the model's end
+  tokens
   (its `generation_config.json` `eos_token_id` list and the tokenizer's eos) and the tokens the template closes an
   assistant turn with;
 - a template that is not there is refused (`template_not_qualified`) unless the operator vouches for it with an
