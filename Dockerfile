@@ -3,7 +3,7 @@
 # trajgate's own image, in two targets that share one base:
 #
 #   gateway  `pip install .` only: the gateway, `trajgate migrate` and `trajgate export`. No torch, so it
-#            stays small and starts fast (DESIGN §1: the gateway never imports the trainer).
+#            stays small and starts fast (docs/design.md §1: the gateway never imports the trainer).
 #   trainer  torch first (CPU wheel by default, CUDA with TORCH_INDEX), then `pip install .[train]`.
 #
 #   docker build --target gateway -t trajgate-gateway .

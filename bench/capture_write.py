@@ -1,6 +1,6 @@
 """How fast captured calls reach the database through `write_calls`, the writer's only statement path.
 
-Rows are shaped like DESIGN.md §8's capture target: 1,000 prompt ids + 200 completion ids + 200 logprobs and
+Rows are shaped like the capture target of docs/design.md §14: 1,000 prompt ids + 200 completion ids + 200 logprobs and
 ~2 KB of request/response JSON, written in the writer's batches. Each run uses a fresh, migrated database and drops
 it afterwards. Without --url it starts a throwaway cluster (fsync off, so faster than a real server).
 
@@ -99,7 +99,7 @@ def measure(url: str, records: int, batch: int) -> None:
         )
         if engine.dialect.name == "postgresql":
             verdict = "PASS" if records / elapsed >= TARGET_ROWS_S else "MISS"
-            print(f"target (DESIGN §8): >= {TARGET_ROWS_S:,} calls/s sustained into Postgres: {verdict}")
+            print(f"target (docs/design.md §14): >= {TARGET_ROWS_S:,} calls/s sustained into Postgres: {verdict}")
     finally:
         engine.dispose()
 

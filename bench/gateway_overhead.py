@@ -1,7 +1,7 @@
 """What the gateway adds to a call, with capture on, against calling the upstream directly and against a thin proxy
 that records nothing: one run, one table.
 
-Everything is started here and measured in the same run (DESIGN §8, issue 18):
+Everything is started here and measured in the same run (docs/design.md §14, issue 18):
   * a throwaway Postgres (tests.pgcluster.PgCluster), migrated to head, pinned to CPU 0;
   * bench/fast_upstream.py, a vLLM-shaped fake answering recorded vLLM responses, pinned to CPU 0;
   * bench/thin_proxy.py (FastAPI + uvicorn + an aiohttp client, no recording) in front of it, pinned to CPU 1;

@@ -1,10 +1,10 @@
 """What a GRPO step costs against a bare forward+backward of the same tokens, and the MFU: one run, one table.
 
-Measured in the same run (DESIGN §8):
+Measured in the same run (docs/design.md §14):
   * the machine's peak matmul FLOP/s: a large GEMM repeated, best of the runs (fp32 2048³ on CPU,
     bf16 8192³ on CUDA — the dtype the model trains in);
   * a model: random-init weights shaped like SmolLM2-135M (`--shape 135m`, default) or Qwen2.5-0.5B
-    (`--shape 0.5b`), or a real one (`--model DIR`), with the LoRA of DESIGN §6 (r 16, α 32, all linear);
+    (`--shape 0.5b`), or a real one (`--model DIR`), with the default LoRA of docs/objectives.md §6 (r 16, α 32, all linear);
   * synthetic rows (default 8 × 512 tokens on CPU, 16 × 1024 on CUDA; the second half of each row
     trained, `--trained-fraction`), split with the trainer's own micro-batching;
   * (a) bare: forward + backward of those micro-batches with plain cross-entropy on full logits,
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     total_trainable = sum(r.trainable_tokens for r in rows)
     tokens = sum(len(r) for r in rows)
     flops_per_token = backend.flops_per_token()
-    # The 6·N convention of DESIGN §8: N = all parameters (embedding included), as if every
+    # The 6·N convention of docs/design.md §14: N = all parameters (embedding included), as if every
     # weight got a gradient.
     flops_6n = 6.0 * params
 

@@ -585,7 +585,7 @@ def _extends(previous: dict[str, Any], following: dict[str, Any]) -> bool:
 
 
 def summarise(recorded: dict[str, dict[str, Any]]) -> None:
-    """Print the facts DESIGN §3 relies on, so a re-record against a new vLLM shows what moved."""
+    """Print the facts docs/design.md §4 relies on, so a re-record against a new vLLM shows what moved."""
     checks: list[tuple[str, Callable[[], object]]] = [
         ("chat_stream", lambda: _stream_facts(recorded["chat_stream"]["chunks"])),
         ("chat_tools_stream", lambda: _stream_facts(recorded["chat_tools_stream"]["chunks"])),

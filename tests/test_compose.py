@@ -42,7 +42,7 @@ TRAINERS = set(TRAINER_FOR_PROFILE.values())
 ONE_SHOT = {"volumes-init", "migrate"}
 # TRAJGATE_* names that only compose interpolates (never read by trajgate itself).
 COMPOSE_ONLY_TRAJGATE_VARS = {"TRAJGATE_MODEL", "TRAJGATE_RUN"}
-# vLLM's accepted --max-lora-rank values (DESIGN §3).
+# vLLM's accepted --max-lora-rank values (docs/design.md §4).
 VLLM_LORA_RANKS = {1, 8, 16, 32, 64, 128, 256, 320, 512}
 
 SETTINGS_VARS = {ENV_PREFIX + name.upper() for name in Settings.model_fields}

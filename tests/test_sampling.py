@@ -1,5 +1,5 @@
 """The policy vLLM samples is the policy the trainer trains: what the gateway sends upstream in train and eval mode,
-and which calls it records untrainable because they were sampled from another distribution (DESIGN §3)."""
+and which calls it records untrainable because they were sampled from another distribution (docs/design.md §4)."""
 
 from __future__ import annotations
 

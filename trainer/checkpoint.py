@@ -4,7 +4,7 @@ A step's directory appears atomically: the backend writes into a hidden temp dir
 every file is fsynced, then one ``rename`` publishes it. So a numbered directory is always complete,
 and a crash leaves at most a ``.tmp-*`` directory, which readers ignore and ``discard_after`` removes.
 
-The database is the truth about which steps happened (DESIGN §6: a step is committed in one
+The database is the truth about which steps happened (docs/design.md §12: a step is committed in one
 transaction after its checkpoint is saved). A checkpoint newer than the last committed step is
 the leftover of a crash between the save and the commit; on restart ``discard_after(last committed)``
 removes it so the step is trained again, and ``save_checkpoint`` refuses to overwrite a step.

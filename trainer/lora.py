@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-# The ranks vLLM's --max-lora-rank accepts (DESIGN §3).
+# The ranks vLLM's --max-lora-rank accepts (docs/design.md §4).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 ALL_LINEAR = "all-linear"
 ADAPTER_CONFIG = "adapter_config.json"

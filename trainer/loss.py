@@ -1,4 +1,4 @@
-"""GRPO-family policy objectives as pure tensor functions (published forms: reference/objectives.md).
+"""GRPO-family policy objectives as pure tensor functions (published forms: docs/objectives.md).
 
 Every per-token tensor is ``[B, T]`` and aligned to ``input_ids`` as targets (see
 ``trainer.samples``): position ``t`` holds something about token ``input_ids[b, t]`` predicted from
@@ -43,7 +43,7 @@ class LossConfig:
 
     - ``grpo``: PPO-clip with DAPO's asymmetric range ``[1 − clip_eps, 1 + clip_eps_high]``.
     - ``cispo``: IS weight clipped to ``[cispo_min_ratio, cispo_max_ratio]``. The paper writes
-      ``clip(r, 1 − ε_low, 1 + ε_high)`` and effectively disables the lower bound; DESIGN's default
+      ``clip(r, 1 − ε_low, 1 + ε_high)`` and effectively disables the lower bound; the run config's default (docs/objectives.md §3.3)
       ``clip(r, 0, 5)`` is ε_low = 1, ε_high = 4 (ScaleRL's ε_max = 5, ART's default).
     - ``gspo``: sequence-level ratio against the trainer's own π_old, clipped to
       ``[1 − gspo_clip_eps, 1 + gspo_clip_eps_high]`` (the paper's 3e-4 / 4e-4: ``s`` is a geometric
@@ -379,7 +379,7 @@ def chunked_token_logprobs(
 
     ``hidden`` [B, T, H] are the final hidden states (after the model's last norm, what the LM head
     multiplies), ``lm_head_weight`` is [V, H], ``targets`` [B, T]; returns [B, T] float32. No
-    temperature: vLLM's logprobs are raw (DESIGN §3). Models with a logit soft-cap or scale, or an
+    temperature: vLLM's logprobs are raw (docs/objectives.md §2). Models with a logit soft-cap or scale, or an
     LM-head bias, need their own variant.
 
     Memory: the B·T positions are processed ``chunk`` at a time, so at most ``[chunk, V]`` logits

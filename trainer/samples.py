@@ -37,7 +37,7 @@ AdvantageMode = Literal["group", "drgrpo"]
 # A group whose rewards span less than this is "zero variance": its advantages are all zero (or,
 # for the std-normalised mode, noise divided by ~1e-6), so it carries no learning signal.
 ZERO_VARIANCE_TOL = 1e-8
-# Added to the std so a near-constant group does not blow its advantages up (DESIGN §6).
+# Added to the std so a near-constant group does not blow its advantages up (docs/objectives.md §1).
 STD_EPS = 1e-6
 
 
@@ -277,7 +277,7 @@ class _Tree:
 def _trajectory_rows(traj: TrajectoryData, counters: _Counters) -> list[_RowBuilder]:
     """One row per root-to-leaf path of the trajectory's call tree, each token trained in one row only.
 
-    A trajectory is a tree of calls (DESIGN §6, gateway.store.tree): a call's parent is the earlier call whose
+    A trajectory is a tree of calls (docs/design.md §7, gateway/store/tree.py): a call's parent is the earlier call whose
     prompt + completion its prompt starts with exactly, the longest one; a call extending none is a root. Walking the
     calls in (seq, choice) order, a call whose parent ends a row (the parent's first child) joins that row: the prompt
     tokens past the parent (tool results, a new user turn, the template's glue) enter with mask 0, then its
@@ -387,7 +387,7 @@ def build_samples(
     ``max_seq_len``; a row left with no trainable token is dropped, and a group left with no row is
     reported dropped (never a silent no-op). ``sequence_id`` is the row's index in the result.
 
-    Staleness (DESIGN §6) is checked only when both ``current_policy_version`` and ``max_staleness``
+    Staleness (docs/objectives.md §5) is checked only when both ``current_policy_version`` and ``max_staleness``
     are given: a group with any call served by a policy older than ``current − max_staleness`` is
     dropped.
 

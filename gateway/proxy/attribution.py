@@ -2,7 +2,7 @@
 
 Many agent frameworks let users set only `base_url` and `api_key` and silently drop custom headers, so three
 forms are accepted and the first present wins: headers, a URL path prefix, then a suffix on the API key.
-See DESIGN §2. A call with none of them that carries a coding CLI's own session header (Claude Code's
+See docs/design.md §3. A call with none of them that carries a coding CLI's own session header (Claude Code's
 `X-Claude-Code-Session-Id`, Codex's `session-id`) belongs to that session's trajectory, so one CLI run is one
 trajectory (a group of one) that can be rewarded by the session id the CLI prints.
 """

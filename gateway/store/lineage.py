@@ -6,13 +6,13 @@ as `history_edited`). A token_in call (gateway.proxy.token_in) instead names the
 built on, and is compared with that one: a repeated turn or a parallel branch then extends the turn it continues
 rather than counting as a `retry` or an edit of its sibling at the previous seq. A call *extends* its predecessor
 when its prompt ids start with the predecessor's prompt + completion ids; the trainer merges such calls into one row
-(DESIGN §6). Otherwise the reason says why not:
+(docs/design.md §7.5). Otherwise the reason says why not:
 
 - `first_call`: no predecessor in the trajectory.
 - `no_ids`: the call or its predecessor has no token ids (an upstream error, a failed capture).
 - `retry`: the prompt equals the predecessor's prompt (the agent sent the same request again as a new call).
 - `template_dropped_tool_call`: the divergence is inside the predecessor's completion and that completion held a
-  tool call (the chat template re-rendered the call without it; SmolLM2's does, DESIGN §3).
+  tool call (the chat template re-rendered the call without it; SmolLM2's does, docs/design.md §4).
 - `completion_rerendered`: the divergence is inside the predecessor's completion, which held no tool call (e.g. a
   template that trims reasoning).
 - `truncated`: the prompt is shorter than the predecessor's prompt and diverges inside it (history was cut).

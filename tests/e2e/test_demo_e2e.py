@@ -125,7 +125,7 @@ def wait_until_none_alive(started: dict[int, str], timeout_s: float) -> set[int]
 def test_tools_demo_trains_a_multi_turn_agent(tmp_path: Path) -> None:
     """The tools demo runs in its default token mode, token_in: every call after a tool call continues its
     predecessor's exact tokens, so the trainer builds one row per trajectory (in `chat` SmolLM2's template would
-    re-render the history without the tool call: `template_dropped_tool_call`, a row per call, DESIGN §3)."""
+    re-render the history without the tool call: `template_dropped_tool_call`, a row per call, docs/design.md §4)."""
     # SMALL's 16 tokens would cut every tool call (~32 tokens) short: the task's own length instead.
     process, lines = start_demo(tmp_path / "demo", "--task", "tools", "--max-tokens", "48")
     code = process.wait(timeout=900)

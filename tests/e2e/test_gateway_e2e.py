@@ -120,7 +120,7 @@ def test_three_turn_conversation_with_tool_result(real_gateway: RunningGateway, 
             assert text == (message.content or ""), (text, message.content)
 
     # SmolLM2's template renders an assistant turn's content only, so a tool-call turn comes back as an empty
-    # assistant message (DESIGN §3): turn 3's prompt holds none of turn 2's reply but its end-of-turn token.
+    # assistant message (docs/design.md §4): turn 3's prompt holds none of turn 2's reply but its end-of-turn token.
     reply_tokens = [t for t in calls[1]["completion_token_ids"] if t != tokenizer.eos_token_id]
     assert not reply_tokens or not extends(calls[1], calls[2])
     # The trainer merges a call into the previous one's row exactly when its prompt extends that row, and starts a

@@ -29,7 +29,7 @@ __all__ = [
 
 def resolve_backend_name(name: BackendName, device: str | None = None) -> Literal["hf", "unsloth"]:
     """``auto`` → unsloth when CUDA and the package are both there (and no non-CUDA ``device`` was
-    asked for), else hf (DESIGN §6)."""
+    asked for), else hf (docs/design.md §12)."""
     if name == "auto":
         on_cuda = device is None or torch.device(device).type == "cuda"
         return "unsloth" if on_cuda and not missing_requirements() else "hf"

@@ -37,7 +37,7 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """The adapter's shape (DESIGN §6 defaults: r 16, α 32, all linear projections, no dropout).
+    """The adapter's shape (docs/objectives.md §6 defaults: r 16, α 32, all linear projections, no dropout).
 
     ``rank`` must be one vLLM accepts, or the trained adapter could never be served. ``targets`` is
     ``"all-linear"`` or module names (``["q_proj", "v_proj"]``); it is resolved to concrete names
@@ -96,7 +96,7 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 class TrainerBackend(ABC):
     """One policy being trained: base weights + LoRA adapter + AdamW over the adapter.
 
-    Logprob convention (DESIGN §3): logprobs are vLLM's raw ones — ``log_softmax`` of the logits,
+    Logprob convention (docs/objectives.md §2): logprobs are vLLM's raw ones — ``log_softmax`` of the logits,
     no temperature — aligned to ``input_ids`` as targets (``trainer.samples``).
 
     A backend sets ``model``, ``trainable`` (the adapter's parameters) and ``optimizer``

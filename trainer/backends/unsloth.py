@@ -3,7 +3,7 @@
 Everything but loading and the hidden-state forward is ``HFBackend``'s (the chunked logprobs, the
 checkpoint format: a peft adapter vLLM loads), and the step is ``trainer.step``'s, so a run can move
 between backends. unsloth is imported lazily and only here: it needs CUDA, and
-installed outside a no-deps install it pulls a CUDA torch (DESIGN §9), so it is an optional extra.
+installed outside a no-deps install it pulls a CUDA torch (docs/design.md §15), so it is an optional extra.
 """
 
 from __future__ import annotations

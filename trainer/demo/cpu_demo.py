@@ -558,7 +558,7 @@ def _admission_lines(result: DemoResult) -> list[str]:
 
 def _tool_lines(result: DemoResult) -> list[str]:
     """What a user of a tool agent watches besides the reward: does it call the tools, how many calls an episode
-    takes, and how many of its multi-turn calls the trainer can merge into one row (DESIGN §6)."""
+    takes, and how many of its multi-turn calls the trainer can merge into one row (docs/design.md §7.5)."""
     before, after = result.agent_stats["before"], result.agent_stats["after"]
     if "tool_call" not in before or "tool_call" not in after:
         return []
