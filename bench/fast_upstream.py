@@ -8,7 +8,8 @@ start-up, so it costs a few microseconds per request and the gateway, not the up
     GET  /v1/models             the recorded model list
 
 Every canned body comes from tests/fixtures/vllm/*.json, recorded from the real vLLM CPU server (format: the top
-of scripts/record_fixtures.py). docs/design.md §14 measures with `max_tokens 16`, so by default the non-stream chat answer is
+of scripts/record_fixtures.py). docs/design.md §14 measures with `max_tokens 16`, so by default the non-stream chat
+answer is
 the recorded plain-text chat answer (no tool call, n=1, status 200) whose completion length is closest to 16 tokens,
 sent byte-for-byte. The recorded chat streams are shorter, so the stream is rendered in the exact framing of the
 recorded `chat_stream` (role chunk with `prompt_token_ids`, one chunk per token with its `token_ids` and logprobs,

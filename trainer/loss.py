@@ -43,8 +43,8 @@ class LossConfig:
 
     - ``grpo``: PPO-clip with DAPO's asymmetric range ``[1 − clip_eps, 1 + clip_eps_high]``.
     - ``cispo``: IS weight clipped to ``[cispo_min_ratio, cispo_max_ratio]``. The paper writes
-      ``clip(r, 1 − ε_low, 1 + ε_high)`` and effectively disables the lower bound; the run config's default (docs/objectives.md §3.3)
-      ``clip(r, 0, 5)`` is ε_low = 1, ε_high = 4 (ScaleRL's ε_max = 5, ART's default).
+      ``clip(r, 1 − ε_low, 1 + ε_high)`` and effectively disables the lower bound; the run config's
+      default (docs/objectives.md §3.3) ``clip(r, 0, 5)`` is ε_low = 1, ε_high = 4 (ScaleRL's ε_max = 5, ART's default).
     - ``gspo``: sequence-level ratio against the trainer's own π_old, clipped to
       ``[1 − gspo_clip_eps, 1 + gspo_clip_eps_high]`` (the paper's 3e-4 / 4e-4: ``s`` is a geometric
       mean of token ratios), times a truncated IS weight for the vLLM gap capped at ``gspo_is_cap``.

@@ -2,7 +2,8 @@
 
 It imports nothing heavy (no torch, no database), so the gateway can validate `POST /v1/runs` bodies and the trainer
 can read the stored config with the same rules. Unknown keys are refused so a typo (`learning_rte`) is an error
-at the API instead of a silently ignored setting. Defaults and their reasons: docs/objectives.md §8 and docs/design.md §4, §6, §9.
+at the API instead of a silently ignored setting. Defaults and their reasons: docs/objectives.md §8 and
+docs/design.md §4, §6, §9.
 """
 
 from __future__ import annotations
