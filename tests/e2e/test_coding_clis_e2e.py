@@ -43,7 +43,7 @@ def clis() -> Path:
     """The CLIs' bin directory, npm-installed once into the cache dir."""
     npm = shutil.which("npm")
     if npm is None:
-        pytest.skip("npm is not installed: the Claude Code and Codex CLIs come from npm (the parity test still runs)")
+        pytest.fail("npm is not installed: the Claude Code and Codex CLIs come from npm (.ci/run installs it)")
     prefix = cache_dir() / "clis"
     bin_dir = prefix / "node_modules" / ".bin"
     versions = prefix / "versions.txt"
