@@ -127,8 +127,9 @@ class Peers:
         await asyncio.gather(self._writer.settled(local_timeout_s), self._others_caught_up())
 
     async def others_written(self, wait_s: float) -> bool:
-        """Whether other live gateways exist and, within `wait_s`, all wrote every call they answered before now
-        (token_in's predecessor lookup: a record another gateway has not written yet would be missed)."""
+        """Whether, within `wait_s`, every other live gateway (if any) wrote every call it answered before now
+        (token_in's predecessor lookup reads once more then: a record not yet written would be missed). False when
+        peers are off (SQLite) or a gateway is still behind at the deadline."""
         if not self.enabled or wait_s <= 0:
             return False
         return not await others_caught_up(self._engine, self.gateway_id, self._poll_s, self._alive_s, wait_s)
