@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.store.call_record import CallRecord
+from tests.factories import make_record
 
 SHAPES = ("linear", "supervisor", "forks", "compaction")
 SYSTEM = [1, 9690, 198, 2610, 359, 253, 5356, 11173, 30, 2, 198]  # "<|im_start|>system\nYou are ...<|im_end|>\n"
@@ -122,33 +123,18 @@ def _record(
     prompt: list[int],
     completion: list[int],
 ) -> CallRecord:
-    return CallRecord(
-        id=uuid.uuid4().hex,
+    return make_record(
+        trajectory_id,
+        seq,
         run=run,
         base_model="smollm2",
-        trajectory_id=trajectory_id,
         group_id=group_id,
-        group_size=None,
-        mode="train",
-        seq=seq,
-        choice_index=0,
-        policy_version=0,
-        endpoint="chat",
-        stream=False,
         request={"model": run, "messages": messages},
         response={"choices": [{"index": 0, "message": answer, "finish_reason": "stop"}]},
         prompt_token_ids=prompt,
         completion_token_ids=completion,
         completion_logprobs=[-0.5] * len(completion),
-        finish_reason="stop",
         usage={"prompt_tokens": len(prompt), "completion_tokens": len(completion)},
-        status_code=200,
-        error=None,
-        trainable=True,
-        untrainable_reason=None,
         latency_ms=10.0,
-        ttft_ms=None,
-        retry_count=0,
-        idempotency_key=None,
         created_at=time.time() + seq * 1e-3,
     )
