@@ -805,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report.save()
     log(clock, f"{report.data['environment']['device_name']}: stages {args.stages}, shapes {args.shapes}")
-    watchdog = threading.Timer(args.budget_s, _expire, args=(report, clock))
+    # What is left, not the whole budget: start-up (imports, device probing) already spent some of it.
+    watchdog = threading.Timer(max(clock.left(), 0.0), _expire, args=(report, clock))
     watchdog.daemon = True
     watchdog.start()
 
@@ -842,6 +843,9 @@ def main(argv: list[str] | None = None) -> int:
     if "unsloth" in args.stages:
         failed |= _stage(report, clock, "unsloth", None, 0.0, lambda r: unsloth_stage(args, peak_flops, clock, r))
     watchdog.cancel()
+    if clock.left() <= 0:  # the stages ended by skipping, before the watchdog's thread got its turn
+        _expire(report, clock, exit_process=False)
+        return 3
     report.data.update(status="failed" if failed else "done", elapsed_s=clock.elapsed())
     report.save()
     log(clock, f"{report.data['status']}: {report.json_path}, {report.markdown_path}")
@@ -893,14 +897,15 @@ def _stage(
     return section.get("status") == "error"
 
 
-def _expire(report: Report, clock: Clock) -> None:
-    """The total budget is spent: keep what was saved, mark it, and stop at once."""
+def _expire(report: Report, clock: Clock, exit_process: bool = True) -> None:
+    """The total budget is spent: keep what was saved, mark it, and (from the watchdog) stop at once."""
     try:
         report.data.update(status="stopped: total budget spent", elapsed_s=clock.elapsed())
         report.save()  # may meet the main thread mid-update: the last complete save then stands
         log(clock, "total budget spent: stopping; the figures so far are in the report")
     finally:
-        os._exit(3)
+        if exit_process:
+            os._exit(3)
 
 
 if __name__ == "__main__":
