@@ -138,7 +138,7 @@ LEARNING_RATE = 2e-5
 TRAINED_FRACTION = 0.5
 
 # What the unsloth backend needs beyond the GPU machine's torch/transformers/peft/accelerate/
-# safetensors, with the sizes of the cp312 manylinux x86_64 wheels on PyPI (checked 2026-11-26).
+# safetensors, with the sizes of the cp312 manylinux x86_64 wheels of these versions on PyPI.
 # unsloth + unsloth_zoo + bitsandbytes alone are over the 64 MiB that travels with the tree.
 UNSLOTH_WHEELS: list[tuple[str, float]] = [
     ("unsloth-2026.10.9-py3-none-any.whl", 27.3),
@@ -199,7 +199,7 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 
 
 def render_markdown(data: dict[str, Any]) -> str:
-    """The figures as the tables docs/gpu.md and README's benchmark table take them."""
+    """The figures as the tables of docs/gpu.md and bench/README.md take them."""
     env = data.get("environment", {})
     lines = [
         f"# gpu_check: {env.get('device_name', '?')}",

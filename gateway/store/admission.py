@@ -1,6 +1,6 @@
 """Admission's SQL: admit new training groups against a run's bound, atomically across gateways, and report it.
 
-The bound (README "Admission"): a group admitted while version V serves the run can still be trained if the trainer
+The bound (docs/training.md): a group admitted while version V serves the run can still be trained if the trainer
 consumes it by the step it builds while V + max_staleness is current. Steps advance the version one at a time and
 each takes groups_per_step groups (oldest admitted first), so with L = steps committed but not yet served (last step
 - V) and B = 1 while a step is being trained (its claimed groups are chosen: a group it drops frees no room in it),

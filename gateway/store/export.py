@@ -27,7 +27,7 @@ def iter_trajectories(
     engine: Engine, run: str, include_eval: bool = False, page_size: int = PAGE_TRAJECTORIES
 ) -> Iterator[dict[str, Any]]:
     """Yield one dict per trajectory of `run` (training trajectories only unless `include_eval`), oldest first,
-    in the export schema documented in the README."""
+    in the export schema documented in docs/api.md ("Exporting")."""
     page_query = (
         select(
             Trajectory.trajectory_id,
