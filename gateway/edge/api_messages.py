@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from gateway.http.auth import presented_key
 from gateway.http.errors import GatewayError, UpstreamFailure
-from gateway.proxy.attribution import PathPrefix, check_run, split_api_key
-from gateway.proxy.hot_path import Proxy
+from gateway.proxy.attribution import PathPrefix, check_bound, check_run, split_api_key
+from gateway.proxy.hot_path import Proxy, named_run
 
 ENDPOINT = "messages"  # the label records and metrics carry
 MESSAGES = "/v1/messages"
@@ -825,8 +825,10 @@ class MessagesApi:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             # The key first, as Anthropic checks it: an unauthenticated caller learns nothing about its body.
-            self.proxy.auth.check_agent(split_api_key(presented_key(headers))[0])
+            runs = self.proxy.auth.check_agent(split_api_key(presented_key(headers))[0])
             data = _parse(await self.proxy.read_body(receive, headers))
+            if runs is not None:  # a bound key's run, before vLLM is asked anything (the chat path asks again)
+                check_bound(named_run(headers, data), runs)
             if path == COUNT_TOKENS:
                 counted = parse_request(data, CountTokensRequest)
                 count = await self._count_tokens(counted, await self._merge_inline_system(counted))

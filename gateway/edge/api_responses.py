@@ -10,6 +10,8 @@ mode, records and the trainer then work as for any chat call; only the record's 
 - A stored response belongs to the agent key that created it (its fingerprint, `Auth.tenant`, kept with the record
   under `trajgate_responses` and never sent upstream): fetched or continued with another key it is a 404, exactly as
   an unknown id. With agent auth off there is one tenant.
+- A key bound to runs (tenants, `Auth.check_agent`) sees only the stored responses of those runs: another run's
+  response, fetched or continued, is the same 404 as an unknown id (its own run's binding may have changed since).
 - `previous_response_id`: the earlier call's chat messages plus its answer, then this input. Kept in memory up to
   TRAJGATE_RESPONSES_MEMORY_BYTES (oldest dropped first); otherwise read from the database (the record of another
   gateway, or of this one before a restart), waiting up to TRAJGATE_TOKEN_STATE_WAIT_S for a record still in a
@@ -49,7 +51,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.http.auth import presented_key
-from gateway.http.deps import gateway_state, json_response, require_agent
+from gateway.http.deps import agent_runs, gateway_state, json_response, require_agent
 from gateway.http.errors import GatewayError
 from gateway.proxy import capture
 from gateway.proxy.attribution import PathPrefix, split_api_key
@@ -564,6 +566,9 @@ class _Kept:
     conversation: list[dict[str, Any]]
     response: dict[str, Any]
     owner: str | None  # Auth.tenant of the key that created it
+    # The run of one read back from its record, which the reader's key must be bound to (bindings may have changed
+    # since it was made); None for one this process made: its owner's key was checked against these bindings then.
+    run: str | None
     size: int = 0  # bytes of the conversation and the response as JSON: what it counts against the memory bound
 
 
@@ -593,7 +598,7 @@ class ResponsesAPI:
     def remember(self, chat: dict[str, Any], response: dict[str, Any]) -> None:
         if chat.get("store") is False or self.memory_bytes == 0:
             return
-        kept = _Kept(continuation(chat, response), response, owner_of(chat))
+        kept = _Kept(continuation(chat, response), response, owner_of(chat), None)
         # The JSON size stands for the memory held: what a client controls (its input, the answer it asked for)
         # is what grows, and orjson measures it in C at a fraction of the call's own serialising.
         kept.size = len(orjson.dumps(kept.conversation)) + len(orjson.dumps(response))
@@ -612,11 +617,14 @@ class ResponsesAPI:
         if kept is not None:
             self.kept_bytes -= kept.size
 
-    async def find(self, response_id: str, owner: str | None) -> _Kept | None:
-        """A stored response by id, if `owner` (Auth.tenant of the caller's key) may see it: memory first, then the
-        record (polled briefly: it may still be on its way). Another tenant's response is None, as an unknown id."""
+    async def find(self, response_id: str, owner: str | None, runs: frozenset[str] | None) -> _Kept | None:
+        """A stored response by id, if `owner` (Auth.tenant of the caller's key) bound to `runs` (None: any) may see
+        it: memory first, then the record (polled briefly: it may still be on its way). Another tenant's response is
+        None, as an unknown id."""
         kept = await self._find(response_id)
         if kept is None or (owner is not None and kept.owner != owner):
+            return None
+        if runs is not None and kept.run is not None and kept.run not in runs:
             return None
         return kept
 
@@ -651,13 +659,13 @@ class ResponsesAPI:
         try:
             # The key first: an unauthenticated caller learns nothing about its body.
             key = split_api_key(presented_key(headers))[0]
-            self.proxy.auth.check_agent(key)
+            runs = self.proxy.auth.check_agent(key)
             owner = self.proxy.auth.tenant(key)
             body = await self.proxy.read_body(receive, headers)  # the same body limit as every model call
             request = parse_json(body)
             previous = None
             if request.get("previous_response_id") is not None:
-                previous = await self._previous(request["previous_response_id"], owner)
+                previous = await self._previous(request["previous_response_id"], owner, runs)
             chat = chat_request(request, previous)
             if owner is not None:
                 chat[EXTRA][OWNER] = owner
@@ -690,10 +698,10 @@ class ResponsesAPI:
         answer = _Answer(self, chat, request.get("previous_response_id"), send)
         await self.proxy.handle(chat_scope, chat_receive, answer, chat_prefix)
 
-    async def _previous(self, response_id: Any, owner: str | None) -> list[dict[str, Any]]:
+    async def _previous(self, response_id: Any, owner: str | None, runs: frozenset[str] | None) -> list[dict[str, Any]]:
         if not isinstance(response_id, str):
             raise _bad("previous_response_id: expected a string")
-        kept = await self.find(response_id, owner)
+        kept = await self.find(response_id, owner, runs)
         if kept is None:
             raise GatewayError(
                 404, f"Previous response with id '{response_id[:80]}' not found.", code="previous_response_not_found"
@@ -708,7 +716,7 @@ def _from_record(response_id: str, exchange: RecordedExchange) -> _Kept | None:
     if chat.get("store") is False:
         return None
     response = response_object(response_id, chat, exchange.response)
-    return _Kept(continuation(chat, response), response, owner_of(chat))
+    return _Kept(continuation(chat, response), response, owner_of(chat), exchange.run)
 
 
 def _serialise(chat: dict[str, Any]) -> bytes:
@@ -974,7 +982,7 @@ async def retrieve(response_id: str, request: Request) -> Response:
     unknown id, one created with `store: false`, or one another agent key created."""
     gw = gateway_state(request)
     owner = gw.auth.tenant(split_api_key(presented_key(dict(request.headers)))[0])
-    kept = await gw.responses.find(response_id, owner)
+    kept = await gw.responses.find(response_id, owner, agent_runs(request))
     if kept is None:
         raise GatewayError(404, f"No response found with id '{response_id[:80]}'.", code="not_found")
     return json_response(kept.response)

@@ -22,7 +22,7 @@ from gateway.http.metrics import GatewayMetrics
 from gateway.proxy import capture, sampling
 from gateway.proxy.admit import Admission, Refused
 from gateway.proxy.asgi_io import relay_until_done
-from gateway.proxy.attribution import Attribution, PathPrefix, attribute, check_run, split_api_key
+from gateway.proxy.attribution import Attribution, PathPrefix, attribute, check_bound, check_run, split_api_key
 from gateway.proxy.routing import PolicyRouter, Route
 from gateway.proxy.token_in import TokenIn
 from gateway.proxy.turns import SeqClock
@@ -152,12 +152,12 @@ class Proxy:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             key, key_group, key_trajectory = split_api_key(presented_key(headers))
-            self.auth.check_agent(key)  # before the body: an unauthenticated caller learns nothing about it
+            runs = self.auth.check_agent(key)  # before the body: an unauthenticated caller learns nothing about it
             body = await self.read_body(receive, headers)
             request = parse_json(body)
             attribution = attribute(headers, prefix, key_group, key_trajectory)
             retry_count, idempotency_key = _retry_headers(headers)
-            run = check_run(headers.get("x-run") or request.get("model"))
+            run = check_bound(named_run(headers, request), runs)
             route = self.router.resolve(run, await self.base_model())
             if self.admission.applies(route, attribution):  # a group's version, admitted first if new here
                 route = await self.admission.route(route, attribution, receive)
@@ -532,6 +532,11 @@ class Proxy:
 
 def _too_large(limit: int) -> GatewayError:
     return GatewayError(413, f"request body larger than {limit} bytes", code="request_too_large")
+
+
+def named_run(headers: dict[str, str], request: dict[str, Any]) -> str:
+    """The run a call names: `X-Run`, else `model` (the APIs translated at the edge ask the same)."""
+    return check_run(headers.get("x-run") or request.get("model"))
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
