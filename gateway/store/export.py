@@ -8,10 +8,10 @@ page of trajectory rows and the calls of one trajectory, whatever the size of th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sqlalchemy import Engine, select, tuple_
+from sqlalchemy import Connection, Engine, select, tuple_
 
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.lineage import Rebuilder
@@ -59,7 +59,7 @@ def iter_trajectories(
         after = (last.created_at, last.trajectory_id)
 
 
-def _with_calls(conn: Any, page: list[Any]) -> Iterator[dict[str, Any]]:
+def _with_calls(conn: Connection, page: Sequence[Any]) -> Iterator[dict[str, Any]]:
     calls_query = (
         select(
             Call.trajectory_id,
