@@ -51,6 +51,9 @@ MYPY_PACKAGES := gateway/http gateway/runs gateway/store gateway/recorder gatewa
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py tests/test_dependencies.py
+	$(MAKE) -s mypy
+
+mypy: $(STAMP)
 	$(PY) -m mypy $(MYPY_PACKAGES)
 
 test: test-fast test-e2e
