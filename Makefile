@@ -28,7 +28,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
-	$(PY) -m mypy gateway/http gateway/runs
+	$(PY) -m mypy gateway/http gateway/runs gateway/upstream/failures.py
 
 test: test-fast test-e2e
 
