@@ -76,10 +76,11 @@ class DataLines:
             partial.append(data)
             data = b"".join(partial)
             partial.clear()
-        *lines, rest = data.split(b"\n")
+        lines = data.split(b"\n")
+        rest = lines.pop()  # (cheaper than unpacking into `*lines, rest`, which copies the list)
         if rest:
             partial.append(rest)
-        return [line[5:].strip() for line in lines if line.startswith(_DATA_FIELD)]
+        return [line[5:].strip() for line in lines if line[:5] == _DATA_FIELD]
 
     def end(self) -> bytes | None:
         """The payload of an unterminated last line, if it is a `data:` line; the reader is empty afterwards."""
