@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from gateway.upstream.client import ConnectFailed, UpstreamError
-from gateway.upstream.failures import exchange_error
+from gateway.upstream.failures import exchange_error, not_json, stream_error
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import running_gateway
 from tests.pgcluster import free_port
@@ -27,6 +27,14 @@ def test_a_timeout_and_a_broken_exchange_map_alike_for_every_path() -> None:
     assert down.message == "vLLM unreachable: ConnectFailed: cannot connect to h:1: refused"
     broke = exchange_error(UpstreamError("vLLM closed the connection"), "/v1/chat/completions/render")
     assert broke.status == 502 and broke.message.startswith("vLLM unreachable on /v1/chat/completions/render: ")
+
+
+def test_what_vllm_sends_that_cannot_be_used_is_a_502() -> None:
+    told = [not_json("/v1/chat/completions/derender"), stream_error({"message": "EngineCore died"}), stream_error("x")]
+    assert [(error.status, error.type) for error in told] == [(502, "upstream_error")] * 3
+    assert told[0].message == "vLLM sent a body that is not a JSON object on /v1/chat/completions/derender"
+    assert told[1].message == "vLLM generate stream failed: EngineCore died"
+    assert told[2].message == "vLLM generate stream failed: x"
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ from gateway.proxy.asgi_io import relay_until_done
 from gateway.proxy.chat_templates import TemplateInfo
 from gateway.store.token_state import RecordedTurn, recorded_turns
 from gateway.upstream.client import UpstreamError, UpstreamResponse
-from gateway.upstream.failures import exchange_error, upstream_error
+from gateway.upstream.failures import exchange_error, not_json, stream_error, upstream_error
 from gateway.upstream.replicas import Lease
 
 if TYPE_CHECKING:
@@ -460,8 +460,7 @@ class TokenIn:
         except orjson.JSONDecodeError:
             answer = None
         if not isinstance(answer, dict):
-            message = f"vLLM sent a body that is not a JSON object on {path}"
-            raise UpstreamFailure(GatewayError(502, message, "upstream_error"))
+            raise UpstreamFailure(not_json(path))
         return answer
 
     # -- the call ------------------------------------------------------------------------------------------------
@@ -700,8 +699,7 @@ class StreamRelay:
                 continue
             chunk = orjson.loads(payload)
             if "error" in chunk and "choices" not in chunk:
-                message = (chunk["error"] or {}).get("message") if isinstance(chunk["error"], dict) else chunk["error"]
-                raise UpstreamFailure(GatewayError(502, f"vLLM generate stream failed: {message}", "upstream_error"))
+                raise UpstreamFailure(stream_error(chunk["error"]))
             self.pending.append(chunk)
         if self.pending:
             self.arrived.set()

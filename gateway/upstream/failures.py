@@ -5,6 +5,7 @@ translator then writes once in its own API's error shape."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import orjson
 
@@ -47,3 +48,15 @@ def upstream_error(path: str, status: int, raw: bytes) -> GatewayError:
     if 400 <= status < 500:
         return GatewayError(status, message, error_type, code, param)
     return GatewayError(502, f"vLLM answered {status} on {path}: {message}", "upstream_error", "upstream_error")
+
+
+def not_json(path: str) -> GatewayError:
+    """vLLM answered 200 on a step whose answer the gateway reads, with something other than a JSON object."""
+    return GatewayError(502, f"vLLM sent a body that is not a JSON object on {path}", "upstream_error")
+
+
+def stream_error(error: Any) -> GatewayError:
+    """vLLM's generate stream, begun with a 200, sent an `error` object where a chunk was due (the chat path relays
+    such an event as it is; token_in reads generate's stream and must tell the client itself)."""
+    message = (error or {}).get("message") if isinstance(error, dict) else error
+    return GatewayError(502, f"vLLM generate stream failed: {message}", "upstream_error")
