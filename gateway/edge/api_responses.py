@@ -49,7 +49,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import Message, Receive, Scope, Send
 
+from gateway.http import sse
 from gateway.http.auth import presented_key
 from gateway.http.deps import agent_runs, gateway_state, json_response, require_agent
 from gateway.http.errors import GatewayError
@@ -654,7 +656,7 @@ class ResponsesAPI:
                 return None
             await asyncio.sleep(_POLL_S)
 
-    async def create(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
+    async def create(self, scope: Scope, receive: Receive, send: Send, prefix: PathPrefix | None) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             # The key first: an unauthenticated caller learns nothing about its body.
@@ -688,7 +690,7 @@ class ResponsesAPI:
         chat_prefix = dataclasses.replace(prefix, rest=CHAT_PATH) if prefix else None
         sent = False
 
-        async def chat_receive() -> dict[str, Any]:
+        async def chat_receive() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
@@ -726,7 +728,7 @@ def _serialise(chat: dict[str, Any]) -> bytes:
         raise GatewayError(400, "request body is nested too deeply to forward", code="invalid_json") from None
 
 
-async def _send_json(send: Any, status: int, body: bytes) -> None:
+async def _send_json(send: Send, status: int, body: bytes) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -736,7 +738,7 @@ class _Answer:
     """The `send` the proxy answers through: a chat answer becomes a Response object, a chat stream Responses
     events; an error body (already OpenAI-shaped, as Responses errors are) passes through."""
 
-    def __init__(self, api: ResponsesAPI, chat: dict[str, Any], previous_id: str | None, send: Any) -> None:
+    def __init__(self, api: ResponsesAPI, chat: dict[str, Any], previous_id: str | None, send: Send) -> None:
         self.api = api
         self.chat = chat
         self.previous_id = previous_id
@@ -747,14 +749,14 @@ class _Answer:
         self.body: list[bytes] = []
         self.stream: _EventStream | None = None
 
-    async def __call__(self, message: dict[str, Any]) -> None:
+    async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
             self.headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"content-length"]
             request_id = next((v.decode() for k, v in self.headers if k.lower() == b"x-request-id"), "")
             self.response_id = "resp_" + request_id.removeprefix("req-")
             content_type = next((v for k, v in self.headers if k.lower() == b"content-type"), b"")
-            if self.status == 200 and content_type.startswith(b"text/event-stream"):
+            if self.status == 200 and content_type.startswith(sse.EVENT_STREAM):
                 self.stream = _EventStream(self.api, self.chat, self.response_id, self.previous_id, self.send)
                 await self.send(message)
             return
@@ -787,7 +789,7 @@ class _EventStream:
     Response (in `response.completed`) is built from the assembled chat answer, as `GET` rebuilds it."""
 
     def __init__(
-        self, api: ResponsesAPI, chat: dict[str, Any], response_id: str, previous_id: str | None, send: Any
+        self, api: ResponsesAPI, chat: dict[str, Any], response_id: str, previous_id: str | None, send: Send
     ) -> None:
         self.api = api
         self.chat = chat
@@ -799,19 +801,15 @@ class _EventStream:
         self.sequence = 0
         self.started = False
         self.finished = False
-        self.partial = b""
+        self.lines = sse.DataLines()
         self.output_index = -1
         self.open: dict[str, Any] | None = None  # the output item being written
         self.tool_items: dict[int, dict[str, Any]] = {}
 
     async def feed(self, data: bytes, more: bool) -> None:
-        self.partial += data
-        *events, self.partial = self.partial.split(b"\n\n")
         out: list[bytes] = []
-        for event in events:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    self._on_data(line[5:].strip(), out)
+        for payload in self.lines.feed(data):
+            self._on_data(payload, out)
         if not more and not self.finished and self.started:
             self._failed("the stream ended before the model finished", out)
         if out or not more:
@@ -820,7 +818,7 @@ class _EventStream:
     def _event(self, kind: str, out: list[bytes], **fields: Any) -> None:
         payload = orjson.dumps({"type": kind, "sequence_number": self.sequence, **fields})
         self.sequence += 1
-        out.append(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
+        out.append(sse.frame(payload, event=kind))
 
     def _start(self, created: int | None, out: list[bytes]) -> None:
         self.started = True
@@ -833,7 +831,7 @@ class _EventStream:
     def _on_data(self, payload: bytes, out: list[bytes]) -> None:
         if self.finished:
             return
-        if payload == b"[DONE]":
+        if payload == sse.DONE_PAYLOAD:
             self._complete(out)
             return
         chunk = orjson.loads(payload)
