@@ -79,7 +79,8 @@ def uvicorn_config(
         proxy_headers=access_log,
         forwarded_allow_ips=settings.forwarded_allow_ips,  # the proxies the UI trusts for https, too
         log_level=log_level,
-        timeout_keep_alive=settings.keep_alive_s,
+        # uvicorn annotates an int but only hands it to loop.call_later, which takes the float the setting allows
+        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
         timeout_graceful_shutdown=graceful_s,
         lifespan="on",
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -85,7 +85,8 @@ class ToolDefinition(BaseModel):
     definition: Tool
 
 
-_TOOL_CHANGES = ("tool_addition", "tool_removal")
+_ToolChange = Literal["tool_addition", "tool_removal"]
+_TOOL_CHANGES = get_args(_ToolChange)
 
 
 class Block(BaseModel):
@@ -95,10 +96,10 @@ class Block(BaseModel):
     have no effect on a local model."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal[
-        "text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking",
-        *_TOOL_CHANGES,
-    ]  # fmt: skip
+    type: (
+        Literal["text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking"]
+        | _ToolChange
+    )
     text: str | None = None
     source: dict[str, Any] | None = None  # an image's: base64 unless its type says url, as vLLM reads it
     id: str | None = None
@@ -621,7 +622,7 @@ class StreamTranslator:
         self.started = True
         prompt = chunk.get("prompt_token_ids")
         self.input_tokens = len(prompt) if isinstance(prompt, list) else 0
-        message = {
+        message: dict[str, Any] = {
             "id": message_id(chunk.get("id")),
             "type": "message",
             "role": "assistant",
@@ -660,7 +661,9 @@ class StreamTranslator:
         position = call.get("index", 0)
         function = call.get("function") or {}
         if position not in self.tool_blocks:
-            block = {"type": "tool_use", "id": call.get("id"), "name": function.get("name") or "", "input": {}}
+            block: dict[str, Any] = {
+                "type": "tool_use", "id": call.get("id"), "name": function.get("name") or "", "input": {}
+            }
             out += self._open("tool_use", block)
             assert self.block is not None
             self.tool_blocks[position] = self.block
@@ -843,15 +846,14 @@ class MessagesApi:
             ignored = ignored_fields(data)
             if ignored:
                 chat[EXTRA] = {"ignored": ignored}
-            chat = _serialise(chat)
+            payload = _serialise(chat)
         except (GatewayError, UpstreamFailure) as exc:
             error = exc.error if isinstance(exc, UpstreamFailure) else exc
             self.proxy.metrics.count_request(ENDPOINT, error.status)
             await _send_error(send, error)
             return
-        await self.proxy.handle(
-            _chat_scope(scope, len(chat)), _chat_receive(chat, receive), AnswerTranslator(send), _chat_prefix(prefix)
-        )
+        chat_scope, chat_receive = _chat_scope(scope, len(payload)), _chat_receive(payload, receive)
+        await self.proxy.handle(chat_scope, chat_receive, AnswerTranslator(send), _chat_prefix(prefix))
 
     async def _count_tokens(self, request: CountTokensRequest, merge_inline_system: bool) -> int:
         """The prompt's exact length as vLLM renders it (its scale-out render endpoint, which token_in uses too)."""

@@ -59,6 +59,7 @@ from gateway.proxy import capture
 from gateway.proxy.attribution import PathPrefix, split_api_key
 from gateway.proxy.hot_path import Proxy, parse_json
 from gateway.store.exchanges import RecordedExchange, recorded_exchange
+from gateway.store.models import CHAT
 
 ENDPOINT = "responses"  # the record's endpoint label
 PATH = "/v1/responses"
@@ -115,11 +116,12 @@ def _text_of(content: Any, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise _bad(f"{where}: expected a string or a list of content parts")
-    texts = []
+    texts: list[str] = []
     for part in content:
-        if not isinstance(part, dict) or not isinstance(part.get("text", part.get("refusal")), str):
+        text = part.get("text", part.get("refusal")) if isinstance(part, dict) else None
+        if not isinstance(text, str):
             raise _bad(f"{where}: only text parts are supported here")
-        texts.append(part.get("text", part.get("refusal")))
+        texts.append(text)
     return "".join(texts)
 
 
@@ -246,7 +248,10 @@ def _free_form(tool: dict[str, Any]) -> bool:
 
 
 def _custom_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
-    function = _chat_function({**tool, "parameters": CUSTOM_PARAMETERS}, tool.get("name"), where)
+    name = tool.get("name")
+    if not isinstance(name, str):
+        raise _bad(f"{where}.name: expected a string")
+    function = _chat_function({**tool, "parameters": CUSTOM_PARAMETERS}, name, where)
     function["function"].pop("strict", None)  # the shim is vLLM's, whatever the tool says
     return function
 
@@ -797,7 +802,7 @@ class _EventStream:
         self.previous_id = previous_id
         self.hex_id = response_id.removeprefix("resp_")
         self.send = send
-        self.assembler = capture.StreamAssembler(capture.CHAT)
+        self.assembler = capture.StreamAssembler(CHAT)
         self.sequence = 0
         self.started = False
         self.finished = False

@@ -59,7 +59,9 @@ class GatewayState:
 
 
 def gateway_state(request: Request) -> GatewayState:
-    return request.app.state.gateway
+    """The one state object the composition root (gateway.app) stored on the app at start-up."""
+    state: GatewayState = request.app.state.gateway
+    return state
 
 
 async def require_agent(request: Request) -> None:

@@ -37,6 +37,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.http.errors import GatewayError
 from gateway.http.metrics import GatewayMetrics
+from gateway.proxy.asgi_io import wait_for_disconnect
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.routing import PolicyRouter, Route
 from gateway.store.admission import Decision, admit_groups, count_refusal
@@ -121,9 +122,10 @@ class Admission:
             queue.pump = asyncio.create_task(self._pump(route.run, queue))
         waiting = self.metrics.admission_waiting.labels(route.run)
         waiting.inc()
-        hangup = asyncio.ensure_future(_disconnected(receive))
+        hangup = asyncio.ensure_future(wait_for_disconnect(receive))
+        waiters: set[asyncio.Future[Any]] = {ask.answer, hangup}
         try:
-            await asyncio.wait({ask.answer, hangup}, timeout=policy.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(waiters, timeout=policy.timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiting.dec()
             hangup.cancel()
@@ -218,9 +220,3 @@ class Admission:
                 log.warning("could not reload routes for a group admitted on version %d: %s", version,
                             type(exc).__name__)  # fmt: skip
             return self.router.resolve(route.run, route.served_name)
-
-
-async def _disconnected(receive: Any) -> None:
-    """Returns once the client hangs up (the request body has been read: nothing else can arrive)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass

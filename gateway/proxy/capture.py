@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.store.models import CHAT, COMPLETIONS  # noqa: F401 - COMPLETIONS: re-exported for the hot path
+from gateway.store.models import CHAT
 
 # Per-token arrays live in their own binary columns; the stored response JSON leaves them out.
 _BULK_CHOICE_KEYS = ("token_ids", "logprobs", "prompt_logprobs", "prompt_token_ids")

@@ -26,16 +26,18 @@ from gateway.proxy import capture, sampling
 from gateway.proxy.admit import Admission, Refused
 from gateway.proxy.asgi_io import relay_until_done
 from gateway.proxy.attribution import Attribution, PathPrefix, attribute, check_bound, check_run, split_api_key
+from gateway.proxy.capture import ChoiceCapture
 from gateway.proxy.routing import PolicyRouter, Route
 from gateway.proxy.token_in import TokenIn
 from gateway.proxy.turns import SeqClock
 from gateway.recorder.writer import RecordWriter
 from gateway.store.call_record import CallRecord
+from gateway.store.models import CHAT, COMPLETIONS
 from gateway.upstream.client import UpstreamError, UpstreamPool, UpstreamResponse
 from gateway.upstream.failures import exchange_error
 from gateway.upstream.replicas import Lease, Replica, Replicas, fetch_models
 
-ENDPOINTS = {"/v1/chat/completions": capture.CHAT, "/v1/completions": capture.COMPLETIONS}
+ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
 
 
 @dataclass(slots=True)
@@ -44,7 +46,7 @@ class Call:
 
     request_id: str
     endpoint: str  # the label records and metrics carry: the API the client called
-    capture: str  # capture.CHAT or COMPLETIONS: the shape of vLLM's answer, which decides how it is read
+    capture: str  # CHAT or COMPLETIONS: the shape of vLLM's answer, which decides how it is read
     received: float
     created_at: float
     request: dict[str, Any]
@@ -62,7 +64,7 @@ class Call:
     finished: float = 0.0
     # token_in runs (gateway/proxy/token_in.py): the ids per choice when they don't come from the response itself, each
     # choice's history key, why the call started a new token segment, and the (seq, choice) its prompt continues.
-    captured: list[capture.ChoiceCapture] | None = None
+    captured: list[ChoiceCapture] | None = None
     history_keys: dict[int, str] = field(default_factory=dict)
     segment_reason: str | None = None
     predecessor: tuple[int, int] | None = None
@@ -171,10 +173,10 @@ class Proxy:
             upstream_payload = _serialise(upstream_body)
         except GatewayError as exc:
             self.metrics.count_request(label, exc.status)
-            headers = [(b"x-request-id", request_id.encode())]
+            error_headers = [(b"x-request-id", request_id.encode())]
             if isinstance(exc, Refused):
-                headers.append((b"retry-after", str(exc.retry_after_s).encode()))
-            await send_json(send, exc.status, exc.body(), headers)
+                error_headers.append((b"retry-after", str(exc.retry_after_s).encode()))
+            await send_json(send, exc.status, exc.body(), error_headers)
             return
 
         call = Call(
@@ -201,7 +203,7 @@ class Proxy:
 
         call.lease = self.replicas.lease(attribution.trajectory_id, route.served_name)
         try:
-            if endpoint == capture.CHAT and route.token_mode == "token_in":
+            if endpoint == CHAT and route.token_mode == "token_in":
                 await self.token_in.handle(call, upstream_body, asks, receive, send, out_headers)
             else:
                 await self._forward(call, path, upstream_payload, asks, receive, send, out_headers)
@@ -443,6 +445,7 @@ class Proxy:
         stored_response = capture.slim_response(response) if response else None
         if not choices:
             choices = [capture.ChoiceCapture(0, None, None, None, None)]
+        reason: str | None
         for choice in choices:
             if call.error is not None:
                 trainable, reason = False, call.error if call.status == 200 else f"upstream status {call.status}"

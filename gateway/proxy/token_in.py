@@ -45,6 +45,7 @@ from gateway.http.errors import GatewayError, UpstreamFailure
 from gateway.proxy import capture, chat_templates
 from gateway.proxy.asgi_io import relay_until_done
 from gateway.proxy.chat_templates import TemplateInfo
+from gateway.store.models import CHAT
 from gateway.store.token_state import RecordedTurn, recorded_turns
 from gateway.upstream.client import UpstreamError, UpstreamResponse
 from gateway.upstream.failures import exchange_error, not_json, stream_error, upstream_error
@@ -608,9 +609,9 @@ class TokenIn:
             await sse.start_stream(send, out_headers)
             call.status = 200
             try:
-                error = await relay_until_done(relay.run(), receive, send, lambda: relay.done, relay.fail)
-                if error is not None:
-                    call.error = error
+                ended_early = await relay_until_done(relay.run(), receive, send, lambda: relay.done, relay.fail)
+                if ended_early is not None:
+                    call.error = ended_early
             finally:
                 if not relay.done:
                     upstream.close()  # drop the connection so vLLM sees the hang-up and stops generating
@@ -649,7 +650,7 @@ class StreamRelay:
         self.reading = True
         self.done = False
         self.recorded = False
-        self.assembler = capture.StreamAssembler(capture.CHAT)
+        self.assembler = capture.StreamAssembler(CHAT)
         self.generated: dict[int, dict[str, Any]] = {}  # per choice: ids, logprobs, finish/stop reason
         self.states: dict[int, Any] = {}
         self.logprobs: dict[int, list[dict[str, Any]]] = {}  # per choice: entries not yet sent (no chunk came back)
