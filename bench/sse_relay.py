@@ -33,6 +33,7 @@ if str(REPO) not in sys.path:
 
 from bench.fast_upstream import FIXTURES, load_fixtures, pick_chat_fixture, stream_from_answer  # noqa: E402
 from gateway.proxy import capture  # noqa: E402
+from gateway.store.models import CHAT  # noqa: E402
 from tests.stream_relay import relay, relay_proxy, sse_reads  # noqa: E402
 
 ASKS = {
@@ -52,7 +53,7 @@ async def cpu_seconds(reads: list[bytes], asks: capture.ClientAsks, streams: int
     proxy, writer = relay_proxy()
     start = time.process_time()
     for _ in range(streams):
-        await relay(proxy, reads, capture.CHAT, asks, _discard)
+        await relay(proxy, reads, CHAT, asks, _discard)
         writer.records.clear()
     return time.process_time() - start
 

@@ -16,10 +16,11 @@ import pytest
 
 from gateway.edge import api_responses
 from gateway.http.errors import GatewayError
-from gateway.proxy.capture import CHAT, StreamAssembler
+from gateway.proxy.capture import StreamAssembler
 from gateway.recorder import writer as gateway_writer
 from gateway.store.db import make_engine
 from gateway.store.lineage import EXTENDS
+from gateway.store.models import CHAT
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
