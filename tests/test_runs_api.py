@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.proxy.capture import CHAT, COMPLETIONS, prepare_upstream
+from gateway.proxy.capture import prepare_upstream
 from gateway.runs.config import RunConfig
 from gateway.store.db import make_engine
-from gateway.store.models import PolicyVersion
+from gateway.store.models import CHAT, COMPLETIONS, PolicyVersion
 from gateway.store.runs import record_train_step
 from tests.fake_upstream import FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway, start_serve

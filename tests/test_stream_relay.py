@@ -21,7 +21,8 @@ import pytest
 
 from bench.fast_upstream import pick_chat_fixture, stream_from_answer
 from gateway.proxy import capture
-from gateway.proxy.capture import CHAT, COMPLETIONS, ClientAsks, StreamAssembler, _ChoiceParts, strip_for_client
+from gateway.proxy.capture import ClientAsks, StreamAssembler, _ChoiceParts, strip_for_client
+from gateway.store.models import CHAT, COMPLETIONS
 from tests.fake_upstream import load_fixtures
 from tests.stream_relay import relay, relay_proxy, sse_reads
 
