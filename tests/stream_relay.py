@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
+
+from starlette.types import Message, Send
 
 from gateway.http.metrics import GatewayMetrics
 from gateway.proxy import capture
 from gateway.proxy.attribution import Attribution
-from gateway.proxy.hot_path import Call, Proxy
+from gateway.proxy.exchange import Exchange
+from gateway.proxy.hot_path import Proxy
 from gateway.proxy.routing import Route
 from gateway.store.call_record import CallRecord
-
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class ReadsUpstream:
@@ -62,23 +63,27 @@ def relay_proxy() -> tuple[Proxy, ListWriter]:
     return proxy, writer
 
 
-def new_call(endpoint: str) -> Call:
+def new_call(endpoint: str, asks: capture.ClientAsks, send: Send) -> Exchange:
     """A call as `Proxy.handle` makes it for a stream, just before the upstream answers."""
     now = time.perf_counter()
-    return Call(
+    return Exchange(
         request_id="req-relay",
         endpoint=endpoint,
         capture=endpoint,
         received=now,
         created_at=time.time(),
         request={"model": "my-agent", "stream": True},
+        receive=_never,
+        send=send,
         attribution=Attribution("t-relay", "g-relay", None, "train", False),
-        route=Route("my-agent", 0, "served"),
         seq=1,
         retry_count=0,
         idempotency_key=None,
         stream=True,
+        route=Route("my-agent", 0, "served"),
         off_policy=None,
+        asks=asks,
+        headers=[],
         upstream_started=now,
     )
 
@@ -94,21 +99,21 @@ async def _never() -> dict[str, Any]:
     raise AssertionError("unreachable")
 
 
-async def relay(proxy: Proxy, reads: list[bytes], endpoint: str, asks: capture.ClientAsks, send: Send) -> Call:
+async def relay(proxy: Proxy, reads: list[bytes], endpoint: str, asks: capture.ClientAsks, send: Send) -> Exchange:
     """One stream through the real relay; its record goes to the proxy's writer."""
-    call = new_call(endpoint)
-    await proxy._relay_stream(ReadsUpstream(reads), call, asks, _never, send, [])  # type: ignore[arg-type]
+    call = new_call(endpoint, asks, send)
+    await proxy._relay_stream(ReadsUpstream(reads), call)  # type: ignore[arg-type]
     return call
 
 
 async def relay_output(
     reads: list[bytes], endpoint: str, asks: capture.ClientAsks
-) -> tuple[bytes, list[CallRecord], Call]:
+) -> tuple[bytes, list[CallRecord], Exchange]:
     """What the client receives (the response body) and the records written for one stream."""
     proxy, writer = relay_proxy()
     bodies: list[bytes] = []
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         if message["type"] == "http.response.body":
             bodies.append(message["body"])
 

@@ -27,7 +27,7 @@ that serves HTTP (the recorder's peer wait raises its errors), while `deps` know
 writer, peers) and so sits right under the endpoints that use it.
 
 Imports are read with `ast`: module-level, function-level and `if TYPE_CHECKING:` ones alike, since a lazy or
-type-only import is still a dependency. No two modules may form a cycle, with one documented exception (EXCEPTIONS).
+type-only import is still a dependency. No two modules may form a cycle.
 """
 
 from __future__ import annotations
@@ -63,14 +63,6 @@ TRAINER_LAYERS = [
 ACROSS = {
     "gateway.cli": ("trainer",),
     "trainer": ("gateway.store", "gateway.runs"),
-}
-# Edges left out of the cycle check, each with its reason.
-EXCEPTIONS = {
-    ("gateway.proxy.token_in", "gateway.proxy.hot_path"): (
-        "token_in is the hot path's token-in mode: Proxy builds a TokenIn and hands it each call, and TokenIn calls "
-        "back into the Proxy (and its Call) it was built by. Breaking it means reshaping token_in's internals, which "
-        "are being rewritten on another branch (issue 37 leaves them alone)."
-    ),
 }
 
 Graph = dict[str, set[str]]
@@ -143,9 +135,8 @@ def violations(graph: Graph) -> list[str]:
     return found
 
 
-def cycles(graph: Graph, exceptions: dict[tuple[str, str], str] | None = None) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan), leaving out the excepted edges."""
-    skip = set(exceptions or {})
+def cycles(graph: Graph) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -157,8 +148,6 @@ def cycles(graph: Graph, exceptions: dict[tuple[str, str], str] | None = None) -
         stack.append(node)
         on_stack.add(node)
         for target in sorted(graph.get(node, ())):
-            if (node, target) in skip:
-                continue
             if target not in index:
                 visit(target)
                 low[node] = min(low[node], low[target])
@@ -195,14 +184,7 @@ def test_imports_follow_the_layers(graph: Graph) -> None:
 
 
 def test_no_import_cycles(graph: Graph) -> None:
-    assert cycles(graph, EXCEPTIONS) == []
-
-
-def test_each_exception_is_still_needed(graph: Graph) -> None:
-    """An excepted edge that no longer exists (or no longer closes a cycle) is to be taken out of EXCEPTIONS."""
-    for source, target in EXCEPTIONS:
-        assert target in graph[source]
-        assert cycles(graph, {k: v for k, v in EXCEPTIONS.items() if k != (source, target)})
+    assert cycles(graph) == []
 
 
 def test_no_two_modules_share_a_file_name() -> None:
@@ -251,10 +233,10 @@ def test_the_checker_keeps_the_stacks_apart() -> None:
     ]
 
 
-def test_the_checker_finds_cycles_and_honours_exceptions() -> None:
+def test_the_checker_finds_cycles() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
-    assert cycles(graph, {("c", "a"): "why"}) == []
+    assert cycles({**graph, "c": set()}) == []
 
 
 def test_the_reader_sees_lazy_and_type_only_imports(tmp_path: Path) -> None:

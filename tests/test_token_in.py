@@ -18,8 +18,11 @@ import httpx
 import openai
 import pytest
 
+from gateway.http.metrics import GatewayMetrics
 from gateway.proxy import token_in
 from gateway.store.lineage import EXTENDS
+from gateway.upstream.client import UpstreamPool
+from gateway.upstream.replicas import Replicas
 from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESULT, WEATHER_TOOL
 from tests.fake_upstream import FIXTURES, FakeUpstream
 from tests.gateway_harness import RunningGateway, running_gateway
@@ -320,10 +323,10 @@ def test_history_that_matches_nothing_recorded_starts_a_new_segment(token_gatewa
 
 
 def test_predecessor_lookup_prefers_the_longest_recorded_history() -> None:
-    class _Proxy:
-        upstream_url = "http://vllm/v1"
-
-    owner = token_in.TokenIn(_Proxy(), None, wait_s=0.05)  # type: ignore[arg-type]
+    # predecessor() reads the token states and the database (none here): nothing goes upstream or is recorded.
+    pool = UpstreamPool({}, connect_timeout_s=1, read_timeout_s=1)
+    outcome: Any = None
+    owner = token_in.TokenIn(pool, Replicas(["http://vllm/v1"]), outcome, GatewayMetrics(), None, wait_s=0.05)
     user = {"role": "user", "content": "q"}
     reply1 = {"role": "assistant", "content": "a1"}
     reply2 = {"role": "assistant", "content": "a2"}

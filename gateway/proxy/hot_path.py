@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -25,9 +24,9 @@ from gateway.http.sse import DATA, DONE, DONE_PAYLOAD, END
 from gateway.proxy import capture, sampling
 from gateway.proxy.admit import Admission, Refused
 from gateway.proxy.asgi_io import relay_until_done
-from gateway.proxy.attribution import Attribution, PathPrefix, attribute, check_bound, check_run, split_api_key
-from gateway.proxy.capture import ChoiceCapture
-from gateway.proxy.routing import PolicyRouter, Route
+from gateway.proxy.attribution import PathPrefix, attribute, check_bound, check_run, split_api_key
+from gateway.proxy.exchange import Exchange
+from gateway.proxy.routing import PolicyRouter
 from gateway.proxy.token_in import TokenIn
 from gateway.proxy.turns import SeqClock
 from gateway.recorder.writer import RecordWriter
@@ -35,44 +34,9 @@ from gateway.store.call_record import CallRecord
 from gateway.store.models import CHAT, COMPLETIONS
 from gateway.upstream.client import UpstreamError, UpstreamPool, UpstreamResponse
 from gateway.upstream.failures import exchange_error
-from gateway.upstream.replicas import Lease, Replica, Replicas, fetch_models
+from gateway.upstream.replicas import Replica, Replicas, fetch_models
 
 ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
-
-
-@dataclass(slots=True)
-class Call:
-    """Everything known about one call while it is in flight; becomes one record per choice."""
-
-    request_id: str
-    endpoint: str  # the label records and metrics carry: the API the client called
-    capture: str  # CHAT or COMPLETIONS: the shape of vLLM's answer, which decides how it is read
-    received: float
-    created_at: float
-    request: dict[str, Any]
-    attribution: Attribution
-    route: Route
-    seq: int
-    retry_count: int
-    idempotency_key: str | None
-    stream: bool
-    off_policy: str | None  # why the call was sampled from another distribution than the one trained, if it was
-    status: int | None = None
-    error: str | None = None
-    upstream_started: float = 0.0
-    first_chunk: float | None = None
-    finished: float = 0.0
-    # token_in runs (gateway/proxy/token_in.py): the ids per choice when they don't come from the response itself, each
-    # choice's history key, why the call started a new token segment, and the (seq, choice) its prompt continues.
-    captured: list[ChoiceCapture] | None = None
-    history_keys: dict[int, str] = field(default_factory=dict)
-    segment_reason: str | None = None
-    predecessor: tuple[int, int] | None = None
-    lease: Lease | None = None  # the vLLM replica answering the call (gateway/upstream/replicas.py)
-
-    @property
-    def replica_label(self) -> str:
-        return self.lease.replica.url if self.lease is not None else ""
 
 
 class Proxy:
@@ -107,7 +71,9 @@ class Proxy:
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=upstream_timeout_s)
         self.session: aiohttp.ClientSession | None = None  # the control plane: /models, token text
         self.upstream = UpstreamPool(self.upstream_headers, connect_timeout_s=10, read_timeout_s=upstream_timeout_s)
-        self.token_in = TokenIn(self, engine, token_state_wait_s, token_in_templates)
+        self.token_in = TokenIn(
+            self.upstream, self.replicas, self, metrics, engine, token_state_wait_s, token_in_templates
+        )
         self.admission = Admission(engine, router, metrics, admission_poll_s)
 
     async def start(self) -> None:
@@ -179,51 +145,44 @@ class Proxy:
             await send_json(send, exc.status, exc.body(), error_headers)
             return
 
-        call = Call(
+        call = Exchange(
             request_id=request_id,
             endpoint=label,
             capture=endpoint,
             received=received,
             created_at=created_at,
             request=request,
+            receive=receive,
+            send=send,
             attribution=attribution,
-            route=route,
             seq=self.seq_clock.next(),
             retry_count=retry_count,
             idempotency_key=idempotency_key,
             stream=capture.vllm_bool(request.get("stream")),
+            route=route,
             off_policy=plan.off_policy,
+            asks=asks,
+            headers=[
+                (b"x-request-id", request_id.encode()),
+                (b"x-trajectory-id", attribution.trajectory_id.encode()),
+                (b"x-group-id", attribution.group_id.encode()),
+                (b"x-policy-version", str(route.version).encode()),
+            ],
         )
-        out_headers = [
-            (b"x-request-id", request_id.encode()),
-            (b"x-trajectory-id", attribution.trajectory_id.encode()),
-            (b"x-group-id", attribution.group_id.encode()),
-            (b"x-policy-version", str(route.version).encode()),
-        ]
-
         call.lease = self.replicas.lease(attribution.trajectory_id, route.served_name)
         try:
             if endpoint == CHAT and route.token_mode == "token_in":
-                await self.token_in.handle(call, upstream_body, asks, receive, send, out_headers)
+                await self.token_in.handle(call, upstream_body)
             else:
-                await self._forward(call, path, upstream_payload, asks, receive, send, out_headers)
+                await self._forward(call, path, upstream_payload)
         finally:
             call.lease.release()
 
-    async def _forward(
-        self,
-        call: Call,
-        path: str,
-        payload: bytes,
-        asks: capture.ClientAsks,
-        receive: Receive,
-        send: Send,
-        out_headers: list[tuple[bytes, bytes]],
-    ) -> None:
+    async def _forward(self, call: Exchange, path: str, payload: bytes) -> None:
         """Chat and completions calls: vLLM's own endpoint, answered as it arrives."""
         assert call.lease is not None
         call.upstream_started = time.perf_counter()
-        upstream = await self._post(call, path, payload, send, out_headers)
+        upstream = await self._post(call, path, payload)
         if upstream is None:
             return
         body: bytes | None = None  # a 404's body, read to see whether it names a retired adapter
@@ -232,12 +191,12 @@ class Proxy:
                 body = await upstream.read()
             except (UpstreamError, TimeoutError) as exc:
                 upstream.release()
-                await self.fail(send, call, out_headers, exchange_error(exc))
+                await self.fail(call, exchange_error(exc))
                 return
-            again = await self._reroute_retired(call, payload, body, out_headers)
+            again = await self._reroute_retired(call, payload, body)
             if again is not None:
                 upstream.release()
-                upstream = await self._post(call, path, again, send, out_headers)
+                upstream = await self._post(call, path, again)
                 if upstream is None:
                     return
                 body = None
@@ -246,26 +205,22 @@ class Proxy:
         try:
             is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
             if call.stream and upstream.status == 200 and is_sse:
-                await self._relay_stream(upstream, call, asks, receive, send, out_headers)
+                await self._relay_stream(upstream, call)
             else:
-                await self._relay_whole(upstream, call, asks, send, out_headers, body)
+                await self._relay_whole(upstream, call, body)
         finally:
             upstream.release()
 
-    async def _post(
-        self, call: Call, path: str, payload: bytes, send: Send, out_headers: list[tuple[bytes, bytes]]
-    ) -> UpstreamResponse | None:
+    async def _post(self, call: Exchange, path: str, payload: bytes) -> UpstreamResponse | None:
         """POST the call to its replica; None once a failure to reach vLLM has been answered and recorded."""
         assert call.lease is not None
         try:
             return await call.lease.post(self.upstream, path.removeprefix("/v1"), payload)
         except (TimeoutError, UpstreamError) as exc:
-            await self.fail(send, call, out_headers, exchange_error(exc))
+            await self.fail(call, exchange_error(exc))
         return None
 
-    async def _reroute_retired(
-        self, call: Call, payload: bytes, body: bytes, out_headers: list[tuple[bytes, bytes]]
-    ) -> bytes | None:
+    async def _reroute_retired(self, call: Exchange, payload: bytes, body: bytes) -> bytes | None:
         """vLLM answered 404 naming the adapter the call was routed to: the trainer retired (unloaded) it after this
         gateway's route table was read. Nothing was generated, so the call is routed again, to the run's version
         after a reload of the table, and recorded with (and answered under) that version: the new payload. None
@@ -279,25 +234,17 @@ class Proxy:
         request["model"] = now.served_name
         call.route = now
         version = str(now.version).encode()
-        out_headers[:] = [(name, version if name == b"x-policy-version" else value) for name, value in out_headers]
+        call.headers = [(name, version if name == b"x-policy-version" else value) for name, value in call.headers]
         self.metrics.retired_adapter_retries.inc()
         return orjson.dumps(request)
 
-    async def _relay_whole(
-        self,
-        upstream: UpstreamResponse,
-        call: Call,
-        asks: capture.ClientAsks,
-        send: Send,
-        out_headers: list[tuple[bytes, bytes]],
-        body: bytes | None = None,
-    ) -> None:
+    async def _relay_whole(self, upstream: UpstreamResponse, call: Exchange, body: bytes | None = None) -> None:
         """Non-stream responses, and any upstream error: read the body (unless `body` was read already), record,
         answer."""
         try:
             raw = body if body is not None else await upstream.read()
         except (UpstreamError, TimeoutError) as exc:
-            await self.fail(send, call, out_headers, exchange_error(exc))
+            await self.fail(call, exchange_error(exc))
             return
         call.finished = time.perf_counter()
         call.status = upstream.status
@@ -310,40 +257,24 @@ class Proxy:
                 call.error = "upstream sent a body that is not JSON"
             else:
                 self.submit(call, response)
-                capture.strip_for_client(response, asks)
+                capture.strip_for_client(response, call.asks)
                 raw = orjson.dumps(response)
         else:
             # Postgres text cannot hold a NUL; an upstream error body is for people to read, so U+FFFD will do.
             call.error = raw[:4000].decode("utf-8", "replace").replace("\x00", "\ufffd")
         if response is None:
             self.submit(call, None)
-        await self.send_answer(send, call, upstream.status, raw, content_type, out_headers)
+        await self.send_answer(call, upstream.status, raw, content_type)
 
-    async def send_answer(
-        self,
-        send: Send,
-        call: Call,
-        status: int,
-        body: bytes,
-        content_type: bytes,
-        out_headers: list[tuple[bytes, bytes]],
-    ) -> None:
+    async def send_answer(self, call: Exchange, status: int, body: bytes, content_type: bytes) -> None:
         """Send a whole (non-stream) answer and count it, with the latency the gateway added around vLLM's time."""
-        await _send_bytes(send, status, body, [(b"content-type", content_type), *out_headers])
+        await _send_bytes(call.send, status, body, [(b"content-type", content_type), *call.headers])
         done = time.perf_counter()
         self.metrics.count_request(call.endpoint, status)
         self.metrics.observe_upstream(call.endpoint, call.replica_label, call.finished - call.upstream_started)
         self.metrics.observe_added(call.endpoint, (call.upstream_started - call.received) + (done - call.finished))
 
-    async def _relay_stream(
-        self,
-        upstream: UpstreamResponse,
-        call: Call,
-        asks: capture.ClientAsks,
-        receive: Receive,
-        send: Send,
-        out_headers: list[tuple[bytes, bytes]],
-    ) -> None:
+    async def _relay_stream(self, upstream: UpstreamResponse, call: Exchange) -> None:
         """Forward each SSE event as it arrives (no buffering); assemble the record on the side.
 
         The events one upstream read delivers go to the client in one write: an ASGI `send` costs more than the
@@ -352,7 +283,8 @@ class Proxy:
         reads `data: [DONE]`, and a client that leaves early still leaves a partial call worth recording.
         """
         call.status = 200
-        assembler = capture.StreamAssembler(call.capture, strip=asks)  # also strips each chunk for the client
+        send = call.send  # bound once: `flush` sends on every upstream read
+        assembler = capture.StreamAssembler(call.capture, strip=call.asks)  # also strips each chunk for the client
         state = {"done": False, "recorded": False}
 
         def record() -> None:
@@ -368,7 +300,7 @@ class Proxy:
             call.error = error
             record()
 
-        await sse.start_stream(send, out_headers)
+        await sse.start_stream(send, call.headers)
 
         def relay_event(payload: bytes, out: list[bytes]) -> None:
             """Feed one event's data to the record and append what the client gets for it to `out`."""
@@ -410,7 +342,7 @@ class Proxy:
             state["done"] = True
 
         try:
-            error = await relay_until_done(pump(), receive, send, lambda: state["done"], fail)
+            error = await relay_until_done(pump(), call.receive, send, lambda: state["done"], fail)
             if error is not None:
                 call.error = error
         finally:
@@ -424,17 +356,16 @@ class Proxy:
                 )
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def fail(
-        self, send: Send, call: Call, out_headers: list[tuple[bytes, bytes]], error: GatewayError
-    ) -> None:
+    async def fail(self, call: Exchange, error: GatewayError) -> None:
+        """Record the call as failed and answer the client with the error."""
         call.finished = time.perf_counter()
         call.status = error.status
         call.error = error.message
         self.submit(call, None)
         self.metrics.count_request(call.endpoint, error.status)
-        await send_json(send, error.status, error.body(), out_headers)
+        await send_json(call.send, error.status, error.body(), call.headers)
 
-    def submit(self, call: Call, response: dict[str, Any] | None) -> None:
+    def submit(self, call: Exchange, response: dict[str, Any] | None) -> None:
         """One record per choice (n > 1 gives several rows of the same turn); one error record if none."""
         latency_ms = (call.finished - call.received) * 1000
         ttft_ms = (call.first_chunk - call.received) * 1000 if call.first_chunk is not None else None

@@ -38,21 +38,21 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
-from starlette.types import Receive, Send
 
 from gateway.http import sse
 from gateway.http.errors import GatewayError, UpstreamFailure
+from gateway.http.metrics import GatewayMetrics
 from gateway.proxy import capture, chat_templates
 from gateway.proxy.asgi_io import relay_until_done
 from gateway.proxy.chat_templates import TemplateInfo
+from gateway.proxy.exchange import Exchange, Outcome
 from gateway.store.models import CHAT
 from gateway.store.token_state import RecordedTurn, recorded_turns
-from gateway.upstream.client import UpstreamError, UpstreamResponse
+from gateway.upstream.client import UpstreamError, UpstreamPool, UpstreamResponse
 from gateway.upstream.failures import exchange_error, not_json, stream_error, upstream_error
-from gateway.upstream.replicas import Lease
+from gateway.upstream.replicas import Lease, Replicas
 
 if TYPE_CHECKING:
-    from gateway.proxy.hot_path import Call, Proxy
     from gateway.recorder.heartbeat import Peers
 
 log = logging.getLogger("trajgate.token_in")
@@ -301,10 +301,25 @@ class Plan:
 
 
 class TokenIn:
-    """Serves the chat calls of token_in runs for the proxy (which hands over a call once it is attributed)."""
+    """Serves the chat calls of token_in runs for the proxy (which hands over a call once it is attributed).
 
-    def __init__(self, proxy: Proxy, engine: Engine | None, wait_s: float, templates_file: str | None = None) -> None:
-        self.proxy = proxy
+    Built with what it uses rather than the proxy itself: the upstream pool and replicas it sends render, generate
+    and derender to, and the proxy as an `Outcome`, which records and answers each call as chat mode does."""
+
+    def __init__(
+        self,
+        upstream: UpstreamPool,
+        replicas: Replicas,
+        outcome: Outcome,
+        metrics: GatewayMetrics,
+        engine: Engine | None,
+        wait_s: float,
+        templates_file: str | None = None,
+    ) -> None:
+        self.upstream = upstream
+        self.replicas = replicas
+        self.outcome = outcome
+        self.metrics = metrics
         self.engine = engine
         self.wait_s = wait_s
         self.states = TokenStates()
@@ -399,7 +414,7 @@ class TokenIn:
 
     # -- building the prompt -------------------------------------------------------------------------------------
 
-    async def plan(self, call: Call, render_body: dict[str, Any], keys: list[str]) -> Plan:
+    async def plan(self, call: Exchange, render_body: dict[str, Any], keys: list[str]) -> Plan:
         messages = render_body.get("messages")
         if not isinstance(messages, list):
             full = await self._post(RENDER, render_body, call.lease)  # vLLM explains what is wrong with the body
@@ -435,7 +450,7 @@ class TokenIn:
     async def render(self, body: dict[str, Any]) -> list[int]:
         """The exact prompt ids vLLM renders for a chat request (Anthropic's count_tokens asks this too); raises
         UpstreamFailure with what the client should be told when vLLM cannot."""
-        lease = self.proxy.replicas.lease(None, body.get("model"))
+        lease = self.replicas.lease(None, body.get("model"))
         try:
             return list((await self._post(RENDER, body, lease))["token_ids"])
         finally:
@@ -445,7 +460,7 @@ class TokenIn:
         """One scale-out step on the call's replica (all of a call's steps go to the replica it was leased)."""
         assert lease is not None
         try:
-            response = await lease.post(self.proxy.upstream, path, orjson.dumps(body), root=True)
+            response = await lease.post(self.upstream, path, orjson.dumps(body), root=True)
             try:
                 raw = await response.read()
                 status = response.status
@@ -466,23 +481,15 @@ class TokenIn:
 
     # -- the call ------------------------------------------------------------------------------------------------
 
-    async def handle(
-        self,
-        call: Call,
-        upstream_body: dict[str, Any],
-        asks: capture.ClientAsks,
-        receive: Receive,
-        send: Send,
-        out_headers: list[tuple[bytes, bytes]],
-    ) -> None:
+    async def handle(self, call: Exchange, upstream_body: dict[str, Any]) -> None:
         """Plan, generate, derender and answer one chat call; every failure is recorded and answered OpenAI-style."""
         messages = upstream_body.get("messages")
         keys = history_keys(messages) if isinstance(messages, list) else []
         render_body = {k: v for k, v in upstream_body.items() if k not in ("stream", "stream_options")}
         chat_request = dict(upstream_body)
-        if not asks.logprobs:
+        if not call.asks.logprobs:
             chat_request.pop("logprobs", None)
-        if not asks.token_ids:
+        if not call.asks.token_ids:
             chat_request.pop("return_token_ids", None)
         call.upstream_started = time.perf_counter()
         try:
@@ -493,7 +500,7 @@ class TokenIn:
             model = upstream_body["model"]
             generate_body = {"model": model, "token_ids": plan.prompt, "sampling_params": sampling_params}
             if call.stream:
-                await self._stream(call, generate_body, chat_request, asks, keys, receive, send, out_headers)
+                await self._stream(call, generate_body, chat_request, keys)
                 return
             generated = await self._post(GENERATE, generate_body, call.lease)
             derendered = await self._post(
@@ -502,18 +509,18 @@ class TokenIn:
                 call.lease,
             )
         except UpstreamFailure as failure:
-            await self.proxy.fail(send, call, out_headers, failure.error)
+            await self.outcome.fail(call, failure.error)
             return
         call.first_chunk = call.finished = time.perf_counter()
         call.status = 200
         response = self._answer(call, plan.prompt, generated, derendered, chat_request)
         self._record(call, plan.prompt, generated.get("choices") or [], response, keys)
-        capture.strip_for_client(response, asks)
-        await self.proxy.send_answer(send, call, 200, orjson.dumps(response), b"application/json", out_headers)
+        capture.strip_for_client(response, call.asks)
+        await self.outcome.send_answer(call, 200, orjson.dumps(response), b"application/json")
 
     def _answer(
         self,
-        call: Call,
+        call: Exchange,
         prompt: list[int],
         generated: dict[str, Any],
         derendered: dict[str, Any],
@@ -543,7 +550,7 @@ class TokenIn:
 
     def _record(
         self,
-        call: Call,
+        call: Exchange,
         prompt: list[int],
         generated_choices: Sequence[dict[str, Any]],
         response: dict[str, Any] | None,
@@ -568,20 +575,12 @@ class TokenIn:
                 call.history_keys[index] = key
                 self.states.put(call.attribution.trajectory_id, key, TurnState(call.seq, index, prompt, ids))
         call.captured = captured
-        self.proxy.submit(call, response)
+        self.outcome.submit(call, response)
 
     # -- streaming -----------------------------------------------------------------------------------------------
 
     async def _stream(
-        self,
-        call: Call,
-        generate_body: dict[str, Any],
-        chat_request: dict[str, Any],
-        asks: capture.ClientAsks,
-        keys: list[str],
-        receive: Receive,
-        send: Send,
-        out_headers: list[tuple[bytes, bytes]],
+        self, call: Exchange, generate_body: dict[str, Any], chat_request: dict[str, Any], keys: list[str]
     ) -> None:
         """Generate as a stream and derender it chunk by chunk, each derender carrying the previous `stream_state`.
 
@@ -592,9 +591,9 @@ class TokenIn:
         prompt = generate_body["token_ids"]
         try:
             payload = orjson.dumps({**generate_body, "stream": True})
-            upstream = await call.lease.post(self.proxy.upstream, GENERATE, payload, root=True)
+            upstream = await call.lease.post(self.upstream, GENERATE, payload, root=True)
         except (TimeoutError, UpstreamError) as exc:
-            await self.proxy.fail(send, call, out_headers, exchange_error(exc, GENERATE))
+            await self.outcome.fail(call, exchange_error(exc, GENERATE))
             return
         call.lease.answered(upstream.status)
         try:
@@ -603,22 +602,24 @@ class TokenIn:
                     error = upstream_error(GENERATE, upstream.status, await upstream.read())
                 except (TimeoutError, UpstreamError) as exc:
                     error = exchange_error(exc, GENERATE)
-                await self.proxy.fail(send, call, out_headers, error)
+                await self.outcome.fail(call, error)
                 return
-            relay = StreamRelay(self, call, upstream, chat_request, asks, prompt, keys, send)
-            await sse.start_stream(send, out_headers)
+            relay = StreamRelay(self, call, upstream, chat_request, prompt, keys)
+            await sse.start_stream(call.send, call.headers)
             call.status = 200
             try:
-                ended_early = await relay_until_done(relay.run(), receive, send, lambda: relay.done, relay.fail)
+                ended_early = await relay_until_done(
+                    relay.run(), call.receive, call.send, lambda: relay.done, relay.fail
+                )
                 if ended_early is not None:
                     call.error = ended_early
             finally:
                 if not relay.done:
                     upstream.close()  # drop the connection so vLLM sees the hang-up and stops generating
                 relay.record()
-                self.proxy.metrics.count_request(call.endpoint, 200)
+                self.metrics.count_request(call.endpoint, 200)
             with contextlib.suppress(OSError):
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await call.send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             upstream.release()
 
@@ -629,22 +630,20 @@ class StreamRelay:
     def __init__(
         self,
         owner: TokenIn,
-        call: Call,
+        call: Exchange,
         upstream: UpstreamResponse,
         chat_request: dict[str, Any],
-        asks: capture.ClientAsks,
         prompt: list[int],
         keys: list[str],
-        send: Send,
     ) -> None:
         self.owner = owner
         self.keys = keys
         self.call = call
         self.upstream = upstream
         self.chat_request = {**chat_request, "stream": True}
-        self.asks = asks
+        self.asks = call.asks
         self.prompt = prompt
-        self.send = send
+        self.send = call.send
         self.pending: list[dict[str, Any]] = []
         self.arrived = asyncio.Event()
         self.reading = True
@@ -806,7 +805,7 @@ class StreamRelay:
                 capture.ChoiceCapture(g["index"], self.prompt, g["token_ids"] or None, None, g["finish_reason"])
                 for g in generated
             ] or None
-            self.owner.proxy.submit(call, response)
+            self.owner.outcome.submit(call, response)
             return
         self.owner._record(call, self.prompt, generated, response, self.keys)
 
