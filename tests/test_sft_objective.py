@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from gateway.runs.config import RunConfig
 from gateway.store import db
-from gateway.store.runs import steps_after, upsert_run
+from gateway.store.runs import record_train_step, steps_after, upsert_run
 from gateway.store.training import group_states
 from tests.gateway_harness import RunningGateway
 from tests.test_backends import VOCAB, make, row
@@ -191,13 +191,26 @@ def post_run(gw: RunningGateway, body: dict) -> httpx.Response:
     return httpx.post(gw.base_url + "/runs", json=body, timeout=30)
 
 
-def test_post_runs_answers_422_for_a_bad_sft_config(gateway: RunningGateway) -> None:
+def test_post_runs_answers_422_for_a_bad_sft_config_and_the_run_page_charts_sft(
+    gateway: RunningGateway, db_url: str
+) -> None:
     for config in ({"loss": "sft"}, {"loss": "sft", "sft_min_reward": 1, "sft_best_k": 1}, {"sft_best_k": 1}):
         error = assert_openai_error(post_run(gateway, {"name": "sft", "config": config}), 422)
         assert "sft" in error["message"], error
     created = post_run(gateway, {"name": "sft", "config": {"loss": "sft", "sft_min_reward": 1}})
     assert created.status_code == 201, created.text
     assert created.json()["config"]["sft_min_reward"] == 1
+
+    engine = db.make_engine(db_url)
+    try:
+        record_train_step(engine, "sft", 1, {"loss": 1.5, "sft_loss": 1.5, "token_accuracy": 0.25, "grad_norm": 0.5})
+    finally:
+        engine.dispose()
+    steps = httpx.get(gateway.base_url + "/runs/sft/steps", timeout=30).json()["data"]
+    assert steps[0]["metrics"]["token_accuracy"] == 0.25  # the read API serves the step's metrics as recorded
+    page = httpx.get(gateway.url + "/ui/run", params={"name": "sft"}, timeout=30).text
+    assert 'data-metric="token_accuracy"' in page and 'data-metric="loss"' in page
+    assert 'data-metric="ratio_mean"' not in page  # an SFT step has no ratio to chart
 
 
 # ------------------------------------------------------------------------------------ training
