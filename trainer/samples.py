@@ -194,8 +194,9 @@ class SftSelection:
 def select_trajectories(rewards: Sequence[float], selection: SftSelection) -> list[bool]:
     """Which of a group's trajectories (in the group's order) SFT trains.
 
-    Best-k ties: trajectories of equal reward keep the group's order, so a tie at the k-th place goes to the earlier
-    ones and exactly ``min(k, G)`` are selected: the step's size does not depend on how many happened to tie.
+    Best-k ties: trajectories of equal reward keep the group's order (the store loads them by when they were
+    recorded), so a tie at the k-th place goes to the earlier ones and exactly ``min(k, G)`` are selected: the
+    step's size does not depend on how many happened to tie.
     """
     if selection.min_reward is not None:
         return [r >= selection.min_reward for r in rewards]
