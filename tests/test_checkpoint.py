@@ -104,6 +104,9 @@ class FileBackend(TrainerBackend):
     def logprobs(self, batch: dict[str, torch.Tensor], *, trained_only: bool) -> torch.Tensor:
         raise NotImplementedError
 
+    def target_scores(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
     def save(self, directory: Path) -> None:
         (directory / "adapter_model.safetensors").write_bytes(b"weights")
         if self.fail:

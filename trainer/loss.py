@@ -1,4 +1,5 @@
-"""GRPO-family policy objectives as pure tensor functions (published forms: docs/objectives.md).
+"""GRPO-family policy objectives, and SFT's cross-entropy, as pure tensor functions (published forms:
+docs/objectives.md).
 
 Every per-token tensor is ``[B, T]`` and aligned to ``input_ids`` as targets (see
 ``trainer.samples``): position ``t`` holds something about token ``input_ids[b, t]`` predicted from
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-LossKind = Literal["grpo", "cispo", "gspo"]
+LossKind = Literal["grpo", "cispo", "gspo", "sft"]
 Aggregation = Literal["token", "sequence", "constant"]
 
 
@@ -48,6 +49,7 @@ class LossConfig:
     - ``gspo``: sequence-level ratio against the trainer's own π_old, clipped to
       ``[1 − gspo_clip_eps, 1 + gspo_clip_eps_high]`` (the paper's 3e-4 / 4e-4: ``s`` is a geometric
       mean of token ratios), times a truncated IS weight for the vLLM gap capped at ``gspo_is_cap``.
+    - ``sft``: cross-entropy on the trained tokens (``sft_loss``); no ratio, no advantage, no clip.
     - ``tis_cap``: truncated importance sampling for ``grpo`` (see ``policy_loss``); ``None`` = off.
     - ``aggregation``/``norm_tokens``: see the module docstring; ``norm_tokens`` is ``constant``'s C.
     """
@@ -65,8 +67,8 @@ class LossConfig:
     norm_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("grpo", "cispo", "gspo"):
-            raise ValueError(f"unknown loss kind {self.kind!r} (expected grpo, cispo or gspo)")
+        if self.kind not in ("grpo", "cispo", "gspo", "sft"):
+            raise ValueError(f"unknown loss kind {self.kind!r} (expected grpo, cispo, gspo or sft)")
         if not (0 <= self.clip_eps < 1 and self.clip_eps_high >= 0):
             raise ValueError("grpo clip range must satisfy 0 <= clip_eps < 1 and clip_eps_high >= 0")
         if not (0 <= self.cispo_min_ratio <= self.cispo_max_ratio):
@@ -118,8 +120,8 @@ class LossOutput:
     ``log_ratio_abs_mean`` (mean ``|logπ_θ − logπ_b|``: on fresh data, how far the trainer's policy
     is from the one vLLM sampled), ``clip_frac`` (fraction of tokens the objective clipped, see each
     objective), ``approx_kl`` (k3 estimate of KL(π_b ‖ π_θ)), and for grpo with TIS and for gspo
-    ``tis_frac`` (fraction of tokens whose IS weight hit the cap). Combine micro-batches with
-    ``aggregate_metrics``.
+    ``tis_frac`` (fraction of tokens whose IS weight hit the cap). ``sft_loss`` reports ``tokens``,
+    ``sft_loss`` and ``token_accuracy`` instead. Combine micro-batches with ``aggregate_metrics``.
     """
 
     loss: Tensor
@@ -261,6 +263,8 @@ def policy_loss(
         if config.aggregation != "token":
             raise ValueError(f"aggregation {config.aggregation!r} needs the step's StepTotals, not a token count")
         totals = StepTotals(tokens=tokens, sequences=1)
+    if config.kind == "sft":
+        raise ValueError("loss 'sft' is sft_loss: a cross-entropy, not a policy objective")
     if old_logprobs is not None and not (config.kind == "gspo" or config.tis_cap is not None):
         raise ValueError("old_logprobs is used only by gspo and by grpo with tis_cap")
 
@@ -325,6 +329,56 @@ def policy_loss(
     return LossOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
 
 
+def sft_loss(
+    logprobs: Tensor,
+    hits: Tensor,
+    loss_mask: Tensor,
+    totals: StepTotals,
+    config: LossConfig,
+    *,
+    sequence_ids: Tensor | None = None,
+) -> LossOutput:
+    """Supervised fine-tuning on one micro-batch: ``ℓ_t = −log π_θ(t)`` on every trained token, aggregated
+    with the step's normalisers like the policy objectives (``token``: the mean cross-entropy of the step's
+    trained tokens).
+
+    The trained tokens are the ones the policy sampled (``loss_mask``), so this is the cross-entropy against
+    what was recorded; the behaviour logprobs and advantages play no part.
+
+    Args:
+        logprobs: [B, T] current policy's logprob of each target (differentiable).
+        hits: [B, T] bool, whether each target is the policy's most likely token (its argmax).
+        loss_mask: [B, T], 1 on trained targets.
+        totals, config: the step's ``StepTotals`` and the aggregation (``config.kind`` must be ``sft``).
+        sequence_ids: as in ``policy_loss``, for the ``sequence`` aggregation; default one per row.
+
+    Metrics: ``tokens``, ``sft_loss`` (the mean cross-entropy per trained token, whatever the aggregation)
+    and ``token_accuracy`` (the share of trained tokens that are the argmax).
+    """
+    if config.kind != "sft":
+        raise ValueError(f"sft_loss is the loss of kind 'sft', not {config.kind!r}")
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    mask = loss_mask.to(dtype)
+    on = mask > 0
+    logprobs = logprobs.to(dtype)
+    seqs = None
+    if config.aggregation == "sequence":
+        if sequence_ids is None:
+            sequence_ids = torch.arange(logprobs.shape[0], device=logprobs.device)
+        if sequence_ids.dim() == 1:
+            sequence_ids = sequence_ids[:, None]
+        seqs = _Sequences(sequence_ids.expand_as(logprobs), mask)
+    cross_entropy = torch.where(on, -logprobs, torch.zeros_like(logprobs))  # 0 off the mask: padding has no gradient
+    loss = (cross_entropy * _token_weights(config, mask, totals, seqs)).sum()
+    with torch.no_grad():
+        metrics = {
+            "tokens": on.sum().to(torch.float32),
+            "sft_loss": _masked_mean(cross_entropy, on),
+            "token_accuracy": _masked_mean(hits & on, on),
+        }
+    return LossOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
+
+
 def _masked_mean(values: Tensor, on: Tensor) -> Tensor:
     values = values.to(torch.promote_types(values.dtype, torch.float32))
     return torch.where(on, values, torch.zeros_like(values)).sum() / on.sum().clamp(min=1)
@@ -359,12 +413,47 @@ def aggregate_metrics(per_micro_batch: Sequence[Mapping[str, Tensor | float]]) -
 # ---------------------------------------------------------------------------------------------
 
 
-def _chunk_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, dtype: torch.dtype | None) -> Tensor:
-    """log_softmax(hidden @ weightᵀ)[targets] for one chunk of positions: [n, H], [V, H], [n] → [n]."""
+def _chunk_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, dtype: torch.dtype | None, with_hits: bool
+) -> tuple[Tensor, Tensor]:
+    """log_softmax(hidden @ weightᵀ)[targets] for one chunk of positions: [n, H], [V, H], [n] → [n]; and, with
+    ``with_hits``, whether each target is the argmax ([n] bool; else an empty tensor)."""
     if dtype is not None:
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     logits = (hidden @ weight.T).float()  # [n, V]
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    hits = logits.argmax(dim=-1) == targets if with_hits else targets.new_zeros(0, dtype=torch.bool)
+    return logprobs, hits
+
+
+def _chunked(
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, dtype: torch.dtype | None, with_hits: bool
+) -> tuple[Tensor, Tensor]:
+    """``_chunk_logprobs`` over ``chunk`` positions at a time, each under ``checkpoint``: [B, T] logprobs, and
+    [B, T] hits with ``with_hits`` (else an empty tensor)."""
+    if chunk <= 0:
+        raise ValueError("chunk must be positive")
+    B, T, H = hidden.shape
+    flat_hidden = hidden.reshape(B * T, H)
+    flat_targets = targets.reshape(B * T)
+    pieces = [
+        checkpoint(
+            _chunk_logprobs,
+            flat_hidden[start : start + chunk],
+            weight,
+            flat_targets[start : start + chunk],
+            dtype,
+            with_hits,
+            use_reentrant=False,
+        )
+        for start in range(0, B * T, chunk)
+    ]
+    if not pieces:
+        hits = targets.new_zeros((B, T) if with_hits else (0,), dtype=torch.bool)
+        return hidden.new_zeros((B, T), dtype=torch.float32), hits
+    logprobs = torch.cat([lp for lp, _ in pieces]).reshape(B, T)
+    hits = torch.cat([hit for _, hit in pieces])
+    return logprobs, hits.reshape(B, T) if with_hits else hits
 
 
 def chunked_token_logprobs(
@@ -391,25 +480,20 @@ def chunked_token_logprobs(
     transient copy, recomputed in backward) rather than kept as a float32 copy for the whole step.
     ``None`` multiplies in the inputs' dtype and upcasts the logits only.
     """
-    if chunk <= 0:
-        raise ValueError("chunk must be positive")
-    B, T, H = hidden.shape
-    flat_hidden = hidden.reshape(B * T, H)
-    flat_targets = targets.reshape(B * T)
-    pieces = [
-        checkpoint(
-            _chunk_logprobs,
-            flat_hidden[start : start + chunk],
-            lm_head_weight,
-            flat_targets[start : start + chunk],
-            compute_dtype,
-            use_reentrant=False,
-        )
-        for start in range(0, B * T, chunk)
-    ]
-    if not pieces:
-        return hidden.new_zeros((B, T), dtype=torch.float32)
-    return torch.cat(pieces).reshape(B, T)
+    return _chunked(hidden, lm_head_weight, targets, chunk, compute_dtype, False)[0]
+
+
+def chunked_token_scores(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    targets: Tensor,
+    chunk: int = 1024,
+    *,
+    compute_dtype: torch.dtype | None = torch.float32,
+) -> tuple[Tensor, Tensor]:
+    """``chunked_token_logprobs``, and whether each target is the argmax of its logits ([B, T] bool): SFT's token
+    accuracy, computed from the same chunk of logits while it exists (the ``[B, T, V]`` logits never do)."""
+    return _chunked(hidden, lm_head_weight, targets, chunk, compute_dtype, True)
 
 
 def input_token_logprobs(

@@ -173,6 +173,40 @@ def group_advantages(rewards: Sequence[float], mode: AdvantageMode = "group") ->
     raise ValueError(f"unknown advantage mode {mode!r} (expected 'group' or 'drgrpo')")
 
 
+@dataclass(frozen=True)
+class SftSelection:
+    """Which trajectories of a group SFT trains (docs/objectives.md §9): exactly one rule.
+
+    - ``min_reward``: every trajectory whose reward is at least this;
+    - ``best_k``: the ``k`` best of each group (rejection-sampling fine-tuning), all of a group smaller than ``k``.
+    """
+
+    min_reward: float | None = None
+    best_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.min_reward is None) == (self.best_k is None):
+            raise ValueError("an SFT selection is min_reward or best_k, exactly one")
+        if self.best_k is not None and self.best_k < 1:
+            raise ValueError("best_k must be at least 1")
+
+
+def select_trajectories(rewards: Sequence[float], selection: SftSelection) -> list[bool]:
+    """Which of a group's trajectories (in the group's order) SFT trains.
+
+    Best-k ties: trajectories of equal reward keep the group's order (the store loads them by when they were
+    recorded), so a tie at the k-th place goes to the earlier ones and exactly ``min(k, G)`` are selected: the
+    step's size does not depend on how many happened to tie.
+    """
+    if selection.min_reward is not None:
+        return [r >= selection.min_reward for r in rewards]
+    assert selection.best_k is not None  # __post_init__: one rule is set
+    # sorted is stable: among equal rewards the earlier trajectory ranks first.
+    best = sorted(range(len(rewards)), key=lambda i: -rewards[i])[: selection.best_k]
+    chosen = set(best)
+    return [i in chosen for i in range(len(rewards))]
+
+
 # ---------------------------------------------------------------------------------------------
 # Rows
 # ---------------------------------------------------------------------------------------------
@@ -379,11 +413,16 @@ def build_samples(
     max_seq_len: int | None = None,
     current_policy_version: int | None = None,
     max_staleness: int | None = None,
+    sft: SftSelection | None = None,
 ) -> SampleBatch:
     """Turn claimed, rewarded groups into training rows.
 
     Per group: compute advantages (or drop it, with a reason), then rows per trajectory (see
-    ``_trajectory_rows``), each row carrying its trajectory's advantage. Rows are cut to
+    ``_trajectory_rows``), each row carrying its trajectory's advantage. With ``sft`` (loss ``sft``) the
+    group's selected trajectories (``select_trajectories``) are its rows instead, with advantage 0 (the
+    cross-entropy uses none); the others are consumed with the group, untrained. There is no zero-variance
+    filter (a group that is all right is what SFT wants most), and a group with no trajectory selected is
+    dropped with the reason ``no trajectory selected``. Rows are cut to
     ``max_seq_len``; a row left with no trainable token is dropped, and a group left with no row is
     reported dropped (never a silent no-op). ``sequence_id`` is the row's index in the result.
 
@@ -395,7 +434,8 @@ def build_samples(
 
     - ``groups_used``, ``groups_dropped`` (count), ``drop_reasons`` ({reason: count}); the
       ``(group_id, reason)`` pairs are ``SampleBatch.dropped_groups``.
-    - ``trajectories`` (all claimed), ``trajectories_used``.
+    - ``trajectories`` (all claimed), ``trajectories_used`` (those of the used groups); with ``sft``,
+      ``trajectories_selected`` (those the selection chose in the used groups).
     - Call-level stats are over **all claimed groups**, dropped ones included (they describe the
       traffic, not the filters): ``calls`` (every choice counts), ``untrainable_calls`` (any call
       not fit to train: context-only or without ids), ``untrainable_reasons`` ({the gateway's reason: count},
@@ -422,8 +462,8 @@ def build_samples(
       context only) — all over the used groups' rows.
     - ``reward_mean`` / ``reward_std``: over **every claimed trajectory**, dropped groups included —
       the policy's reward on what it sampled, the curve to watch; dropping all-correct groups would
-      bias it. ``used_reward_mean`` / ``used_reward_std``: over the trajectories of used groups only,
-      what the update actually learned from. Both population std.
+      bias it. ``used_reward_mean`` / ``used_reward_std``: over the trajectories of used groups only
+      (with ``sft``, the selected ones only), what the update actually learned from. Both population std.
     - ``policy_version_min`` / ``policy_version_max``: over the rows' calls (None without rows).
     - ``staleness_mean`` / ``staleness_max``: over the used groups, ``current_policy_version`` minus the oldest
       version that served a call of the group (None without ``current_policy_version`` or used groups).
@@ -440,6 +480,7 @@ def build_samples(
     trajectories = trajectories_used = groups_used = 0
     truncated_rows = truncated_tokens = truncated_rows_dropped = empty_rows_dropped = 0
     staleness: list[int] = []
+    selected_count = 0
 
     for group in groups:
         rewards = [float(t.reward) for t in group.trajectories]
@@ -460,14 +501,24 @@ def build_samples(
             if oldest is not None and oldest < current_policy_version - max_staleness:  # type: ignore[operator]
                 dropped.append((group.group_id, "stale policy"))
                 continue
-        if drop_zero_variance and is_zero_variance(rewards):
-            dropped.append((group.group_id, "zero reward variance"))
-            continue
+        if sft is not None:
+            selected = select_trajectories(rewards, sft)
+            if not any(selected):
+                dropped.append((group.group_id, "no trajectory selected"))
+                continue
+            advantages = [0.0] * len(rewards)
+        else:
+            if drop_zero_variance and is_zero_variance(rewards):
+                dropped.append((group.group_id, "zero reward variance"))
+                continue
+            selected = [True] * len(rewards)
+            advantages = group_advantages(rewards, advantage_mode)
 
         group_rows: list[Row] = []
         cut_rows = cut_tokens = cut_dropped = empty = 0
-        advantages = group_advantages(rewards, advantage_mode)
-        for (traj, built), adv in zip(built_rows, advantages, strict=True):
+        for (traj, built), adv, chosen in zip(built_rows, advantages, selected, strict=True):
+            if not chosen:
+                continue
             for b in built:
                 row = Row(
                     input_ids=b.input_ids,
@@ -497,7 +548,8 @@ def build_samples(
         trajectories_used += len(rewards)
         if current_policy_version is not None:
             staleness.append(current_policy_version - min(c.policy_version for t in group.trajectories for c in t.calls))
-        used_rewards.extend(rewards)
+        used_rewards.extend(r for r, chosen in zip(rewards, selected, strict=True) if chosen)
+        selected_count += sum(selected)
         rows.extend(group_rows)
         truncated_rows += cut_rows
         truncated_tokens += cut_tokens
@@ -548,6 +600,8 @@ def build_samples(
         "staleness_mean": sum(staleness) / len(staleness) if staleness else None,
         "staleness_max": max(staleness) if staleness else None,
     }
+    if sft is not None:
+        stats["trajectories_selected"] = selected_count
     return SampleBatch(rows=rows, stats=stats, dropped_groups=dropped)
 
 

@@ -2,6 +2,7 @@
 
     rows with a trained token  →  the step's totals (the loss's normalisers)
     for each micro-batch:         collate → logprobs (the backend) → policy_loss → backward
+                                  (SFT: collate → logprobs and argmax hits → sft_loss → backward)
     clip the gradient norm  →  one AdamW step  →  the step's metrics
 
 A backend (``trainer.backends``) only loads the model and its adapter, computes per-token logprobs
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from trainer.loss import LossConfig, StepTotals, aggregate_metrics, policy_loss
+from trainer.loss import LossConfig, LossOutput, StepTotals, aggregate_metrics, policy_loss, sft_loss
 from trainer.samples import Row, collate, micro_batches
 
 Progress = Callable[[int, int], None]
@@ -50,6 +51,10 @@ class Policy(Protocol):
     step: int
 
     def logprobs(self, batch: dict[str, Tensor], *, trained_only: bool) -> Tensor: ...
+
+    def target_scores(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """The trained targets' logprobs and whether each is the argmax (loss ``sft`` only)."""
+        ...
 
 
 class Collective(Protocol):
@@ -99,6 +104,25 @@ def _idle_pass(policy: Policy) -> None:
     (policy.logprobs(batch, trained_only=False).sum() * 0.0).backward()
 
 
+def _micro_batch_loss(
+    policy: Policy, batch: dict[str, Tensor], totals: StepTotals, loss_config: LossConfig
+) -> LossOutput:
+    """The configured objective on one collated micro-batch: a policy objective on the logprobs against vLLM's,
+    or SFT's cross-entropy (which needs no behaviour logprobs or advantages, and the argmax for its accuracy)."""
+    if loss_config.kind == "sft":
+        logprobs, hits = policy.target_scores(batch)
+        return sft_loss(logprobs, hits, batch["loss_mask"], totals, loss_config)
+    return policy_loss(
+        policy.logprobs(batch, trained_only=True),
+        batch["behaviour_logprobs"],
+        batch["advantages"],
+        batch["loss_mask"],
+        totals,
+        loss_config,
+        sequence_ids=batch["sequence_ids"] if loss_config.kind == "gspo" else None,
+    )
+
+
 def train_step(
     policy: Policy,
     rows: list[Row],
@@ -118,8 +142,7 @@ def train_step(
     possibly none); every rank returns the whole step's metrics and takes the same update.
     """
     rows = [row for row in rows if row.trainable_tokens > 0]
-    gspo = loss_config.kind == "gspo"
-    if gspo and any(row.sequence_id < 0 for row in rows):
+    if loss_config.kind == "gspo" and any(row.sequence_id < 0 for row in rows):
         raise ValueError("gspo needs every row's sequence_id (build_samples numbers them)")
     totals = step_totals(rows, loss_config, data_parallel)
     batches = micro_batches(rows, micro_batch_tokens)
@@ -134,15 +157,7 @@ def train_step(
     padded_tokens = 0
     for done, rows_mb in enumerate(batches, start=1):
         batch = {k: v.to(policy.device, non_blocking=True) for k, v in collate(rows_mb).items()}
-        out = policy_loss(
-            policy.logprobs(batch, trained_only=True),
-            batch["behaviour_logprobs"],
-            batch["advantages"],
-            batch["loss_mask"],
-            totals,
-            loss_config,
-            sequence_ids=batch["sequence_ids"] if gspo else None,
-        )
+        out = _micro_batch_loss(policy, batch, totals, loss_config)
         out.loss.backward()
         loss_sum += out.loss.detach()
         per_batch.append(out.metrics)

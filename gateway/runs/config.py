@@ -95,7 +95,11 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     learning_rate: Finite = Field(2e-5, gt=0, le=1e-2)
-    loss: Literal["grpo", "cispo", "gspo"] = "cispo"
+    loss: Literal["grpo", "cispo", "gspo", "sft"] = "cispo"
+    # loss "sft" trains the sampled tokens of selected trajectories by cross-entropy (docs/objectives.md §9): those
+    # whose reward is at least sft_min_reward, or the sft_best_k best of each group; exactly one of the two.
+    sft_min_reward: Finite | None = None
+    sft_best_k: int | None = Field(None, ge=1)
     advantage: Literal["group", "drgrpo"] = "group"
     drop_zero_variance: bool = True
     clip_eps: Finite = Field(0.2, gt=0, lt=1)
@@ -160,6 +164,17 @@ class RunConfig(BaseModel):
     def _norm_tokens_needs_constant(self) -> RunConfig:
         if self.loss_norm_tokens is not None and self.loss_aggregation != "constant":
             raise ValueError("loss_norm_tokens is the constant of loss_aggregation 'constant' only")
+        return self
+
+    @model_validator(mode="after")
+    def _one_sft_selection(self) -> RunConfig:
+        # Two selections at once would leave which one wins to the code; none would train on every trajectory,
+        # failures included, which is not what SFT on recorded trajectories is for.
+        chosen = [key for key in ("sft_min_reward", "sft_best_k") if getattr(self, key) is not None]
+        if self.loss == "sft" and len(chosen) != 1:
+            raise ValueError("loss 'sft' needs exactly one of sft_min_reward or sft_best_k (what to train)")
+        if self.loss != "sft" and chosen:
+            raise ValueError(f"{chosen[0]} applies to loss 'sft' only")
         return self
 
     def stored(self) -> dict[str, Any]:

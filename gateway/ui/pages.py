@@ -50,6 +50,7 @@ STEP_CHARTS = [
     ("ratio_mean", "IS ratio mean"),
     ("ratio_max", "IS ratio max"),
     ("clip_frac", "clip fraction"),
+    ("token_accuracy", "token accuracy (sft)"),
     ("grad_norm", "grad norm"),
     ("tokens_per_s", "tokens/s"),
     ("merge_ratio", "merge ratio"),
@@ -243,13 +244,16 @@ async def run(request: Request, name: str) -> Response:
     view = await asyncio.to_thread(run_page, gateway_state(request).engine, name)
     if view is None:
         raise GatewayError(404, f"no run {name!r}", code="run_not_found")
+    # The charts of metrics the run's steps have: an SFT run has no ratio against vLLM, a policy-gradient run no
+    # token accuracy. Before its first step a run shows them all.
+    charts = [c for c in STEP_CHARTS if any(c[0] in s["metrics"] for s in view["steps"])] or STEP_CHARTS
     chart_data = {
         "run": name,
         "steps": [{"step": s["step"], "metrics": s["metrics"]} for s in view["steps"]],
         "eval": view["eval"],
-        "charts": STEP_CHARTS,
+        "charts": charts,
     }
-    return _page(request, "run.html", run=view, chart_data=chart_data, charts=STEP_CHARTS)
+    return _page(request, "run.html", run=view, chart_data=chart_data, charts=charts)
 
 
 @router.get("/events")

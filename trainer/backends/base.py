@@ -150,6 +150,11 @@ class TrainerBackend(ABC):
         backends use it to skip the LM head on context tokens.
         """
 
+    @abstractmethod
+    def target_scores(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """``logprobs(batch, trained_only=True)``, and [B, T] bool: whether each trained target is the
+        policy's most likely token (SFT's token accuracy; ``trainer.loss.chunked_token_scores``)."""
+
     def train_step(
         self,
         rows: list[Row],
@@ -174,7 +179,9 @@ class TrainerBackend(ABC):
         rows' fresh data before the update), ``tis_frac`` (grpo with TIS, gspo), ``tokens``
         (trainable), ``input_tokens`` (real tokens of all rows), ``padded_tokens`` (``B × T`` summed
         over micro-batches: what the model computed, padding included), ``micro_batches``,
-        ``seconds``, ``tokens_per_s`` (``input_tokens / seconds``), ``learning_rate``, ``step``.
+        ``seconds``, ``tokens_per_s`` (``input_tokens / seconds``), ``learning_rate``, ``step``. With loss
+        ``sft``, ``sft_loss`` (mean cross-entropy per trained token) and ``token_accuracy`` (the share of
+        trained tokens that are the policy's argmax) replace the ratio, clip and KL metrics.
         """
         return train_step(self, rows, loss_config, micro_batch_tokens, progress, data_parallel=data_parallel)
 

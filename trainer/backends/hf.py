@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from trainer.backends.base import LoraSpec, TrainerBackend, resolve_dtype
 from trainer.lora import ADAPTER_WEIGHTS, check_vllm_adapter, resolve_target_modules
-from trainer.loss import chunked_token_logprobs, input_token_logprobs
+from trainer.loss import chunked_token_logprobs, chunked_token_scores, input_token_logprobs
 from trainer.step import make_optimizer
 
 if TYPE_CHECKING:
@@ -66,6 +66,13 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _scatter_trained(on: Tensor, values: Tensor) -> Tensor:
+    """Values computed for the trained targets only (``on`` [B, T − 1], target-shifted) back into the
+    target-aligned [B, T] layout, zero (False) elsewhere and in column 0."""
+    shifted = torch.zeros(on.shape, dtype=values.dtype, device=values.device).masked_scatter(on, values)
+    return F.pad(shifted, (1, 0), value=0)
 
 
 class HFBackend(TrainerBackend):
@@ -255,8 +262,22 @@ class HFBackend(TrainerBackend):
             self.logprob_chunk,
             compute_dtype=self.logprob_dtype,
         )
-        shifted = torch.zeros(on.shape, dtype=picked.dtype, device=picked.device).masked_scatter(on, picked[0])
-        return F.pad(shifted, (1, 0), value=0.0)
+        return _scatter_trained(on, picked[0])
+
+    def target_scores(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """``logprobs(batch, trained_only=True)`` and whether each trained target is the argmax (0 / False
+        elsewhere), from the same chunks of logits."""
+        input_ids = batch["input_ids"]
+        hidden = self._final_hidden(input_ids, batch["attention_mask"])
+        on = batch["loss_mask"][:, 1:] > 0
+        picked, hits = chunked_token_scores(
+            hidden[:, :-1][on][None],
+            self._lm_head_weight,
+            input_ids[:, 1:][on][None],
+            self.logprob_chunk,
+            compute_dtype=self.logprob_dtype,
+        )
+        return _scatter_trained(on, picked[0]), _scatter_trained(on, hits[0])
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)

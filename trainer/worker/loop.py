@@ -57,7 +57,7 @@ from trainer.checkpoint import (
 )
 from trainer.distributed import DataParallel, ReplicaSpec
 from trainer.loss import LossConfig
-from trainer.samples import CallData, GroupData, SampleBatch, TrajectoryData, build_samples
+from trainer.samples import CallData, GroupData, SampleBatch, SftSelection, TrajectoryData, build_samples
 from trainer.worker.publish import Publisher, vllm_admin
 from trainer.worker.trackers import StepReporter, TrackerTarget, open_trackers
 
@@ -110,6 +110,14 @@ def loss_config(config: RunConfig) -> LossConfig:
         aggregation=config.loss_aggregation,
         norm_tokens=(config.loss_norm_tokens or config.max_seq_len) if constant else None,
     )
+
+
+def sft_selection(config: RunConfig) -> SftSelection | None:
+    """Which trajectories loss ``sft`` trains (RunConfig checked that exactly one rule is set); None for the
+    policy objectives."""
+    if config.loss != "sft":
+        return None
+    return SftSelection(min_reward=config.sft_min_reward, best_k=config.sft_best_k)
 
 
 def to_groups(loaded: list[dict[str, Any]]) -> list[GroupData]:
@@ -198,12 +206,18 @@ def _local_time(value: datetime) -> str:
 
 def format_step(step: int, metrics: dict[str, Any]) -> str:
     """The one line per step a user watches."""
+    if "token_accuracy" in metrics:  # loss sft: a cross-entropy, no ratio against vLLM
+        objective = f"token accuracy {metrics['token_accuracy']:.3f}"
+    else:
+        objective = (
+            f"ratio {metrics['ratio_mean']:.3f} (max {metrics['ratio_max']:.2f})"
+            f" | |log r| {metrics['log_ratio_abs_mean']:.4f} | clip {metrics['clip_frac']:.3f}"
+        )
     return (
         f"step {step:>4} | reward {metrics['reward_mean']:.3f} ± {metrics['reward_std']:.3f}"
         f" | groups {metrics['groups_used']} used / {metrics['groups_dropped']} dropped"
         f" | tokens {metrics['tokens']} ({metrics['trainable_tokens']} trained)"
-        f" | loss {metrics['loss']:+.4f} | ratio {metrics['ratio_mean']:.3f} (max {metrics['ratio_max']:.2f})"
-        f" | |log r| {metrics['log_ratio_abs_mean']:.4f} | clip {metrics['clip_frac']:.3f} | grad {metrics['grad_norm']:.3f}"
+        f" | loss {metrics['loss']:+.4f} | {objective} | grad {metrics['grad_norm']:.3f}"
         f" | {metrics['step_seconds']:.1f}s | {metrics['tokens_per_s']:.0f} tok/s"
     )
 
@@ -490,6 +504,7 @@ class Trainer:
             max_seq_len=self.config.max_seq_len,
             current_policy_version=version,
             max_staleness=self.config.max_staleness,
+            sft=sft_selection(self.config),
         )
 
     def _optimise(self, batch: SampleBatch, step: int) -> dict[str, Any]:
