@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from starlette.types import Message, Send
+from starlette.types import Send
 
 from gateway.http.metrics import GatewayMetrics
 from gateway.proxy import capture
@@ -105,17 +105,3 @@ async def relay(proxy: Proxy, reads: list[bytes], endpoint: str, asks: capture.C
     await proxy._relay_stream(ReadsUpstream(reads), call)  # type: ignore[arg-type]
     return call
 
-
-async def relay_output(
-    reads: list[bytes], endpoint: str, asks: capture.ClientAsks
-) -> tuple[bytes, list[CallRecord], Exchange]:
-    """What the client receives (the response body) and the records written for one stream."""
-    proxy, writer = relay_proxy()
-    bodies: list[bytes] = []
-
-    async def send(message: Message) -> None:
-        if message["type"] == "http.response.body":
-            bodies.append(message["body"])
-
-    call = await relay(proxy, reads, endpoint, asks, send)
-    return b"".join(bodies), writer.records, call
