@@ -337,7 +337,8 @@ os.kill(os.getpid(), signal.SIGKILL)
     successor.close()
     assert sorted(_ids(engine)) == sorted(r.id for r in records)
     assert successor.counters.records_replayed == 300 and _segments(spool_dir) == []
-    assert successor.counters.records_unreadable == 0  # the killed process's untruncated, zero-filled tail is not a record
+    # The killed process's untruncated, zero-filled tail is not a record.
+    assert successor.counters.records_unreadable == 0
 
 
 def test_replaying_a_segment_twice_stores_each_call_once(engine: Engine, spool_dir: Path) -> None:
