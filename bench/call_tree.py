@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from gateway.store import db  # noqa: E402
 from gateway.store import records as store_records  # noqa: E402
 from gateway.store.call_record import CallRecord  # noqa: E402
-from gateway.store.records import write_calls  # noqa: E402
+from gateway.store.records import LineageCache, write_calls  # noqa: E402
 from gateway.store.tree import Candidate, LookupWork, find_parent, own_key  # noqa: E402
 from tests.factories import make_record  # noqa: E402
 from tests.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
@@ -64,6 +64,7 @@ def write_all(url: str, calls: list[CallRecord], tree: bool) -> list[float]:
     """ms per call, each written in its own batch; `tree` false switches the lookup and the tree keys off."""
     db.upgrade(url)
     engine = db.make_engine(url)
+    cache = LineageCache()  # the writer's
     times = []
     with ExitStack() as patches:
         if not tree:
@@ -72,7 +73,7 @@ def write_all(url: str, calls: list[CallRecord], tree: bool) -> list[float]:
         try:
             for call in calls:
                 started = time.perf_counter()
-                write_calls(engine, [call])
+                write_calls(engine, [call], cache)
                 times.append((time.perf_counter() - started) * 1000)
         finally:
             engine.dispose()

@@ -44,7 +44,7 @@ from sqlalchemy import Engine, Text, cast, func, select  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.models import Call  # noqa: E402
-from gateway.store.records import write_calls  # noqa: E402
+from gateway.store.records import LineageCache, write_calls  # noqa: E402
 from tests.trajectory_shapes import SHAPES, shaped  # noqa: E402
 
 USER_TOKENS = 300
@@ -190,12 +190,13 @@ def _stored_bytes(engine: Engine, trajectory_ids: list[str]) -> dict[str, float]
 def measure(engine: Engine, turns: int) -> dict[str, Any]:
     records = conversation(turns, seed=turns)
     alone = _each_its_own(records)
+    cache = LineageCache()  # the writer's
     started = time.perf_counter()
     for record in records:
-        write_calls(engine, [record])
+        write_calls(engine, [record], cache)
     write_ms = (time.perf_counter() - started) * 1000 / turns
     for record in alone:
-        write_calls(engine, [record])
+        write_calls(engine, [record], cache)
     final_tokens = len(records[-1].prompt_token_ids or []) + len(records[-1].completion_token_ids or [])
     return {
         "turns": turns,
@@ -259,8 +260,9 @@ def measure_shapes(url: str, turns: list[int]) -> list[dict[str, Any]]:
         for shape in SHAPES:
             for n in turns:
                 trajectory = shaped(shape, n, seed=n, new_tokens=USER_TOKENS + 6, completion_tokens=COMPLETION_TOKENS)
+                cache = LineageCache()  # the writer's
                 for record in trajectory.records:
-                    write_calls(engine, [record])
+                    write_calls(engine, [record], cache)
                 with engine.connect() as conn:
                     prompt, completion, request = conn.execute(
                         select(

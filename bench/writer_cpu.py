@@ -10,18 +10,29 @@ SQLAlchemy, psycopg and the lineage work, not the server's) costs gateway throug
     .venv/bin/python bench/writer_cpu.py                      # throwaway Postgres cluster
     .venv/bin/python bench/writer_cpu.py --url sqlite:////tmp/writer-cpu.db
     .venv/bin/python bench/writer_cpu.py --profile /tmp/writer.prof --shapes single --batches 64
+    .venv/bin/python bench/writer_cpu.py --phases              # where the transaction's time goes, per batch
+
+`--phases` times (wall clock, so waits on the database count) the parts of `write_calls` by wrapping the functions of
+gateway.store.records that do each, every one timed exclusive of the others it calls: the plain insert (everything
+not listed below: building the rows, the upserts, the commit), retry settlement (request hashes, `_settle`,
+`_update_firsts`), lineage and delta storage (predecessors, from the lineage cache or the database, `classify`, message
+digests and shared prefixes, reading the batch's stored rows), tree placement (`_in_tree` and a root's own agent) and
+late arrivals (`_reparent_late`, and rebuilding a trajectory's stored calls, which orphans of a replaced call need).
+The wrappers add a little time of their own, counted in the phase they wrap.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import random
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere, like the other benchmarks
@@ -30,8 +41,9 @@ if str(REPO) not in sys.path:  # run as a script from anywhere, like the other b
 from sqlalchemy import Engine  # noqa: E402
 
 from gateway.store import db  # noqa: E402
+from gateway.store import records as store_records  # noqa: E402
 from gateway.store.call_record import CallRecord  # noqa: E402
-from gateway.store.records import write_calls  # noqa: E402
+from gateway.store.records import LineageCache, write_calls  # noqa: E402
 from tests.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
 
 ANSWER = "The capital of France is Paris."
@@ -120,17 +132,78 @@ def _turns(turns: int) -> Batches:
 SHAPES: dict[str, Batches] = {"single": single, "few": _turns(3), "multi": _turns(24)}
 
 
-def measure(engine: Engine, shape: str, batch: int, count: int, profile: cProfile.Profile | None) -> float:
+# The phases of `write_calls` (--phases): what of gateway.store.records each is timed by. The insert is the rest.
+PHASES: dict[str, tuple[tuple[Any, str], ...]] = {
+    "retry settlement": (
+        (store_records, "request_hash"), (store_records, "_settle"), (store_records, "_update_firsts"),
+    ),
+    "lineage + delta": (
+        (store_records, "_lineages"),  # its own part: reading the stored rows, orphan updates, the loop itself
+        (store_records, "classify"), (store_records, "_with_messages"), (store_records, "message_digests"),
+        (store_records, "_predecessor_at"), (store_records._TrajectoryView, "predecessor_at"),
+        (store_records.LineageCache, "get"), (store_records.LineageCache, "remember"),
+    ),
+    "tree placement": (
+        (store_records, "_in_tree"), (store_records, "_root_reason"), (store_records, "_stored_candidates"),
+        (store_records._TrajectoryView, "same_agent_before"), (store_records._TrajectoryView, "_stored_first"),
+    ),
+    "late arrivals + orphans": ((store_records, "_reparent_late"), (store_records, "rebuild_calls")),
+}
+
+
+class PhaseTimer:
+    """Wall time of each phase, exclusive: a wrapped function's time less that of the wrapped functions it calls."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(["insert", *PHASES], 0.0)
+        self._stack: list[float] = []  # time the frames below spent in wrapped callees, one entry per frame
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def install(self) -> None:
+        for phase, targets in PHASES.items():
+            for owner, name in targets:
+                original = getattr(owner, name)
+                self._saved.append((owner, name, original))
+                setattr(owner, name, self.timed(phase, original))
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+    def timed(self, phase: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._stack.append(0.0)
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                inner = self._stack.pop()
+                self.seconds[phase] += elapsed - inner
+                if self._stack:
+                    self._stack[-1] += elapsed
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+
+def measure(
+    engine: Engine, cache: LineageCache, shape: str, batch: int, count: int, profile: cProfile.Profile | None
+) -> float:
     """CPU microseconds per record over `count` batches, after one warm-up batch."""
     batches = list(SHAPES[shape](batch, count + 1))
-    write_calls(engine, batches[0])
+    write_calls(engine, batches[0], cache)
     cpu = 0.0
     records = 0
     for records_batch in batches[1:]:
         if profile is not None:
             profile.enable()
         start = time.thread_time()
-        write_calls(engine, records_batch)
+        write_calls(engine, records_batch, cache)
         cpu += time.thread_time() - start
         if profile is not None:
             profile.disable()
@@ -138,14 +211,41 @@ def measure(engine: Engine, shape: str, batch: int, count: int, profile: cProfil
     return cpu / records * 1e6
 
 
+def phases(engine: Engine, cache: LineageCache, shape: str, batch: int, count: int) -> None:
+    """Print the phases' ms per batch and share of `write_calls`, over `count` batches after one warm-up batch."""
+    batches = list(SHAPES[shape](batch, count + 1))
+    timer = PhaseTimer()
+    write = timer.timed("insert", write_calls)  # what no other phase claims
+    timer.install()
+    try:
+        write(engine, batches[0], cache)
+        timer.reset()
+        for records_batch in batches[1:]:
+            write(engine, records_batch, cache)
+    finally:
+        timer.uninstall()
+    total = sum(timer.seconds.values())
+    records = sum(len(b) for b in batches[1:])
+    shown = ", ".join(
+        f"{phase} {seconds / count * 1000:.2f} ms ({seconds / total:.0%})" for phase, seconds in timer.seconds.items()
+    )
+    print(f"{engine.dialect.name} {shape:6} batch {batch:3} ({records:,} records): {total / count * 1000:.2f} ms a "
+          f"batch = {shown}", flush=True)
+
+
 def run(url: str, args: argparse.Namespace) -> None:
     db.upgrade(url)
     engine = db.make_engine(url)
+    cache = LineageCache()  # the writer's, one per process
     profile = cProfile.Profile(time.thread_time) if args.profile else None  # CPU, not waits
     try:
         for shape in args.shapes:
+            if args.phases:
+                for batch in args.batches:
+                    phases(engine, cache, shape, batch, args.count)
+                continue
             for batch in args.batches:
-                samples = [measure(engine, shape, batch, args.count, profile) for _ in range(args.repeat)]
+                samples = [measure(engine, cache, shape, batch, args.count, profile) for _ in range(args.repeat)]
                 shown = " ".join(f"{s:.0f}" for s in samples)
                 print(f"{engine.dialect.name} {shape:6} batch {batch:3}: {min(samples):5.0f} us/record CPU "
                       f"(samples {shown})", flush=True)
@@ -163,6 +263,7 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=24, help="batches measured per sample")
     parser.add_argument("--repeat", type=int, default=3, help="samples per shape and batch size")
     parser.add_argument("--profile", help="write cProfile stats of the measured batches here")
+    parser.add_argument("--phases", action="store_true", help="time the phases of write_calls instead (see above)")
     args = parser.parse_args()
 
     if args.url and args.url.startswith("sqlite"):

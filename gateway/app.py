@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI
@@ -63,25 +64,7 @@ def build_state(settings: Settings) -> GatewayState:
     policy_router = PolicyRouter(settings.base_model)
     auth = Auth(settings.agent_keys, settings.admin_key)
     metrics = GatewayMetrics()
-    metrics.watch_writer(
-        lambda: {
-            "queue_depth": writer.queue_depth,
-            "spool_bytes": writer.spool_bytes,
-            "db_up": 1.0 if writer.db_up else 0.0,
-            "held": writer.records_held,
-            "logged": writer.records_logged,
-            "unlogged": writer.records_unlogged,
-            "syncs": writer.syncs,
-            "sync_errors": writer.sync_errors,
-            "written": writer.records_written,
-            "spooled": writer.records_spooled,
-            "replayed": writer.records_replayed,
-            "rejected": writer.records_rejected,
-            "lost": writer.records_lost,
-            "unreadable": writer.records_unreadable,
-            "spool_errors": writer.spool_errors,
-        }
-    )
+    metrics.watch_writer(lambda: asdict(writer.stats()))
     proxy = Proxy(
         upstream_urls=settings.upstream_urls,
         upstream_api_key=settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None,

@@ -14,7 +14,7 @@ from gateway.recorder import writer as writer_module
 from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, RecordWriter
 from gateway.store import courtesy
 from gateway.store.call_record import CallRecord
-from gateway.store.records import count_calls, write_calls
+from gateway.store.records import LineageCache, count_calls, write_calls
 from tests.factories import make_record
 
 
@@ -140,9 +140,9 @@ def test_a_writer_that_is_behind_does_not_pause_until_it_has_caught_up(
     clock.ticking = True
     batches: list[tuple[int, int]] = []  # (records in the batch, pauses while writing it)
 
-    def noting(engine: Engine, records: list[CallRecord]) -> None:
+    def noting(engine: Engine, records: list[CallRecord], cache: LineageCache | None = None) -> None:
         before = len(clock.pauses)
-        write_calls(engine, records)
+        write_calls(engine, records, cache)
         batches.append((len(records), len(clock.pauses) - before))
 
     monkeypatch.setattr(writer_module, "write_calls", noting)

@@ -82,7 +82,7 @@ def test_database_outage_during_burst_loses_nothing(
         )
         assert statuses == [200] * n  # every request answered while the database was down
         gw.flush()
-        assert gw.app.state.writer.records_spooled > 0  # the outage really hit the writer
+        assert gw.app.state.writer.counters.records_spooled > 0  # the outage really hit the writer
         own_cluster.start()
         assert wait_for_count(url, n) == n
     assert count_calls(url) == n  # exactly once: nothing lost, nothing duplicated
@@ -327,4 +327,4 @@ async def test_every_answer_completes_only_after_its_record_is_logged(
     assert events.index("logged") < first_sign_of_an_end, events
     if mode == "cut_stream":
         assert "error" in events  # the broken stream was told in-band
-    assert state.writer.records_logged == 1
+    assert state.writer.counters.records_logged == 1

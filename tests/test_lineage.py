@@ -18,7 +18,7 @@ from gateway.store.export import iter_trajectories
 from gateway.store.lineage import Predecessor, classify
 from gateway.store.models import Call, Trajectory
 from gateway.store.reads import trajectory_view
-from gateway.store.records import write_calls
+from gateway.store.records import LineageCache, write_calls
 from gateway.store.runs import run_view
 from gateway.store.training import load_groups
 from tests.factories import make_record
@@ -109,11 +109,6 @@ def test_first_call_retry_and_missing_ids() -> None:
 # --- the store ------------------------------------------------------------------------------------------------------
 
 
-def _forget_cache(engine: Engine) -> None:
-    """Another process (or a restart) has none of this one's in-memory predecessors: the store must rebuild."""
-    store_records._caches.pop(engine, None)
-
-
 def _stored(engine: Engine, trajectory_id: str) -> list[Any]:
     with engine.connect() as conn:
         return conn.execute(
@@ -154,15 +149,14 @@ BATCHINGS = ["one_batch", "a_batch_per_call", "a_batch_per_call_cold"]
 
 
 def _write_batched(engine: Engine, calls: list[CallRecord], batching: str) -> None:
-    """Write the calls as the writer may: all in one batch, one per batch, or one per batch with a cold predecessor
-    cache each time (another gateway process wrote the predecessor)."""
+    """Write the calls as the writer may: all in one batch, one per batch with the writer's predecessor cache, or one
+    per batch with none (another gateway process, or a restart, wrote the predecessor: the store must rebuild it)."""
     if batching == "one_batch":
         write_calls(engine, calls)
         return
+    cache = None if batching.endswith("cold") else LineageCache()
     for call in calls:
-        write_calls(engine, [call])
-        if batching.endswith("cold"):
-            _forget_cache(engine)
+        write_calls(engine, [call], cache)
 
 
 @pytest.mark.parametrize("batching", BATCHINGS)
@@ -254,7 +248,6 @@ def test_migration_keeps_old_calls_readable_and_new_calls_compact_against_them(d
         turn1, turn2 = _conversation()[:2]
         insert_old_calls(engine, [store_records._call_row(turn1, classify(turn1.prompt_token_ids, None))])
         db.upgrade(db_url)
-        _forget_cache(engine)
         write_calls(engine, [turn2])
         rows = _stored(engine, "traj-1")
         assert [(r.merge_reason, r.parent_seq, r.prefix_len) for r in rows] == [(None, None, 0), ("extends", 1, 105)]
@@ -271,7 +264,7 @@ def test_migration_keeps_old_calls_readable_and_new_calls_compact_against_them(d
 
 
 def test_the_predecessor_cache_is_bounded_by_the_bytes_it_holds() -> None:
-    cache = store_records._LineageCache(max_bytes=2 * 4 * 100)
+    cache = LineageCache(max_bytes=2 * 4 * 100)
     for n, trajectory_id in enumerate(("a", "b", "c")):
         cache.remember(trajectory_id, Predecessor(n, list(range(60)), list(range(40)), False), f"call-{n}")
     assert cache.get("a", 0, "call-0") is None  # evicted: the oldest

@@ -22,10 +22,10 @@ from gateway.store.judging import load_group
 from gateway.store.lineage import classify
 from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
-from gateway.store.records import write_calls
+from gateway.store.records import LineageCache, write_calls
 from tests.factories import make_record
 from tests.stored import insert_old_calls, stored_calls
-from tests.test_lineage import BATCHINGS, _conversation, _forget_cache, _write_batched
+from tests.test_lineage import BATCHINGS, _conversation, _write_batched
 
 REFERENCE_GROUP = "reference"
 
@@ -126,8 +126,7 @@ def test_messages_with_keys_in_an_order_postgres_does_not_keep_still_share_after
     first = make_record("traj-1", seq=1, request={"tools": [], "messages": messages, "model": "run-a"})
     second = _with_messages(first, [*messages, {"role": "assistant", "content": "hello"}], seq=2)
     write_calls(engine, [first])
-    _forget_cache(engine)
-    write_calls(engine, [second])
+    write_calls(engine, [second])  # no predecessor cache: `first` is rebuilt from the database
     assert _layout(engine) == [(None, 0, 2), (1, 2, 1)]
     _assert_exact(engine, [first, second])
 
@@ -194,8 +193,7 @@ def test_choices_of_an_n2_call_share_choice_0_of_the_call_before(engine: Engine)
     turn1, turn2, turn3 = _conversation()[:3]
     second_choice = _with_messages(turn2, turn2.request["messages"], choice_index=1)  # type: ignore[index]
     write_calls(engine, [turn1, turn2, second_choice])
-    _forget_cache(engine)
-    write_calls(engine, [turn3])
+    write_calls(engine, [turn3])  # no predecessor cache: choice 0 of turn 2 is rebuilt from the database
     assert _layout(engine) == [(None, 0, 4), (1, 4, 2), (1, 4, 2), (2, 6, 2)]
     _assert_exact(engine, [turn1, turn2, second_choice, turn3])
 
@@ -219,16 +217,15 @@ def test_a_call_without_messages_is_stored_whole(engine: Engine) -> None:
 @pytest.mark.parametrize("cold", [False, True])
 def test_a_retry_that_replaces_a_parent_gives_its_children_their_whole_request(engine: Engine, cold: bool) -> None:
     turn1, turn2, turn3 = _conversation()[:3]
-    write_calls(engine, [turn1])
-    write_calls(engine, [turn2])
-    write_calls(engine, [turn3])
+    cache = LineageCache()
+    write_calls(engine, [turn1], cache)
+    write_calls(engine, [turn2], cache)
+    write_calls(engine, [turn3], cache)
     # A late, newer attempt of turn 2 with other messages: turn 3 was stored against the old one.
     edited = turn2.request["messages"][:4] + [{"role": "user", "content": "?"}]  # type: ignore[index]
     retried = _with_messages(turn2, edited)
     retried.created_at = turn3.created_at + 1
-    if cold:
-        _forget_cache(engine)
-    write_calls(engine, [retried])
+    write_calls(engine, [retried], None if cold else cache)
     assert _layout(engine) == [(None, 0, 4), (1, 4, 1), (None, 0, 8)]
     _assert_exact(engine, [turn1, retried, turn3])
 
@@ -247,10 +244,9 @@ def test_children_written_before_their_parents_still_read_back(engine: Engine, c
     """Spool replay and several writers let a later call reach the database first: it is stored against whatever
     precedes it then (or whole), and every read still rebuilds it."""
     calls = _conversation()
+    cache = None if cold else LineageCache()
     for index in (2, 0, 3, 1):
-        write_calls(engine, [calls[index]])
-        if cold:
-            _forget_cache(engine)
+        write_calls(engine, [calls[index]], cache)
     # seq 3 came first (whole), seq 1 next (first), seq 4 against seq 3, seq 2 against seq 1.
     assert _layout(engine) == [(None, 0, 4), (1, 4, 2), (None, 0, 8), (3, 8, 2)]
     _assert_exact(engine, calls)
@@ -267,7 +263,6 @@ def test_old_rows_read_as_before_and_new_calls_compact_against_them(db_url: str)
         # Whole requests, as revision 0004 stored every call (its id lineage does not matter here).
         insert_old_calls(engine, [store_records._call_row(c, classify(c.prompt_token_ids, None)) for c in calls[:2]])
         db.upgrade(db_url)
-        _forget_cache(engine)
         write_calls(engine, calls[2:])
         assert _layout(engine) == [(None, 0, 4), (None, 0, 6), (2, 6, 2), (3, 8, 2)]
         _assert_exact(engine, calls)
@@ -284,7 +279,7 @@ def test_old_rows_read_as_before_and_new_calls_compact_against_them(db_url: str)
 
 
 def test_the_cache_counts_message_digests_in_its_budget() -> None:
-    cache = store_records._LineageCache(max_bytes=2 * 16 * 100)
+    cache = LineageCache(max_bytes=2 * 16 * 100)
     for n, trajectory_id in enumerate(("a", "b", "c")):
         cache.remember(trajectory_id, store_records.Predecessor(n, [], [], False, bytes(16 * 100)), f"call-{n}")
     assert cache.get("a", 0, "call-0") is None

@@ -410,7 +410,7 @@ def test_an_odd_upstream_answer_is_answered_and_stored(
             assert client.chat.completions.create(**body).choices[0].finish_reason == ODD_REASON
         gw.flush()
         writer = gw.app.state.writer
-        assert (writer.records_rejected, writer.records_lost) == (0, 0)
+        assert (writer.counters.records_rejected, writer.counters.records_lost) == (0, 0)
     [call] = stored_calls(db_url, trajectory)
     assert call["finish_reason"] == ODD_REASON.replace("\u0000", "\ufffd")  # whole; U+FFFD marks the NUL
     assert call["response"]["model"] == "small\ufffdlm" and call["trainable"] is True
@@ -504,6 +504,6 @@ def test_a_base_model_name_the_store_cannot_hold_is_refused_before_any_answer(
             assert "TRAJGATE_BASE_MODEL" in error["message"]
             assert fake.received == []  # refused before vLLM was asked to answer
             gw.flush()
-            assert gw.app.state.writer.records_rejected == 0
+            assert gw.app.state.writer.counters.records_rejected == 0
     finally:
         fake.stop()

@@ -14,9 +14,9 @@ from sqlalchemy import Engine, Text, cast, func, select
 from gateway.store.export import iter_trajectories
 from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
-from gateway.store.records import write_calls
+from gateway.store.records import LineageCache, write_calls
 from gateway.store.training import load_groups
-from tests.test_lineage import _forget_cache, _reward
+from tests.test_lineage import _reward
 from tests.trajectory_shapes import SHAPES, SUB_SYSTEM, SUB_SYSTEM_SHARED, shaped
 
 TURNS = (16, 32, 64)
@@ -59,10 +59,9 @@ def test_every_reader_rebuilds_the_prompts_of_every_shape(engine: Engine, shape:
     """Read API, export and the trainer's groups give back exactly the prompts written, also when each call was
     written by a process that had not seen the ones before it (`cold`: no predecessor cache)."""
     trajectory = shaped(shape, 24, seed=7, trajectory_id="traj-1")
+    cache = None if cold else LineageCache()
     for record in trajectory.records:
-        write_calls(engine, [record])
-        if cold:
-            _forget_cache(engine)
+        write_calls(engine, [record], cache)
     _reward(engine, "traj-1")
     full = [record.prompt_token_ids for record in trajectory.records]
     view = trajectory_view(engine, "traj-1", include_tokens=True)

@@ -20,7 +20,7 @@ from gateway.store.call_record import CallRecord
 from gateway.store.export import iter_trajectories
 from gateway.store.models import Call, Trajectory
 from gateway.store.reads import trajectory_view
-from gateway.store.records import write_calls
+from gateway.store.records import LineageCache, write_calls
 from gateway.store.training import load_groups
 from gateway.store.tree import Candidate, LookupWork, branches, find_parent, own_key
 from tests.factories import make_record
@@ -124,8 +124,7 @@ def test_any_arrival_order_gives_the_same_tree(engine: Engine, order: tuple[int,
     # A later call can reach the database first (another gateway's writer, a record replayed from the spool).
     calls = supervisor()
     for i in order:
-        write_calls(engine, [calls[i]])
-        store_records._caches.pop(engine, None)
+        write_calls(engine, [calls[i]])  # no predecessor cache: as if each came from another gateway
     assert _tree(engine) == SUPERVISOR_TREE
 
 
@@ -307,8 +306,7 @@ def test_a_history_compacted_right_after_a_sub_agent_call_is_compacted_not_a_new
     # against the sub-agent's call that arrived just before it; whichever order the records reach the database in.
     calls = compacted_after_a_sub_agent()
     for i in order:
-        write_calls(engine, [calls[i]])
-        store_records._caches.pop(engine, None)
+        write_calls(engine, [calls[i]])  # no predecessor cache: as if each came from another gateway
     assert _tree(engine) == COMPACTED_AFTER_SUB_AGENT_TREE
     write_calls(engine, compacted_after_a_sub_agent("traj-2"))  # all in one batch
     assert _tree(engine, "traj-2") == COMPACTED_AFTER_SUB_AGENT_TREE
@@ -332,9 +330,10 @@ def test_roots_find_their_own_agent_without_rebuilding_the_trajectory(engine: En
     """Written in order by one process, a root's own agent's last call comes from the lineage cache (one entry per
     agent) and the stored first messages: no call rebuilds the trajectory's ids, however long it is."""
     calls = [*compacted_after_a_sub_agent()[:4], call(5, [sys("Helper."), user("task two")], "done two")]
+    cache = LineageCache()  # the writer's
     with mock.patch.object(store_records, "rebuild_calls", wraps=store_records.rebuild_calls) as rebuilds:
         for record in calls:
-            write_calls(engine, [record])
+            write_calls(engine, [record], cache)
     assert rebuilds.call_count == 0
     assert [reason for _, reason, _ in _tree(engine)] == ["first_call", "extends", "new_root", "compacted", "new_root"]
 

@@ -17,12 +17,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, select
 
-from gateway.recorder.writer import RecordWriter, _Syncer, read_spool_line, spool_line
+from gateway.recorder.spool import Syncer
+from gateway.recorder.spool_lines import read_spool_line, spool_line
+from gateway.recorder.writer import RecordWriter
 from gateway.store import db
 from gateway.store.arrays import decode_logprobs
 from gateway.store.call_record import CallRecord
 from gateway.store.models import Call
-from gateway.store.records import count_calls, write_calls
+from gateway.store.records import LineageCache, count_calls, write_calls
 from tests.factories import make_record
 from tests.pgcluster import PgCluster, free_port
 from tests.waiting import wait_until
@@ -73,11 +75,11 @@ async def test_records_submitted_from_an_event_loop_all_arrive_once(engine: Engi
     assert await asyncio.to_thread(writer.flush, 20)
     try:
         assert sorted(_ids(engine)) == sorted(r.id for r in records)
-        assert writer.records_written == 2000 and writer.records_spooled == 0 and writer.db_up
-        assert writer.records_logged == 2000 and writer.queue_depth == 0
+        assert writer.counters.records_written == 2000 and writer.counters.records_spooled == 0 and writer.db_up
+        assert writer.counters.records_logged == 2000 and writer.stats().queue_depth == 0
     finally:
         writer.close()
-    assert writer.spool_bytes == 0  # every record committed, so the log was removed
+    assert writer.stats().spool_bytes == 0  # every record committed, so the log was removed
 
 
 async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: Path) -> None:
@@ -108,7 +110,7 @@ async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: P
 
         await asyncio.to_thread(wait_until, all_in, 30, "every record in the database and the spool empty")
         assert sorted(_ids(engine)) == sorted(r.id for r in records)
-        assert writer.records_spooled > 0 and writer.write_errors > 0  # the outage really was hit
+        assert writer.counters.records_spooled > 0 and writer.counters.write_errors > 0  # the outage really was hit
         assert slowest < 0.05, f"submit took {slowest * 1000:.1f} ms"
     finally:
         writer.close()
@@ -121,7 +123,8 @@ def test_full_queue_spills_to_the_spool_and_arrives_later(engine: Engine, spool_
     records = _records(200)
     for record in records:  # the writer is not started yet: a writer that cannot keep up
         writer.submit(record)
-    assert writer.queue_depth == 10 and writer.records_spooled == 190 and writer.spool_bytes > 0
+    stats = writer.stats()
+    assert stats.queue_depth == 10 and stats.records_spooled == 190 and stats.spool_bytes > 0
     assert not writer.flush(0.05)  # ten records still wait in the queue
     writer.start()
     assert writer.flush(10)
@@ -167,7 +170,7 @@ def test_a_database_down_from_the_start_spools_until_one_is_there(sqlite_url: st
     assert writer.flush(5)  # spooled counts as safe while the database is down
     writer.close()
     nowhere.dispose()
-    assert not writer.db_up and writer.records_spooled == 50 and writer.records_written == 0
+    assert not writer.db_up and writer.counters.records_spooled == 50 and writer.counters.records_written == 0
     assert len(_segments(spool_dir)) == 1
 
     db.upgrade(sqlite_url)
@@ -190,7 +193,7 @@ def test_close_drains_and_later_submits_wait_in_the_spool(engine: Engine, spool_
 
     writer.submit(make_record("late", 0))
     writer.close()
-    assert writer.records_spooled == 1 and len(_segments(spool_dir)) == 1
+    assert writer.counters.records_spooled == 1 and len(_segments(spool_dir)) == 1
     successor = RecordWriter(engine, spool_dir, **FAST)
     successor.start()
     assert successor.flush(10)
@@ -231,7 +234,7 @@ def test_a_record_the_database_refuses_is_set_aside_without_blocking_the_rest(en
     assert writer.flush(10)
     writer.close()
     assert sorted(_ids(engine)) == sorted(r.id for r in good)
-    assert writer.records_rejected == 1 and writer.db_up
+    assert writer.counters.records_rejected == 1 and writer.db_up
     [rejected] = (spool_dir / "rejected").iterdir()
     assert read_spool_line(rejected.read_bytes()).id == bad.id
     assert _segments(spool_dir) == []
@@ -245,9 +248,9 @@ def test_a_poison_record_is_isolated_without_writing_its_batch_row_by_row(
 
     transactions = []
 
-    def counting(engine: Engine, records: list[CallRecord]) -> None:
+    def counting(engine: Engine, records: list[CallRecord], cache: LineageCache | None = None) -> None:
         transactions.append(len(records))
-        write_calls(engine, records)
+        write_calls(engine, records, cache)
 
     monkeypatch.setattr(writer_module, "write_calls", counting)
     writer = RecordWriter(engine, spool_dir, batch_size=256, **FAST)
@@ -259,7 +262,7 @@ def test_a_poison_record_is_isolated_without_writing_its_batch_row_by_row(
     assert writer.flush(10)
     writer.close()
     assert sorted(_ids(engine)) == sorted(r.id for r in good)
-    assert writer.records_rejected == 1 and writer.records_written == 255
+    assert writer.counters.records_rejected == 1 and writer.counters.records_written == 255
     assert len(transactions) <= 2 * 8 + 1, transactions  # bisection: two halves per level, log2(256) levels
 
 
@@ -267,10 +270,10 @@ def test_a_spool_that_cannot_be_opened_keeps_records_in_memory(
     engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """EMFILE ("Too many open files") opening the spool is the disk's problem, not the record's: nothing is lost."""
-    import gateway.recorder.writer as writer_module
+    import gateway.recorder.spool as spool_module
 
     failures = {"left": 3}
-    real_open = writer_module._Spool._open_segment
+    real_open = spool_module.Spool._open_segment
 
     def flaky(self: object, capacity: int) -> object:
         if failures["left"]:
@@ -278,17 +281,17 @@ def test_a_spool_that_cannot_be_opened_keeps_records_in_memory(
             raise OSError(24, "Too many open files")
         return real_open(self, capacity)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(writer_module._Spool, "_open_segment", flaky)
+    monkeypatch.setattr(spool_module.Spool, "_open_segment", flaky)
     writer = RecordWriter(engine, spool_dir, queue_size=1, **FAST)
     records = _records(30)
     for record in records:  # the queue holds one; the rest spill, and the spool fails three times
         writer.submit(record)
-    assert writer.spool_errors >= 1 and writer.records_lost == 0
+    assert writer.counters.spool_errors >= 1 and writer.counters.records_lost == 0
     writer.start()
     assert writer.flush(10)
     writer.close()
     assert sorted(_ids(engine)) == sorted(r.id for r in records)
-    assert writer.records_lost == 0
+    assert writer.counters.records_lost == 0
 
 
 def test_replay_counts_what_it_replays_and_what_it_could_not_read(engine: Engine, spool_dir: Path) -> None:
@@ -301,7 +304,7 @@ def test_replay_counts_what_it_replays_and_what_it_could_not_read(engine: Engine
     writer.start()
     assert writer.flush(10)
     writer.close()
-    assert writer.records_replayed == 12 and writer.records_unreadable == 2
+    assert writer.counters.records_replayed == 12 and writer.counters.records_unreadable == 2
 
 
 def test_a_submitted_record_survives_the_process_being_killed(engine: Engine, spool_dir: Path) -> None:
@@ -312,7 +315,8 @@ def test_a_submitted_record_survives_the_process_being_killed(engine: Engine, sp
 import os, signal, sys
 from pathlib import Path
 from gateway.store.db import make_engine
-from gateway.recorder.writer import RecordWriter, read_spool_line
+from gateway.recorder.spool_lines import read_spool_line
+from gateway.recorder.writer import RecordWriter
 writer = RecordWriter(make_engine("sqlite://"), Path(sys.argv[1]))
 for line in sys.stdin.buffer:
     writer.submit(read_spool_line(line))
@@ -332,8 +336,9 @@ os.kill(os.getpid(), signal.SIGKILL)
     assert successor.flush(20)
     successor.close()
     assert sorted(_ids(engine)) == sorted(r.id for r in records)
-    assert successor.records_replayed == 300 and _segments(spool_dir) == []
-    assert successor.records_unreadable == 0  # the killed process's untruncated, zero-filled tail is not a record
+    assert successor.counters.records_replayed == 300 and _segments(spool_dir) == []
+    # The killed process's untruncated, zero-filled tail is not a record.
+    assert successor.counters.records_unreadable == 0
 
 
 def test_replaying_a_segment_twice_stores_each_call_once(engine: Engine, spool_dir: Path) -> None:
@@ -347,7 +352,7 @@ def test_replaying_a_segment_twice_stores_each_call_once(engine: Engine, spool_d
         writer.start()
         assert writer.flush(10)
         writer.close()
-        assert writer.records_replayed == 40 and _segments(spool_dir) == []
+        assert writer.counters.records_replayed == 40 and _segments(spool_dir) == []
         (spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl").write_bytes(lines)  # the same, again
     assert count_calls(engine) == 40 and sorted(_ids(engine)) == sorted(r.id for r in records)
 
@@ -413,7 +418,7 @@ def test_the_sync_thread_waits_the_configured_interval_between_rounds() -> None:
         waits.append(timeout_s)
         return len(waits) == 4  # stopped during the fourth wait
 
-    syncer = _Syncer(lambda: rounds.append(len(waits)), 0.025, wait=wait)
+    syncer = Syncer(lambda: rounds.append(len(waits)), 0.025, wait=wait)
     syncer.run()
     assert waits == [0.025] * 4
     assert rounds == [1, 2, 3, 4]  # one round after each interval, and a last one when stopped
@@ -430,7 +435,8 @@ def test_committed_segments_are_rotated_and_removed_while_running(engine: Engine
                 writer.submit(record)
             assert writer.flush(10)
             wait_until(lambda: _segments(spool_dir) == [], 10, f"batch {batch}'s segment to be removed")
-        assert count_calls(engine) == 60 and writer.records_spooled == 0 and writer.records_replayed == 0
+        counters = writer.counters
+        assert count_calls(engine) == 60 and counters.records_spooled == 0 and counters.records_replayed == 0
     finally:
         writer.close()
 
@@ -442,9 +448,9 @@ def test_a_stalled_database_keeps_memory_bounded_and_loses_nothing(engine: Engin
     gate = threading.Event()
     real_write = writer_module.write_calls
 
-    def stalled(engine: Engine, records: list[CallRecord]) -> None:
+    def stalled(engine: Engine, records: list[CallRecord], cache: LineageCache | None = None) -> None:
         gate.wait(30)
-        real_write(engine, records)
+        real_write(engine, records, cache)
 
     writer = RecordWriter(engine, spool_dir, queue_size=50, batch_size=10, **FAST)
     writer_module.write_calls = stalled  # type: ignore[assignment]
@@ -453,7 +459,7 @@ def test_a_stalled_database_keeps_memory_bounded_and_loses_nothing(engine: Engin
         records = _records(1000)
         for record in records:
             writer.submit(record)
-        assert writer.queue_depth <= 50 and writer.records_spooled >= 1000 - 50 - 10
+        assert writer.stats().queue_depth <= 50 and writer.counters.records_spooled >= 1000 - 50 - 10
         gate.set()
         assert writer.flush(30)
     finally:
@@ -496,4 +502,4 @@ def test_replay_stops_at_a_dead_process_s_zero_filled_tail_and_skips_a_torn_reco
     assert writer.flush(10)
     writer.close()
     assert sorted(_ids(engine)) == sorted(r.id for r in records)
-    assert writer.records_replayed == 5 and writer.records_unreadable == 1 and not segment.exists()
+    assert writer.counters.records_replayed == 5 and writer.counters.records_unreadable == 1 and not segment.exists()

@@ -56,13 +56,13 @@ def test_records_are_written_by_the_child_process(pg_url: str, pg_engine: Engine
         for record in _records("p", 40):
             writer.submit(record)
         assert writer.flush(30)
-        assert count_calls(pg_engine) == 40 and writer.records_written == 40
+        assert count_calls(pg_engine) == 40 and writer.counters.records_written == 40
         child = process.pid
         assert child is not None and child != os.getpid() and _alive(child)
     finally:
         writer.close()
     wait_until(lambda: not _alive(child), 10, "the writer process to end with the writer")
-    assert process.starts == 1 and writer.records_lost == 0
+    assert process.starts == 1 and writer.counters.records_lost == 0
 
 
 def test_a_child_that_dies_mid_batch_loses_nothing(pg_url: str, pg_engine: Engine, tmp_path: Path) -> None:
@@ -86,10 +86,10 @@ def test_a_child_that_dies_mid_batch_loses_nothing(pg_url: str, pg_engine: Engin
         wait_until(lambda: count_calls(pg_engine) == 35, 30, "every record stored after the child died")
         assert writer.flush(30)
         assert process.starts == 2 and process.pid != first
-        assert writer.records_spooled >= 1 and writer.records_replayed >= 1  # it went through the log
+        assert writer.counters.records_spooled >= 1 and writer.counters.records_replayed >= 1  # it went through the log
     finally:
         writer.close()
-    assert writer.records_lost == 0 and writer.records_rejected == 0
+    assert writer.counters.records_lost == 0 and writer.counters.records_rejected == 0
 
 
 def _unread(process: WriterProcess) -> int:
@@ -115,7 +115,7 @@ def test_a_refused_record_is_set_aside_alone(pg_url: str, pg_engine: Engine, tmp
         assert writer.flush(30)
     finally:
         writer.close()
-    assert count_calls(pg_engine) == 6 and writer.records_rejected == 1
+    assert count_calls(pg_engine) == 6 and writer.counters.records_rejected == 1
     rejected = (tmp_path / "spool" / "rejected").glob("*.jsonl")
     assert [line.count(b"\n") for line in (path.read_bytes() for path in rejected)] == [1]
 

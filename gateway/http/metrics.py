@@ -15,7 +15,9 @@ OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01,
 
 
 class _WriterCollector(Collector):
-    """Reads the writer's counters at scrape time, so the hot path doesn't update gauges per record."""
+    """Reads the writer's counters at scrape time, so the hot path doesn't update gauges per record. `stats` gives
+    them by the field names of gateway.recorder.writer.WriterStats (as `dataclasses.asdict` of it), which this
+    layer, below the recorder, reads without importing."""
 
     def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
         self._stats = stats
@@ -26,40 +28,50 @@ class _WriterCollector(Collector):
         yield GaugeMetricFamily(
             "trajgate_spool_bytes", "Bytes in the spool (the write-ahead log) not known stored", stats["spool_bytes"]
         )
-        yield GaugeMetricFamily("trajgate_db_up", "1 if the writer can reach the database", stats["db_up"])
+        yield GaugeMetricFamily("trajgate_db_up", "1 if the writer can reach the database", float(stats["db_up"]))
         yield GaugeMetricFamily(
-            "trajgate_records_held", "Records kept in memory because the spool could not be written", stats["held"]
+            "trajgate_records_held",
+            "Records kept in memory because the spool could not be written",
+            stats["records_held"],
         )
         yield CounterMetricFamily(
-            "trajgate_records_logged", "Records appended to the spool before their answer completed", stats["logged"]
+            "trajgate_records_logged",
+            "Records appended to the spool before their answer completed",
+            stats["records_logged"],
         )
         yield CounterMetricFamily(
             "trajgate_records_unlogged",
             "Records answered without a copy in the spool (it could not be written): a crash would lose them",
-            stats["unlogged"],
+            stats["records_unlogged"],
         )
         yield CounterMetricFamily("trajgate_spool_syncs", "Group fsyncs of the spool", stats["syncs"])
         yield CounterMetricFamily(
             "trajgate_spool_sync_errors", "Failed fsyncs of the spool (safe from a crash, not power loss)",
             stats["sync_errors"],
         )
-        yield CounterMetricFamily("trajgate_records_written", "Records written to the database", stats["written"])
         yield CounterMetricFamily(
-            "trajgate_records_spooled", "Records dropped from memory, left for replay from the spool", stats["spooled"]
+            "trajgate_records_written", "Records written to the database", stats["records_written"]
         )
         yield CounterMetricFamily(
-            "trajgate_records_replayed", "Spooled records written to the database on replay", stats["replayed"]
+            "trajgate_records_spooled",
+            "Records dropped from memory, left for replay from the spool",
+            stats["records_spooled"],
         )
         yield CounterMetricFamily(
-            "trajgate_records_rejected", "Records the database refused, kept in spool/rejected/", stats["rejected"]
+            "trajgate_records_replayed", "Spooled records written to the database on replay", stats["records_replayed"]
         )
         yield CounterMetricFamily(
-            "trajgate_records_lost", "Records neither stored nor kept on disk (see the log)", stats["lost"]
+            "trajgate_records_rejected",
+            "Records the database refused, kept in spool/rejected/",
+            stats["records_rejected"],
+        )
+        yield CounterMetricFamily(
+            "trajgate_records_lost", "Records neither stored nor kept on disk (see the log)", stats["records_lost"]
         )
         yield CounterMetricFamily(
             "trajgate_spool_unreadable_lines",
             "Spool lines replay could not read (torn by a crash): records lost, usually found at start-up",
-            stats["unreadable"],
+            stats["records_unreadable"],
         )
         yield CounterMetricFamily(
             "trajgate_spool_errors", "Appends to the spool that failed (EMFILE, a full disk)", stats["spool_errors"]

@@ -1,8 +1,9 @@
 """A record as one line of the spool (the writer's write-ahead log), and how a failed write is classified.
 
-Shared by the writer thread (gateway.recorder.writer) and the writer process (gateway.recorder.writer_process),
-which both read spool lines and sort failures into "this record can never be stored" and "the database is away";
-kept apart from both so neither imports the other's module.
+Shared by the spool (gateway.recorder.spool, which reads lines back on replay), the writer thread
+(gateway.recorder.writer) and the writer process (gateway.recorder.writer_process); the last two also sort failures
+into "this record can never be stored" and "the database is away". Kept apart from all three so that none imports
+another's module for it.
 """
 
 from __future__ import annotations

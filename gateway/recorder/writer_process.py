@@ -148,11 +148,12 @@ def main() -> int:
     from gateway.recorder.spool_lines import is_record_error, read_spool_line, reason
     from gateway.recorder.threads import name_os_thread
     from gateway.store.db import make_engine
-    from gateway.store.records import write_calls
+    from gateway.store.records import LineageCache, write_calls
 
     threading.current_thread().name = "trajgate-store"
     name_os_thread()
     engine = make_engine(os.environ[_URL_ENV], pool_size=1, max_overflow=0)
+    lineage = LineageCache()  # the calls this process wrote, as the writer thread keeps them when it writes itself
     try:
         while True:
             try:
@@ -160,7 +161,7 @@ def main() -> int:
             except EOFError:
                 return 0
             try:
-                write_calls(engine, [read_spool_line(line) for line in payload.split(b"\n") if line])
+                write_calls(engine, [read_spool_line(line) for line in payload.split(b"\n") if line], lineage)
                 answer = b""
             except Exception as exc:  # every failure is the parent's to sort: outage or refused record
                 answer = orjson.dumps({"reason": reason(exc), "record": is_record_error(exc)})

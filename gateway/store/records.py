@@ -404,12 +404,14 @@ def _call_row(
     }
 
 
-def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
+def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCache | None = None) -> None:
     """Upsert the records and the runs, groups and trajectories they name, all in one transaction.
 
     One transaction per batch so a failure leaves nothing half-written and the whole batch can simply be
     retried or spooled. Rows are sent sorted by key so concurrent writers (several gateway processes) lock
-    shared group and trajectory rows in the same order and do not deadlock each other.
+    shared group and trajectory rows in the same order and do not deadlock each other. `cache`: the newest calls this
+    caller wrote (the record writer owns one), so the next call of a trajectory usually finds its predecessor there;
+    without one every predecessor is read back from the database, as another process's write would need.
     """
     if not records:
         return
@@ -472,7 +474,7 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
         # Unprepared: they join the batch against tables that grow (see make_engine).
         digests: dict[str, bytes | None] = {}
         packed: dict[str, _Packed] = {}
-        calls, lineages, firsts = _lineages(conn, statements, calls, hashes, digests, packed)
+        calls, lineages, firsts = _lineages(conn, statements, calls, hashes, digests, packed, cache)
         with _prepared(conn):
             if calls:
                 rows = []
@@ -486,7 +488,8 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
                     _execute_many(conn, statements.calls.rowwise, rows)
         conn.execute(statements.reopen, {"group_ids": sorted(groups)})
         conn.execute(statements.untrainable, {"ids": sorted(trajectories)})
-    cache = _cache_for(engine)
+    if cache is None:
+        return
     for record in calls:
         give_way()
         if record.choice_index == 0:
@@ -604,13 +607,14 @@ class _Entry(NamedTuple):
     messages: bytes | None  # digests of the request's messages, not the messages
 
 
-class _LineageCache:
+class LineageCache:
     """The newest choice-0 call written by this process per trajectory and agent (calls whose requests start with the
     same message: the supervisor's, a sub-agent's), with its full ids and its messages' digests, so that the next call
     of a trajectory usually finds its predecessor here instead of rebuilding it from the database, and a root the last
     call of its own agent (_root_reason) too. An entry is used only when the database still holds that very call (same
     id) at that seq. At most AGENTS_KEPT agents a trajectory (the newest calls stay); bounded by the bytes of ids it
-    holds, the least recently written trajectories going first."""
+    holds, the least recently written trajectories going first. One per writer, passed to `write_calls`: what it
+    holds is what that writer wrote, and two writers (tests, benchmarks, gateways on one database) never share one."""
 
     AGENTS_KEPT = 4
 
@@ -657,18 +661,6 @@ class _LineageCache:
 
 def _size(entry: _Entry) -> int:
     return len(entry.prompt or b"") + len(entry.completion or b"") + len(entry.messages or b"")
-
-
-_caches: weakref.WeakKeyDictionary[Engine, _LineageCache] = weakref.WeakKeyDictionary()
-_caches_lock = threading.Lock()
-
-
-def _cache_for(engine: Engine) -> _LineageCache:
-    with _caches_lock:
-        cache = _caches.get(engine)
-        if cache is None:
-            cache = _caches[engine] = _LineageCache()
-        return cache
 
 
 def _aware(value: datetime) -> datetime:
@@ -722,6 +714,7 @@ def _lineages(
     hashes: dict[_Seq, bytes | None],
     digests: dict[str, bytes | None],
     packed: dict[str, _Packed],
+    cache: LineageCache | None,
 ) -> tuple[list[CallRecord], list[Lineage], dict[_Seq, tuple[int, int]]]:
     """Each record's merge diagnostics and storage prefixes (ids and messages) against its predecessor, in the same
     transaction, and the earliest attempt (first_seq, first_retry_count) each written row stands for; `digests` and
@@ -733,7 +726,6 @@ def _lineages(
     stored choice-0 call would leave that call's compact children pointing at ids or messages that no longer exist,
     so those children get their full prompt and request back first.
     """
-    cache = _cache_for(conn.engine)
     key_order = keeps_key_order(conn.dialect.name)
     trajectory_ids = sorted({record.trajectory_id for record in calls})
     stored: dict[str, dict[tuple[int, int], Any]] = {t: {} for t in trajectory_ids}
@@ -798,78 +790,15 @@ def _lineages(
             conn.execute(delete(_calls).where(_calls.c.trajectory_id == trajectory_id, _calls.c.seq.in_(removed)))
             rows = {key: row for key, row in rows.items() if key[0] not in removed}
         _update_firsts(conn, trajectory_id, rows, settlements[trajectory_id])
-        # After this batch, each (seq, choice) is the incoming record if any, else the stored row.
-        in_batch = {(r.seq, r.choice_index): r for r in records}
-        choice0 = sorted({seq for seq, choice in (*rows, *in_batch) if choice == 0})
-        found: dict[tuple[int, int], Predecessor | None] = {}
-
-        def predecessor_at(seq: int, choice: int) -> Predecessor | None:
-            nonlocal rebuilt
-            key = (seq, choice)
-            if key not in found:
-                stored_only = key not in in_batch and key in rows
-                cached = cache.get(trajectory_id, seq, rows[key].id) if stored_only and choice == 0 else None
-                if cached is None and stored_only and rebuilt is None:
-                    rebuilt = rebuild_calls(conn, trajectory_id)
-                found[key] = cached or _predecessor_at(conn, trajectory_id, key, in_batch, rows, rebuilt, digests)
-            return found[key]
-
-        def full_calls() -> RebuiltCalls:
-            nonlocal rebuilt
-            if rebuilt is None:
-                rebuilt = rebuild_calls(conn, trajectory_id)
-            return rebuilt
-
-        firsts_stored: dict[int, bytes | None] = {}
-
-        def stored_first(seq: int) -> bytes | None:
-            # A stored call's first message is its messages' storage parent's (they share at least that one), down to
-            # a call that stores its request whole: one read per such call, not a rebuild of the trajectory.
-            chain = []
-            at = seq
-            while at not in firsts_stored:
-                row = rows.get((at, 0))
-                if row is None:
-                    firsts_stored[at] = None
-                elif row.messages_parent_seq is None or row.messages_parent_seq in replaced:
-                    # (a call whose storage parent this batch replaces got its whole request back above)
-                    request = conn.execute(
-                        select(_calls.c.request).where(
-                            _calls.c.trajectory_id == trajectory_id, _calls.c.seq == at, _calls.c.choice_index == 0
-                        )
-                    ).scalar_one_or_none()
-                    firsts_stored[at] = first_message_digest(request, key_order)
-                else:
-                    chain.append(at)
-                    at = row.messages_parent_seq
-            for link in chain:
-                firsts_stored[link] = firsts_stored[at]
-            return firsts_stored[seq]
-
-        def same_agent_before(seq: int, own: bytes | None) -> Predecessor | None:
-            # The latest earlier choice-0 call whose request starts with the same message as `own` (gateway.store.tree
-            # root_anchor): looked for only for a root that shares no message with the call before it.
-            first = first_message(own)
-            if first is None:
-                return None
-            for earlier in reversed([s for s in choice0 if s < seq]):
-                if (earlier, 0) in in_batch:
-                    theirs = first_message(digests[in_batch[(earlier, 0)].id])
-                else:
-                    theirs = stored_first(earlier)
-                if theirs == first:
-                    return predecessor_at(earlier, 0)
-            return None
-
+        view = _TrajectoryView(conn, trajectory_id, rows, records, replaced, digests, cache, rebuilt, key_order)
         candidates = _stored_candidates(rows, records)
         for record in records:
-            earlier = [seq for seq in choice0 if seq < record.seq]
-            previous = predecessor_at(earlier[-1], 0) if earlier else None
+            previous = view.previous_of(record.seq)
             own = record.predecessor_seq
-            if own is None or own >= record.seq or predecessor_at(own, record.predecessor_choice or 0) is None:
+            if own is None or own >= record.seq or view.predecessor_at(own, record.predecessor_choice or 0) is None:
                 lineage = classify(record.prompt_token_ids, previous)
                 lineage = _with_messages(lineage, digests[record.id], previous)
-                anchor = partial(same_agent_before, record.seq, digests[record.id])
+                anchor = partial(view.same_agent_before, record.seq, digests[record.id])
                 lineage = _in_tree(
                     lineage, record, packed[record.id], candidates, None, digests[record.id], previous, anchor
                 )
@@ -877,35 +806,128 @@ def _lineages(
                 if at is not None and lineage.tree_parent == (at, 0) and at != lineage.messages_parent_seq:
                     # Its ids are stored against its tree parent (_in_tree): its messages too, where that shares more
                     # (a supervisor resuming after its sub-agent: its agent's newest call, which the cache holds).
-                    lineage = _with_messages(lineage, digests[record.id], predecessor_at(at, 0), longer=True)
+                    lineage = _with_messages(lineage, digests[record.id], view.predecessor_at(at, 0), longer=True)
                 lineages.append(lineage)
                 continue
             # A token_in call names the recorded choice its prompt was built on: classify against that one (a retry
             # or a parallel branch of a turn extends the turn before it, not its sibling at the previous seq). Its
             # ids and messages are stored against choice 0 of that seq, the only choice a Rebuilder keeps.
-            lineage = classify(record.prompt_token_ids, predecessor_at(own, record.predecessor_choice or 0))
-            storage = predecessor_at(own, 0)
+            lineage = classify(record.prompt_token_ids, view.predecessor_at(own, record.predecessor_choice or 0))
+            storage = view.predecessor_at(own, 0)
             stored_as = classify(record.prompt_token_ids, storage)
             lineage = replace(lineage, parent_seq=stored_as.parent_seq, prefix_len=stored_as.prefix_len)
             lineage = _with_messages(lineage, digests[record.id], storage)
             named_choice = record.predecessor_choice or 0
-            anchor = partial(same_agent_before, record.seq, digests[record.id])
+            anchor = partial(view.same_agent_before, record.seq, digests[record.id])
             lineages.append(
                 _in_tree(
                     lineage, record, packed[record.id], candidates, (own, named_choice), digests[record.id], storage,
                     anchor,
                 )
             )
-
-        def previous_of(seq: int) -> Predecessor | None:
-            earlier = [s for s in choice0 if s < seq]
-            return predecessor_at(earlier[-1], 0) if earlier else None
-
-        _reparent_late(
-            conn, trajectory_id, rows, records, candidates, replaced, full_calls, previous_of, same_agent_before
-        )
+        _reparent_late(conn, trajectory_id, rows, records, candidates, replaced, view)
     ordered = [r for t in trajectory_ids for r in kept[t]]
     return ordered, lineages, firsts
+
+
+class _TrajectoryView:
+    """One trajectory as the batch being written leaves it (each (seq, choice) is the incoming record if any, else
+    the stored row), for the lookups that deriving its records' lineage and tree places make. They share what they
+    found: predecessors are memoized, and the trajectory's full calls are rebuilt from the database at most once, and
+    only when a lookup needs a stored call the lineage cache does not hold, so a batch in order of arrival with a warm
+    cache reads nothing more. `rebuilt`: the trajectory already rebuilt for its orphans, if it was."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        trajectory_id: str,
+        rows: dict[tuple[int, int], Any],
+        records: list[CallRecord],
+        replaced: set[int],
+        digests: dict[str, bytes | None],
+        cache: LineageCache | None,
+        rebuilt: RebuiltCalls | None,
+        key_order: bool,
+    ) -> None:
+        self._conn = conn
+        self._trajectory_id = trajectory_id
+        self._rows = rows
+        self._in_batch = {(r.seq, r.choice_index): r for r in records}
+        self._replaced = replaced
+        self._digests = digests
+        self._cache = cache
+        self._rebuilt = rebuilt
+        self._key_order = key_order
+        self._choice0 = sorted({seq for seq, choice in (*rows, *self._in_batch) if choice == 0})
+        self._found: dict[tuple[int, int], Predecessor | None] = {}
+        self._firsts: dict[int, bytes | None] = {}
+
+    def predecessor_at(self, seq: int, choice: int) -> Predecessor | None:
+        """The call at (seq, choice) as a predecessor: from the batch, else the lineage cache (choice 0 of a call
+        this writer wrote and the database still holds), else rebuilt from the database."""
+        key = (seq, choice)
+        if key not in self._found:
+            stored_only = key not in self._in_batch and key in self._rows
+            cached = None
+            if self._cache is not None and stored_only and choice == 0:
+                cached = self._cache.get(self._trajectory_id, seq, self._rows[key].id)
+            if cached is None and stored_only and self._rebuilt is None:
+                self._rebuilt = rebuild_calls(self._conn, self._trajectory_id)
+            self._found[key] = cached or _predecessor_at(
+                self._conn, self._trajectory_id, key, self._in_batch, self._rows, self._rebuilt, self._digests
+            )
+        return self._found[key]
+
+    def previous_of(self, seq: int) -> Predecessor | None:
+        """The choice-0 call just before `seq`: what a call without a named predecessor is classified against."""
+        earlier = [s for s in self._choice0 if s < seq]
+        return self.predecessor_at(earlier[-1], 0) if earlier else None
+
+    def full_calls(self) -> RebuiltCalls:
+        """Every stored call of the trajectory in full (late arrivals re-place stored calls by their whole prompt)."""
+        if self._rebuilt is None:
+            self._rebuilt = rebuild_calls(self._conn, self._trajectory_id)
+        return self._rebuilt
+
+    def same_agent_before(self, seq: int, own: bytes | None) -> Predecessor | None:
+        """The latest earlier choice-0 call whose request starts with the same message as `own` (gateway.store.tree
+        root_anchor): looked for only for a root that shares no message with the call before it."""
+        first = first_message(own)
+        if first is None:
+            return None
+        for earlier in reversed([s for s in self._choice0 if s < seq]):
+            if (earlier, 0) in self._in_batch:
+                theirs = first_message(self._digests[self._in_batch[(earlier, 0)].id])
+            else:
+                theirs = self._stored_first(earlier)
+            if theirs == first:
+                return self.predecessor_at(earlier, 0)
+        return None
+
+    def _stored_first(self, seq: int) -> bytes | None:
+        """A stored call's first message digest. It is its messages' storage parent's (they share at least that
+        one), down to a call that stores its request whole: one read per such call, not a rebuild of the
+        trajectory."""
+        chain = []
+        at = seq
+        while at not in self._firsts:
+            row = self._rows.get((at, 0))
+            if row is None:
+                self._firsts[at] = None
+            elif row.messages_parent_seq is None or row.messages_parent_seq in self._replaced:
+                # (a call whose storage parent this batch replaces got its whole request back above)
+                request = self._conn.execute(
+                    select(_calls.c.request).where(
+                        _calls.c.trajectory_id == self._trajectory_id, _calls.c.seq == at, _calls.c.choice_index == 0
+                    )
+                ).scalar_one_or_none()
+                self._firsts[at] = first_message_digest(request, self._key_order)
+            else:
+                chain.append(at)
+                at = row.messages_parent_seq
+        for link in chain:
+            self._firsts[link] = self._firsts[at]
+        return self._firsts[seq]
 
 
 def _stored_candidates(rows: dict[tuple[int, int], Any], records: list[CallRecord]) -> list[Candidate]:
@@ -993,9 +1015,7 @@ def _reparent_late(
     records: list[CallRecord],
     candidates: list[Candidate],
     replaced: set[int],
-    full_calls: Callable[[], RebuiltCalls],
-    previous_of: Callable[[int], Predecessor | None],
-    same_agent_before: Callable[[int, bytes | None], Predecessor | None],
+    view: _TrajectoryView,
 ) -> None:
     """Stored calls whose place in the tree a record arriving late changes (it reached the database after them:
     another gateway's writer, the spool) are looked up again: those it extends further than their recorded parent,
@@ -1018,20 +1038,14 @@ def _reparent_late(
             continue
         parent = (row.tree_parent_seq, row.tree_parent_choice) if row.tree_parent_seq is not None else None
         held = lengths.get(parent, 0) if parent is not None else 0
-
-        def better(seq: int, choice: int, n: int | None, held: int = held, parent: Any = parent) -> bool:
-            # Longer, or as long and lower (seq, choice): the tie rule gateway.store.tree.find_parent applies.
-            if n is None or n > row.tokens_len:
-                return False
-            return n > held or (n == held and parent is not None and (seq, choice) < parent)
-
         if row.tree_parent_seq in replaced or any(
-            seq < key[0] and better(seq, choice, n) for seq, choice, n in incoming
+            seq < key[0] and _better_parent((seq, choice), n, row.tokens_len, parent, held)
+            for seq, choice, n in incoming
         ):
             suspects.append((key, row))
     if not suspects:
         return
-    rebuilt = full_calls()
+    rebuilt = view.full_calls()
     key_order = keeps_key_order(conn.dialect.name)
     for key, _row in suspects:
         prompt = rebuilt.prompts.get(key)
@@ -1044,9 +1058,9 @@ def _reparent_late(
                 "divergence": None,
             }
         else:
-            previous = previous_of(key[0])
+            previous = view.previous_of(key[0])
             own = message_digests(rebuilt.requests.get(key), key_order)
-            anchor = partial(same_agent_before, key[0], own)
+            anchor = partial(view.same_agent_before, key[0], own)
             reason, divergence = _root_reason(prompt, own, previous, classify(prompt, previous), anchor)
             values = {"tree_parent_seq": None, "tree_parent_choice": None, "merge_reason": reason}
             values["divergence"] = divergence
@@ -1055,6 +1069,18 @@ def _reparent_late(
             .where(_calls.c.trajectory_id == trajectory_id, _calls.c.seq == key[0], _calls.c.choice_index == key[1])
             .values(**values)
         )
+
+
+def _better_parent(
+    candidate: tuple[int, int], length: int | None, tokens_len: int, parent: tuple[int, int] | None, held: int
+) -> bool:
+    """Whether an incoming call (at `candidate`, `length` ids of its own) would be a better tree parent for a stored
+    call (`tokens_len` ids) than its recorded `parent` (`held` ids; None: a root): a prefix of it, longer, or as long
+    and at a lower (seq, choice), the tie rule gateway.store.tree.find_parent applies. Only then must a late arrival
+    re-place the stored call."""
+    if length is None or length > tokens_len:
+        return False
+    return length > held or (length == held and parent is not None and candidate < parent)
 
 
 def _settle(rows: dict[tuple[int, int], Any], calls: list[CallRecord], hashes: dict[_Seq, bytes | None]) -> Settlement:
