@@ -14,8 +14,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.examples import load_example
-from tests.fake_upstream import load_fixtures
+from tests.support.examples import load_example
+from tests.support.fake_upstream import load_fixtures
 
 agent = load_example("tool_agent")
 FIXTURES = load_fixtures()

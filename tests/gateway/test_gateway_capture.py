@@ -14,9 +14,9 @@ import openai
 import pytest
 
 from gateway.proxy.sampling import NEUTRAL
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway
-from tests.stored import stored_calls
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway
+from tests.support.stored import stored_calls
 
 INJECTED = ("logprobs", "return_token_ids")
 

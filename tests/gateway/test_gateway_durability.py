@@ -22,12 +22,12 @@ from gateway.store import db
 from gateway.store.call_record import CallRecord
 from gateway.store.db import make_engine
 from gateway.store.models import Call
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import running_gateway, start_serve
-from tests.pgcluster import PgCluster, create_database, free_port
-from tests.stored import count_calls
-from tests.test_gateway_capture import client_body
-from tests.waiting import SocketReader, wait_until
+from tests.gateway.test_gateway_capture import client_body
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import running_gateway, start_serve
+from tests.support.pgcluster import PgCluster, create_database, free_port
+from tests.support.stored import count_calls
+from tests.support.waiting import SocketReader, wait_until
 
 
 @pytest.fixture

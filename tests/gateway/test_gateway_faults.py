@@ -10,12 +10,12 @@ import httpx
 import openai
 import pytest
 
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.pgcluster import free_port
-from tests.stored import count_calls, stored_calls
-from tests.test_gateway_capture import client_body
-from tests.waiting import SocketReader, wait_until
+from tests.gateway.test_gateway_capture import client_body
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.pgcluster import free_port
+from tests.support.stored import count_calls, stored_calls
+from tests.support.waiting import SocketReader, wait_until
 
 
 def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:

@@ -8,11 +8,11 @@ import json
 import httpx
 import pytest
 
-from tests.fake_upstream import FakeUpstream, load_fixtures
-from tests.gateway_harness import RunningGateway
-from tests.stored import count_calls, stored_calls
-from tests.test_gateway_capture import client_body
-from tests.test_gateway_faults import assert_openai_error
+from tests.gateway.test_gateway_capture import client_body
+from tests.gateway.test_gateway_faults import assert_openai_error
+from tests.support.fake_upstream import FakeUpstream, load_fixtures
+from tests.support.gateway_harness import RunningGateway
+from tests.support.stored import count_calls, stored_calls
 
 
 def _nested(depth: int) -> object:
@@ -156,8 +156,8 @@ def test_a_stream_with_a_100k_token_prompt_is_relayed_and_recorded(
     """The first line is ~700 KB: past aiohttp's line-reader limit (128 KiB on 3.10, ~75k ids on 3.14)."""
     from openai import OpenAI
 
-    from tests.gateway_harness import running_gateway
-    from tests.test_gateway_capture import sdk_kwargs
+    from tests.gateway.test_gateway_capture import sdk_kwargs
+    from tests.support.gateway_harness import running_gateway
 
     fixture = _long_prompt_stream(100_000)
     upstream = FakeUpstream({"long": fixture}).start()

@@ -9,10 +9,10 @@ import time
 
 import httpx
 
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import running_gateway
-from tests.stored import count_calls
-from tests.waiting import SocketReader, wait_until
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import running_gateway
+from tests.support.stored import count_calls
+from tests.support.waiting import SocketReader, wait_until
 
 
 def _connect(port: int) -> socket.socket:

@@ -20,11 +20,11 @@ import httpx
 import pytest
 
 from scripts.record_parity import answer
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import stored_calls
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.stored import stored_calls
 
-CORPUS = Path(__file__).parent / "fixtures" / "parity"
+CORPUS = Path(__file__).parents[1] / "fixtures" / "parity"
 FIXTURES = {path.stem: json.loads(path.read_text()) for path in sorted(CORPUS.glob("*.json"))}
 
 # Keys the gateway's answer may have beyond vLLM's: the Response fields of OpenAI's API that vLLM's Response lacks

@@ -27,14 +27,14 @@ from gateway.store import db
 from gateway.store.models import UiSession
 from gateway.store.runs import upsert_run
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
-from tests.fake_judge import FakeJudge
-from tests.fake_upstream import FakeUpstream, load_fixtures
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.judge_group import RUN as RUN_JUDGED
-from tests.judge_group import write_group
-from tests.responses_agent import FUNCTION_TOOL, RUN, TOOL_ITEMS, ask
-from tests.stored import stored_calls
-from tests.test_gateway_faults import assert_openai_error
+from tests.gateway.test_gateway_faults import assert_openai_error
+from tests.support.fake_judge import FakeJudge
+from tests.support.fake_upstream import FakeUpstream, load_fixtures
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.judge_group import RUN as RUN_JUDGED
+from tests.support.judge_group import write_group
+from tests.support.responses_agent import FUNCTION_TOOL, RUN, TOOL_ITEMS, ask
+from tests.support.stored import stored_calls
 
 KEY_A, KEY_B = "agent-key-a", "agent-key-b"
 JUDGE_GROUP = "jg-security"

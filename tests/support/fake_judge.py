@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-JUDGE_FIXTURES = Path(__file__).parent / "fixtures" / "judge"
+JUDGE_FIXTURES = Path(__file__).parents[1] / "fixtures" / "judge"
 
 
 def judge_fixture(name: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from aiohttp import ClientSession, web
 from gateway.proxy import chat_templates
 from gateway.proxy.sampling import NEUTRAL
 
-FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "vllm"
 RENDER = "/v1/chat/completions/render"
 # SmolLM2's template ignores tools: both of token_in's probes render alike.
 SMOLLM2_PROBE: list[int] = next(

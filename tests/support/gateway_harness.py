@@ -18,8 +18,8 @@ from gateway.app import Gateway, create_app
 from gateway.cli import uvicorn_config
 from gateway.runs.settings import Settings, load_settings
 from gateway.store import db
-from tests.pgcluster import free_port
-from tests.waiting import OutputLines, wait_until
+from tests.support.pgcluster import free_port
+from tests.support.waiting import OutputLines, wait_until
 
 
 class RunningGateway:

@@ -9,7 +9,7 @@ import asyncio
 
 from agents import ModelSettings, RunConfig
 
-from tests.examples import load_example
+from tests.support.examples import load_example
 
 RUNS = {"chat": "handoff-chat", "token_in": "handoff-tokenin"}
 GREEDY = RunConfig(model_settings=ModelSettings(temperature=0), tracing_disabled=True)

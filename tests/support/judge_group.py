@@ -12,7 +12,7 @@ from sqlalchemy import Engine
 
 from gateway.store.call_record import CallRecord
 from gateway.store.records import write_calls
-from tests.factories import make_record
+from tests.support.factories import make_record
 
 SYSTEM = "You are a shopping assistant. Use the calculator tool for arithmetic when it helps."
 TASK = "Pencils cost $0.35 each. How much do 12 pencils cost? Answer with the total in dollars."

@@ -1,5 +1,5 @@
 """The Anthropic SDK tool loop that the messages fixtures were recorded with, the fast tests replay and the e2e runs
-live (the Messages-API twin of tests/token_in_agent.py).
+live (the Messages-API twin of tests/support/token_in_agent.py).
 
 Turn 1 asks for the weather with the repo's in-context tool example (SmolLM2's template ignores `tools`); the answer
 is echoed back whole, as Anthropic SDK agents do (`message.content` as the next assistant turn); a `tool_result`

@@ -3,7 +3,7 @@
 Only the ends are stubbed — the upstream response (`iter_chunks()` and `close()`, the part of
 gateway.upstream.client's response the relay reads), the ASGI `send`/`receive`, and the writer (records are kept in a list) — so what comes
 out is exactly what a client would receive and what would be written. Shared by the relay's equivalence tests
-(tests/test_stream_relay.py) and its CPU benchmark (bench/sse_relay.py).
+(tests/gateway/proxy/test_stream_relay.py) and its CPU benchmark (bench/sse_relay.py).
 """
 
 from __future__ import annotations

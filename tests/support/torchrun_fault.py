@@ -1,4 +1,4 @@
-"""`trajgate` under torchrun with one rank dying mid-step, for tests/test_torchrun.py.
+"""`trajgate` under torchrun with one rank dying mid-step, for tests/e2e/test_torchrun_e2e.py.
 
 The rank named by TRAJGATE_TEST_KILL_RANK exits (status 3, no clean-up, as a crashed or OOM-killed process
 would) after its share of the step's backward passes, just before the gradients are summed over the ranks.

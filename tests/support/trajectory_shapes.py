@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.store.call_record import CallRecord
-from tests.factories import make_record
+from tests.support.factories import make_record
 
 SHAPES = ("linear", "supervisor", "forks", "compaction")
 SYSTEM = [1, 9690, 198, 2610, 359, 253, 5356, 11173, 30, 2, 198]  # "<|im_start|>system\nYou are ...<|im_end|>\n"

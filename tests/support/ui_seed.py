@@ -16,7 +16,7 @@ from gateway.store.records import write_calls
 from gateway.store.rewards import RewardItem, store_rewards
 from gateway.store.runs import record_train_step
 from gateway.store.training import acquire_run_lease, claim_ready_groups, commit_step, drop_groups, publish_version
-from tests.factories import make_record
+from tests.support.factories import make_record
 
 RUN = "ui-run"
 HOSTILE = '<script>alert("pwned")</script><img src=x onerror=alert(1)>'

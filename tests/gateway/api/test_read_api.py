@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import httpx
 
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway
-from tests.stored import stored_calls
-from tests.test_gateway_faults import assert_openai_error
-from tests.trajectories import make_calls, reward
+from tests.gateway.test_gateway_faults import assert_openai_error
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway
+from tests.support.stored import stored_calls
+from tests.support.trajectories import make_calls, reward
 
 CONVERSATION = ["conversation_turn1", "conversation_turn2_tool_call", "conversation_turn2_tool_result"]
 

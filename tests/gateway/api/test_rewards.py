@@ -13,11 +13,11 @@ import httpx
 import pytest
 
 from gateway.recorder import writer as gateway_writer
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import stored_calls
-from tests.test_gateway_faults import assert_openai_error
-from tests.trajectories import group, make_calls, reward, set_group_state
+from tests.gateway.test_gateway_faults import assert_openai_error
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.stored import stored_calls
+from tests.support.trajectories import group, make_calls, reward, set_group_state
 
 
 def test_ready_when_expected_size_reached(gateway: RunningGateway, upstream: FakeUpstream, db_url: str) -> None:

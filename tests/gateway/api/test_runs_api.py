@@ -19,12 +19,12 @@ from gateway.runs.config import RunConfig
 from gateway.store.db import make_engine
 from gateway.store.models import PolicyVersion
 from gateway.store.runs import record_train_step
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway, start_serve
-from tests.test_gateway_capture import client_body
-from tests.test_gateway_faults import assert_openai_error
-from tests.trajectories import make_calls, reward
-from tests.waiting import wait_until
+from tests.gateway.test_gateway_capture import client_body
+from tests.gateway.test_gateway_faults import assert_openai_error
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway, start_serve
+from tests.support.trajectories import make_calls, reward
+from tests.support.waiting import wait_until
 
 
 def post_run(gw: RunningGateway, body: dict[str, Any], **headers: str) -> httpx.Response:
@@ -128,7 +128,7 @@ def test_run_progress_and_steps(gateway: RunningGateway, upstream: FakeUpstream,
     assert run["last_step"]["step"] == 2 and run["last_step"]["metrics"] == {"loss": None, "reward_mean": 0.2}
     assert run["eval_reward_by_version"] == [{"policy_version": 0, "mean_reward": 0.25, "trajectories": 1}]
     assert run["config"] == RunConfig().model_dump(mode="json")  # created by its first call: defaults
-    # One call per trajectory here: nothing to extend (tests/test_lineage.py covers the reasons).
+    # One call per trajectory here: nothing to extend (tests/gateway/store/test_lineage.py covers the reasons).
     assert run["merge"] == {"calls": 3, "by_reason": {"first_call": 3}, "merge_ratio": None}
 
     listed = httpx.get(gateway.base_url + "/runs").json()["data"]

@@ -2,7 +2,7 @@
 exchanges the gateway sent real vLLM CPU + SmolLM2 replayed behind it.
 
 The recordings (tests/fixtures/vllm/messages_*_tool_loop*.json) were made by this gateway driving
-tests/messages_agent.py's tool loop through a recording proxy (scripts/record_fixtures.py --only messages), so
+tests/support/messages_agent.py's tool loop through a recording proxy (scripts/record_fixtures.py --only messages), so
 replay answers only the exact chat requests the gateway sent then: a different translation gets no answer and the
 test fails. What is checked: the client gets Anthropic's shapes (blocks, stop reasons, stream events, errors), and
 the record holds vLLM's exact ids and logprobs under the `messages` endpoint, in both token modes.
@@ -25,11 +25,11 @@ from gateway.edge.api_messages import MessagesRequest, StreamTranslator, to_chat
 from gateway.http.errors import GatewayError
 from gateway.proxy import token_in
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
-from tests.fake_upstream import FIXTURES, FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.messages_agent import COUNT_TOKENS, HISTORY, RUN, STOP_CALL, TOOL, tool_loop, tool_uses
-from tests.pgcluster import free_port
-from tests.stored import stored_calls
+from tests.support.fake_upstream import FIXTURES, FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.messages_agent import COUNT_TOKENS, HISTORY, RUN, STOP_CALL, TOOL, tool_loop, tool_uses
+from tests.support.pgcluster import free_port
+from tests.support.stored import stored_calls
 
 CHAT = "/v1/chat/completions"
 # The loop's first turn (train mode sends neutral sampling, which replay does not match on).

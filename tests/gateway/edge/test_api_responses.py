@@ -1,5 +1,5 @@
 """The OpenAI Responses API through the gateway: the OpenAI SDK's `responses.create` against chat exchanges recorded
-from real vLLM CPU + SmolLM2 (tests/fixtures/vllm/responses_*.json, recorded by driving tests/responses_agent.py through
+from real vLLM CPU + SmolLM2 (tests/fixtures/vllm/responses_*.json, recorded by driving tests/support/responses_agent.py through
 this gateway). Replay answers only a chat request equal to the recorded one, so every passing call also proves the
 translation sends vLLM what it sent then."""
 
@@ -21,10 +21,10 @@ from gateway.recorder import writer as gateway_writer
 from gateway.store.db import make_engine
 from gateway.store.lineage import EXTENDS
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.responses_agent import FUNCTION_TOOL, QUESTION, RUN, TOKEN_IN_RUN, TOOL_ITEMS, ask, tool_loop
-from tests.stored import stored_calls
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.responses_agent import FUNCTION_TOOL, QUESTION, RUN, TOKEN_IN_RUN, TOOL_ITEMS, ask, tool_loop
+from tests.support.stored import stored_calls
 
 # responses_chat.json's exchanges, in the order the recorder made them
 ASK, TOOL_CALL, TOOL_RESULT, ASK_STREAM, TOOL_CALL_STREAM, TOOL_RESULT_STREAM, ASK_NOT_STORED = range(7)

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
 
 MESSAGES = "/v1/messages"
 RESPONSES = "/v1/responses"

@@ -24,11 +24,11 @@ from gateway.store import db
 from gateway.store.judging import judgeable_groups, load_group
 from gateway.store.rewards import RewardItem, close_group, store_rewards
 from gateway.store.runs import upsert_run
-from tests.fake_judge import FakeJudge, chat_completion, judge_fixture, scores_answer
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.judge_group import GROUP, IDS, RUN, write_group
-from tests.test_gateway_faults import assert_openai_error
-from tests.trajectories import group, set_group_state
+from tests.gateway.test_gateway_faults import assert_openai_error
+from tests.support.fake_judge import FakeJudge, chat_completion, judge_fixture, scores_answer
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.judge_group import GROUP, IDS, RUN, write_group
+from tests.support.trajectories import group, set_group_state
 
 HANDMADE_REWARDS = [0.9, 1.0, 0.0, 0.1]
 
@@ -69,7 +69,8 @@ def judge_now(gw: RunningGateway, group_id: str = GROUP, body: Any = None, **hea
 
 @pytest.fixture
 def judged(gateway: RunningGateway, db_url: str, fake_judge: FakeJudge) -> RunningGateway:
-    """The gateway with tests/judge_group.py's four trajectories recorded and the run's judge set to the fake."""
+    """The gateway with tests/support/judge_group.py's four trajectories recorded and the run's judge set to the
+    fake."""
     engine = db.make_engine(db_url)
     try:
         write_group(engine)

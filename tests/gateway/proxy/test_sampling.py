@@ -10,11 +10,11 @@ import httpx
 import openai
 import pytest
 
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway
-from tests.stored import stored_calls
-from tests.test_gateway_capture import client_body, on_policy, sdk, without_injected
-from tests.test_gateway_faults import assert_openai_error
+from tests.gateway.test_gateway_capture import client_body, on_policy, sdk, without_injected
+from tests.gateway.test_gateway_faults import assert_openai_error
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway
+from tests.support.stored import stored_calls
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 
 

@@ -22,8 +22,8 @@ import pytest
 from bench.fast_upstream import pick_chat_fixture, stream_from_answer
 from gateway.proxy import capture
 from gateway.proxy.capture import CHAT, COMPLETIONS, ClientAsks, StreamAssembler, _ChoiceParts, strip_for_client
-from tests.fake_upstream import load_fixtures
-from tests.stream_relay import relay, relay_proxy, sse_reads
+from tests.support.fake_upstream import load_fixtures
+from tests.support.stream_relay import relay, relay_proxy, sse_reads
 
 FIXTURES = load_fixtures()
 ALL_ASKS = [ClientAsks(logprobs=lp, token_ids=ids) for lp in (False, True) for ids in (False, True)]

@@ -1,7 +1,7 @@
 """The token_in run mode against render/generate/derender exchanges recorded from real vLLM CPU + SmolLM2.
 
 The recordings (tests/fixtures/vllm/token_in_tool_loop*.json) were made by this gateway driving the tool loop of
-tests/token_in_agent.py through a recording proxy, so replay answers only the exact requests the gateway sent then:
+tests/support/token_in_agent.py through a recording proxy, so replay answers only the exact requests the gateway sent then:
 a different prompt, bridge or derender body gets no answer and the test fails.
 """
 
@@ -21,10 +21,10 @@ import pytest
 from gateway.proxy import token_in
 from gateway.store.lineage import EXTENDS
 from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESULT, WEATHER_TOOL
-from tests.fake_upstream import FIXTURES, FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import stored_calls
-from tests.token_in_agent import RUN, tool_loop
+from tests.support.fake_upstream import FIXTURES, FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.stored import stored_calls
+from tests.support.token_in_agent import RUN, tool_loop
 
 RECORDED = json.loads((FIXTURES / "token_in_tool_loop.json").read_text())["exchanges"]
 RENDER, DERENDER = "/v1/chat/completions/render", "/v1/chat/completions/derender"

@@ -19,13 +19,13 @@ import pytest
 
 from gateway.proxy import chat_templates, token_in
 from gateway.store.lineage import EXTENDS
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import running_gateway
-from tests.stored import stored_calls
-from tests.test_token_in import client_for, start_token_in
-from tests.token_in_agent import RUN, tool_loop
+from tests.gateway.proxy.test_token_in import client_for, start_token_in
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import running_gateway
+from tests.support.stored import stored_calls
+from tests.support.token_in_agent import RUN, tool_loop
 
-QUALIFICATION = json.loads((Path(__file__).parent / "fixtures" / "token_in_qualification.json").read_text())
+QUALIFICATION = json.loads((Path(__file__).parents[2] / "fixtures" / "token_in_qualification.json").read_text())
 REGISTRY = json.loads(chat_templates.REGISTRY.read_text())
 BY_NAME = {entry["name"]: chat_templates.template_info(entry) for entry in REGISTRY["templates"].values()}
 
@@ -168,7 +168,7 @@ def test_qwen3_changes_the_assistant_message_and_the_bridge_still_continues() ->
 
 
 def test_the_readme_shows_the_suites_table() -> None:
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
     assert "\n".join(REGISTRY["table"]) in readme
 
 

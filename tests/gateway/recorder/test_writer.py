@@ -23,9 +23,9 @@ from gateway.store.arrays import decode_logprobs
 from gateway.store.call_record import CallRecord
 from gateway.store.models import Call
 from gateway.store.records import count_calls, write_calls
-from tests.factories import make_record
-from tests.pgcluster import PgCluster, free_port
-from tests.waiting import wait_until
+from tests.support.factories import make_record
+from tests.support.pgcluster import PgCluster, free_port
+from tests.support.waiting import wait_until
 
 FAST = {"flush_interval_s": 0.01, "retry_interval_s": 0.1}
 
@@ -321,7 +321,7 @@ os.kill(os.getpid(), signal.SIGKILL)
     done = subprocess.run(
         [sys.executable, "-c", child, str(spool_dir)],
         input=b"".join(spool_line(r) for r in records),
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
         capture_output=True,
         timeout=60,
     )

@@ -21,11 +21,11 @@ from gateway.recorder.writer_process import WriteFailed, WriterProcess
 from gateway.store import db
 from gateway.store.call_record import CallRecord
 from gateway.store.records import count_calls
-from tests.factories import make_record
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import running_gateway
-from tests.pgcluster import free_port
-from tests.waiting import wait_until
+from tests.support.factories import make_record
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import running_gateway
+from tests.support.pgcluster import free_port
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture

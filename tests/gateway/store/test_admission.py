@@ -35,12 +35,12 @@ from gateway.store.training import (
     mark_unloaded,
     publish_version,
 )
-from tests.examples import load_example
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.test_gateway_capture import client_body, sdk_kwargs
-from tests.test_gateway_faults import assert_openai_error
-from tests.waiting import wait_until
+from tests.gateway.test_gateway_capture import client_body, sdk_kwargs
+from tests.gateway.test_gateway_faults import assert_openai_error
+from tests.support.examples import load_example
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.waiting import wait_until
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 
 RUN = "my-agent"  # what sdk_kwargs names the run

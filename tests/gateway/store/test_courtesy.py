@@ -15,7 +15,7 @@ from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, RecordWriter
 from gateway.store import courtesy
 from gateway.store.call_record import CallRecord
 from gateway.store.records import count_calls, write_calls
-from tests.factories import make_record
+from tests.support.factories import make_record
 
 
 class Clock:

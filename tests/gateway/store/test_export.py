@@ -17,10 +17,10 @@ import pytest
 from gateway.cli import main
 from gateway.store.db import make_engine
 from gateway.store.export import iter_trajectories
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway
-from tests.stored import stored_calls
-from tests.trajectories import make_calls, reward
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway
+from tests.support.stored import stored_calls
+from tests.support.trajectories import make_calls, reward
 
 TRAIN = ["conv", "tools", "n2", "plain", "unrewarded"]
 REWARDS = {"conv": 1.0, "tools": -0.5, "n2": 0.25, "plain": 0.0}

@@ -21,10 +21,10 @@ from gateway.store.reads import trajectory_view
 from gateway.store.records import write_calls
 from gateway.store.runs import run_view
 from gateway.store.training import load_groups
-from tests.factories import make_record
-from tests.stored import insert_old_calls
+from tests.support.factories import make_record
+from tests.support.stored import insert_old_calls
 
-FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "vllm"
 TURNS = ("conversation_turn1", "conversation_turn2_tool_call", "conversation_turn2_tool_result", "conversation_turn3")
 
 

@@ -23,9 +23,9 @@ from gateway.store.lineage import classify
 from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
 from gateway.store.records import write_calls
-from tests.factories import make_record
-from tests.stored import insert_old_calls, stored_calls
-from tests.test_lineage import BATCHINGS, _conversation, _forget_cache, _write_batched
+from tests.gateway.store.test_lineage import BATCHINGS, _conversation, _forget_cache, _write_batched
+from tests.support.factories import make_record
+from tests.support.stored import insert_old_calls, stored_calls
 
 REFERENCE_GROUP = "reference"
 

@@ -20,11 +20,11 @@ from gateway.store import db
 from gateway.store.call_record import CallRecord
 from gateway.store.models import Call
 from gateway.store.records import write_calls
-from tests.factories import make_record
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import running_gateway
-from tests.stored import stored_calls
-from tests.test_gateway_capture import client_body
+from tests.gateway.test_gateway_capture import client_body
+from tests.support.factories import make_record
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import running_gateway
+from tests.support.stored import stored_calls
 
 
 def _ask(text: str) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
 from gateway.store.records import write_calls
 from gateway.store.training import load_groups
-from tests.test_lineage import _forget_cache, _reward
-from tests.trajectory_shapes import SHAPES, SUB_SYSTEM, SUB_SYSTEM_SHARED, shaped
+from tests.gateway.store.test_lineage import _forget_cache, _reward
+from tests.support.trajectory_shapes import SHAPES, SUB_SYSTEM, SUB_SYSTEM_SHARED, shaped
 
 TURNS = (16, 32, 64)
 

@@ -16,8 +16,8 @@ from gateway.store import db, records
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.models import Call, Group, Run, Trajectory
 from gateway.store.records import count_calls, ping, write_calls
-from tests.factories import make_record
-from tests.pgcluster import free_port
+from tests.support.factories import make_record
+from tests.support.pgcluster import free_port
 
 
 def _calls(engine: Engine, trajectory_id: str) -> list[dict]:

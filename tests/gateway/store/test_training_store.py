@@ -28,7 +28,7 @@ from gateway.store.training import (
     renew_leases,
     renew_run_lease,
 )
-from tests.factories import make_record
+from tests.support.factories import make_record
 
 
 def make_ready_groups(url: str, groups: int, size: int = 2, run: str = "run-a", mode: str = "train") -> list[str]:

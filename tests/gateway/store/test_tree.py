@@ -23,7 +23,7 @@ from gateway.store.reads import trajectory_view
 from gateway.store.records import write_calls
 from gateway.store.training import load_groups
 from gateway.store.tree import Candidate, LookupWork, branches, find_parent, own_key
-from tests.factories import make_record
+from tests.support.factories import make_record
 
 ROLES = {"system": 1, "user": 2, "assistant": 3, "tool": 4}
 START, END = 100, 101

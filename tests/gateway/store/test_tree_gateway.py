@@ -2,7 +2,7 @@
 recordings (scripts/record_fixtures.py `record_tree`: greedy SmolLM2), come back from the read API with the parents,
 reasons and branches of their shape, and train as one row per path with nothing trained twice. The shapes: a
 supervisor with a researcher sub-agent, parallel branches off one call, a compacted history; and the OpenAI Agents
-SDK handoff of examples/agents_sdk_handoff.py in both token modes (tests/handoff_agent.py, recorded through the
+SDK handoff of examples/agents_sdk_handoff.py in both token modes (tests/support/handoff_agent.py, recorded through the
 gateway by `record_tree_handoff`)."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ import pytest
 
 from gateway.store.db import make_engine
 from gateway.store.training import load_groups
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.handoff_agent import RUNS, handoff
-from tests.handoff_agent import play as play_handoff
-from tests.stored import stored_calls
-from tests.test_gateway_capture import sdk_kwargs
-from tests.trajectories import reward
+from tests.gateway.test_gateway_capture import sdk_kwargs
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.handoff_agent import RUNS, handoff
+from tests.support.handoff_agent import play as play_handoff
+from tests.support.stored import stored_calls
+from tests.support.trajectories import reward
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 from trainer.worker.loop import to_groups
 

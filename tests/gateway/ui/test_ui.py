@@ -1,4 +1,4 @@
-"""The web UI at /ui against a run seeded through the store (tests/ui_seed.py), on Postgres and SQLite: the pages show
+"""The web UI at /ui against a run seeded through the store (tests/support/ui_seed.py), on Postgres and SQLite: the pages show
 the seeded numbers, every page and asset needs the admin key (a login form sets an HttpOnly cookie), hostile content
 renders inert, and the trajectory search pages by keyset."""
 
@@ -20,11 +20,11 @@ from gateway.store import db
 from gateway.store.ui_reads import advantages
 from gateway.ui.token_text import DERENDER_COMPLETIONS, TokenTextCache, batches, derender_body
 from gateway.ui.tree_view import layout as tree_layout
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.pgcluster import create_database, drop_database
-from tests.test_gateway_faults import assert_openai_error
-from tests.ui_seed import (
+from tests.gateway.test_gateway_faults import assert_openai_error
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.pgcluster import create_database, drop_database
+from tests.support.ui_seed import (
     EVAL_REWARDS,
     HOSTILE,
     RUN,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from gateway.store import db
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.ui_seed import RUN, STEP_METRICS, TOKEN_TEXT_IDS, TOKEN_TEXTS, TREE_TRAJECTORY, add_step, seed
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.ui_seed import RUN, STEP_METRICS, TOKEN_TEXT_IDS, TOKEN_TEXTS, TREE_TRAJECTORY, add_step, seed
 
 CHROMIUM = shutil.which("chromium")
 CHROMEDRIVER = shutil.which("chromedriver")

@@ -1,7 +1,7 @@
 """Several vLLM replicas behind one gateway: stickiness, least-loaded placement, failover, adapters per replica.
 
 The replicas are FakeUpstreams replaying real vLLM recordings; the trainer side uses stand-ins for VllmAdmin (its
-HTTP side is exercised against real vLLM in tests/e2e), as tests/test_trainer_loop.py does."""
+HTTP side is exercised against real vLLM in tests/e2e), as tests/trainer/worker/test_trainer_loop.py does."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from gateway.store import db
 from gateway.store.runs import upsert_run
 from gateway.store.training import acquire_run_lease, commit_step, loaded_versions
 from gateway.upstream.replicas import Replicas
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import stored_calls
-from tests.test_gateway_capture import client_body, sdk
-from tests.test_token_in import client_for, start_token_in
-from tests.token_in_agent import tool_loop
-from tests.waiting import wait_until
+from tests.gateway.proxy.test_token_in import client_for, start_token_in
+from tests.gateway.test_gateway_capture import client_body, sdk
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.stored import stored_calls
+from tests.support.token_in_agent import tool_loop
+from tests.support.waiting import wait_until
 from trainer.worker.publish import Publisher, PublishError, Unreachable, VllmReplicas, vllm_admin
 
 

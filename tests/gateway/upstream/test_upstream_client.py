@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from gateway.upstream.client import ConnectFailed, UpstreamError, UpstreamPool
-from tests.pgcluster import free_port
+from tests.support.pgcluster import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from gateway.store import db
-from tests.ui_seed import EVAL_REWARDS, RUN, STEP_METRICS, seed
+from tests.support.ui_seed import EVAL_REWARDS, RUN, STEP_METRICS, seed
 from trainer.worker.trackers import TrackerError, TrackerTarget, flat_metrics, open_trackers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 # Logs the seeded run's two steps through StepReporter as the trainer does, then reads back what the tracker stored.
 SCRIPT = r"""

@@ -27,8 +27,8 @@ from gateway.store.training import (
     group_states,
     loaded_versions,
 )
-from tests.factories import make_record
-from tests.test_backends import VOCAB, build_tiny_llama
+from tests.support.factories import make_record
+from tests.trainer.backends.test_backends import VOCAB, build_tiny_llama
 from trainer.worker import loop
 from trainer.worker.loop import Trainer, TrainerOptions
 from trainer.worker.publish import Publisher, PublishError
