@@ -26,9 +26,9 @@ if str(REPO) not in sys.path:
 
 import httpx  # noqa: E402
 
-from tests.gateway.test_gateway_capture import client_body  # noqa: E402
 from tests.support.fake_upstream import FakeUpstream  # noqa: E402
 from tests.support.gateway_harness import RunningGateway, running_gateway  # noqa: E402
+from tests.support.openai_calls import client_body  # noqa: E402
 from tests.support.pgcluster import PgCluster, create_database  # noqa: E402
 
 

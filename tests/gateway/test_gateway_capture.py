@@ -6,50 +6,16 @@ and the database holds exactly vLLM's token ids and logprobs.
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
 import openai
 import pytest
 
-from gateway.proxy.sampling import NEUTRAL
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway
+from tests.support.openai_calls import INJECTED, client_body, on_policy, sdk, sdk_kwargs, without_injected
 from tests.support.stored import stored_calls
-
-INJECTED = ("logprobs", "return_token_ids")
-
-
-def client_body(fixture: dict[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
-    """What an agent sends to get this recording: the request minus what the gateway injects, under a run name."""
-    body = {k: v for k, v in fixture["request"].items() if k not in INJECTED or k in keep}
-    body["model"] = "my-agent"
-    return body
-
-
-def on_policy(request: dict[str, Any], **pinned: Any) -> dict[str, Any]:
-    """The body a train-mode call reaches vLLM with: the recorded one, every sampling parameter neutral."""
-    return {**request, **NEUTRAL, **pinned}
-
-
-def sdk_kwargs(fixture: dict[str, Any], keep: tuple[str, ...] = ()) -> dict[str, Any]:
-    """client_body as OpenAI SDK keyword arguments: vLLM-only fields travel in extra_body."""
-    body = client_body(fixture, keep)
-    extra = {k: body.pop(k) for k in ("return_token_ids",) if k in body}
-    return {**body, "extra_body": extra} if extra else body
-
-
-def without_injected(response: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's response had the client not asked: it sends these fields as null (seen on vLLM 0.32.0)."""
-    expected = copy.deepcopy(response)
-    if "prompt_token_ids" in expected:
-        expected["prompt_token_ids"] = None
-    for choice in expected.get("choices") or ():
-        for key in ("logprobs", "token_ids", "prompt_token_ids"):
-            if key in choice:
-                choice[key] = None
-    return expected
 
 
 def fixture_ids(fixture: dict[str, Any], endpoint: str = "chat") -> list[tuple[list[int], list[int], list[float]]]:
@@ -95,10 +61,6 @@ def assert_stored(db_url: str, trajectory_id: str, fixture: dict[str, Any], endp
         assert call["trainable"] is True
         assert call["run"] == "my-agent"
         assert call["policy_version"] == 0
-
-
-def sdk(gw: RunningGateway, **headers: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gw.base_url, api_key="sk-test", default_headers=headers, max_retries=0)
 
 
 @pytest.mark.parametrize("name", ["chat", "chat_tools", "conversation_turn2_tool_call"])

@@ -22,9 +22,9 @@ from gateway.store import db
 from gateway.store.call_record import CallRecord
 from gateway.store.db import make_engine
 from gateway.store.models import Call
-from tests.gateway.test_gateway_capture import client_body
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import running_gateway, start_serve
+from tests.support.openai_calls import client_body
 from tests.support.pgcluster import PgCluster, create_database, free_port
 from tests.support.stored import count_calls
 from tests.support.waiting import SocketReader, wait_until

@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.gateway.test_gateway_capture import client_body
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.openai_calls import assert_openai_error, client_body
 from tests.support.pgcluster import free_port
 from tests.support.stored import count_calls, stored_calls
 from tests.support.waiting import SocketReader, wait_until
-
-
-def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body["error"]) >= {"message", "type", "code"}
-    assert "Traceback" not in response.text
-    return body["error"]
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,9 @@ import json
 import httpx
 import pytest
 
-from tests.gateway.test_gateway_capture import client_body
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.support.fake_upstream import FakeUpstream, load_fixtures
 from tests.support.gateway_harness import RunningGateway
+from tests.support.openai_calls import assert_openai_error, client_body
 from tests.support.stored import count_calls, stored_calls
 
 
@@ -156,8 +155,8 @@ def test_a_stream_with_a_100k_token_prompt_is_relayed_and_recorded(
     """The first line is ~700 KB: past aiohttp's line-reader limit (128 KiB on 3.10, ~75k ids on 3.14)."""
     from openai import OpenAI
 
-    from tests.gateway.test_gateway_capture import sdk_kwargs
     from tests.support.gateway_harness import running_gateway
+    from tests.support.openai_calls import sdk_kwargs
 
     fixture = _long_prompt_stream(100_000)
     upstream = FakeUpstream({"long": fixture}).start()

@@ -34,12 +34,11 @@ from gateway.store.db import READY_CHANNEL, make_engine
 from gateway.store.models import GatewayPeer, PolicyVersion
 from gateway.store.training import acquire_run_lease, commit_step
 from tests.gateway.judge.test_judge import judge_block
-from tests.gateway.test_gateway_capture import client_body
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.gateway.upstream.test_replicas import FakeAdmin
 from tests.support.fake_judge import FakeJudge
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway, start_serve
+from tests.support.openai_calls import assert_openai_error, client_body
 from tests.support.stored import stored_calls
 from tests.support.trajectories import group, make_calls, reward
 from tests.support.waiting import wait_until

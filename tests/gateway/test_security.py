@@ -27,12 +27,12 @@ from gateway.store import db
 from gateway.store.models import UiSession
 from gateway.store.runs import upsert_run
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.support.fake_judge import FakeJudge
 from tests.support.fake_upstream import FakeUpstream, load_fixtures
 from tests.support.gateway_harness import RunningGateway, running_gateway
 from tests.support.judge_group import RUN as RUN_JUDGED
 from tests.support.judge_group import write_group
+from tests.support.openai_calls import assert_openai_error
 from tests.support.responses_agent import FUNCTION_TOOL, RUN, TOOL_ITEMS, ask
 from tests.support.stored import stored_calls
 

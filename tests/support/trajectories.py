@@ -9,9 +9,9 @@ from sqlalchemy import update
 
 from gateway.store.db import make_engine
 from gateway.store.models import Group
-from tests.gateway.test_gateway_capture import client_body
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway
+from tests.support.openai_calls import client_body
 
 
 def make_calls(

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import httpx
 
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway
+from tests.support.openai_calls import assert_openai_error
 from tests.support.stored import stored_calls
 from tests.support.trajectories import make_calls, reward
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from gateway.recorder import writer as gateway_writer
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.openai_calls import assert_openai_error
 from tests.support.stored import stored_calls
 from tests.support.trajectories import group, make_calls, reward, set_group_state
 

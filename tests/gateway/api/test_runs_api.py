@@ -19,10 +19,9 @@ from gateway.runs.config import RunConfig
 from gateway.store.db import make_engine
 from gateway.store.models import PolicyVersion
 from gateway.store.runs import record_train_step
-from tests.gateway.test_gateway_capture import client_body
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway, start_serve
+from tests.support.openai_calls import assert_openai_error, client_body
 from tests.support.trajectories import make_calls, reward
 from tests.support.waiting import wait_until
 

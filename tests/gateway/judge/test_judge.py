@@ -24,10 +24,10 @@ from gateway.store import db
 from gateway.store.judging import judgeable_groups, load_group
 from gateway.store.rewards import RewardItem, close_group, store_rewards
 from gateway.store.runs import upsert_run
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.support.fake_judge import FakeJudge, chat_completion, judge_fixture, scores_answer
 from tests.support.gateway_harness import RunningGateway, running_gateway
 from tests.support.judge_group import GROUP, IDS, RUN, write_group
+from tests.support.openai_calls import assert_openai_error
 from tests.support.trajectories import group, set_group_state
 
 HANDMADE_REWARDS = [0.9, 1.0, 0.0, 0.1]

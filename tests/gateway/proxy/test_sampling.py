@@ -10,10 +10,9 @@ import httpx
 import openai
 import pytest
 
-from tests.gateway.test_gateway_capture import client_body, on_policy, sdk, without_injected
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway
+from tests.support.openai_calls import assert_openai_error, client_body, on_policy, sdk, without_injected
 from tests.support.stored import stored_calls
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 

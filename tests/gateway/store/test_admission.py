@@ -35,11 +35,10 @@ from gateway.store.training import (
     mark_unloaded,
     publish_version,
 )
-from tests.gateway.test_gateway_capture import client_body, sdk_kwargs
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.support.examples import load_example
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.openai_calls import assert_openai_error, client_body, sdk_kwargs
 from tests.support.waiting import wait_until
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 

@@ -20,10 +20,10 @@ from gateway.store import db
 from gateway.store.call_record import CallRecord
 from gateway.store.models import Call
 from gateway.store.records import write_calls
-from tests.gateway.test_gateway_capture import client_body
 from tests.support.factories import make_record
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import running_gateway
+from tests.support.openai_calls import client_body
 from tests.support.stored import stored_calls
 
 

@@ -16,11 +16,11 @@ import pytest
 
 from gateway.store.db import make_engine
 from gateway.store.training import load_groups
-from tests.gateway.test_gateway_capture import sdk_kwargs
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
 from tests.support.handoff_agent import RUNS, handoff
 from tests.support.handoff_agent import play as play_handoff
+from tests.support.openai_calls import sdk_kwargs
 from tests.support.stored import stored_calls
 from tests.support.trajectories import reward
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples

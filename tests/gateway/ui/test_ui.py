@@ -20,9 +20,9 @@ from gateway.store import db
 from gateway.store.ui_reads import advantages
 from gateway.ui.token_text import DERENDER_COMPLETIONS, TokenTextCache, batches, derender_body
 from gateway.ui.tree_view import layout as tree_layout
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.openai_calls import assert_openai_error
 from tests.support.pgcluster import create_database, drop_database
 from tests.support.ui_seed import (
     EVAL_REWARDS,

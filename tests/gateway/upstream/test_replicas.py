@@ -20,9 +20,9 @@ from gateway.store.runs import upsert_run
 from gateway.store.training import acquire_run_lease, commit_step, loaded_versions
 from gateway.upstream.replicas import Replicas
 from tests.gateway.proxy.test_token_in import client_for, start_token_in
-from tests.gateway.test_gateway_capture import client_body, sdk
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.openai_calls import client_body, sdk
 from tests.support.stored import stored_calls
 from tests.support.token_in_agent import tool_loop
 from tests.support.waiting import wait_until
