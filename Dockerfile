@@ -38,8 +38,12 @@ RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 # EXTRAS: `train` (transformers + peft: the hf backend, on CPU or CUDA); `train,gpu` adds unsloth for the
 # unsloth backend (check that its requirements leave torch==${TORCH_VERSION} in place).
 ARG EXTRAS=train
+# CONSTRAINTS: the versions CI tested (constraints.txt, `make constraints`), so an image built later gets the same
+# ones. `gpu` packages (unsloth, vllm) were never in that set: where they need other versions, or with another
+# TORCH_VERSION, build with --build-arg CONSTRAINTS=/dev/null to let pip resolve freely.
+ARG CONSTRAINTS=/src/constraints.txt
 COPY . /src
-RUN pip install "/src[${EXTRAS}]" && rm -rf /src \
+RUN pip install -c "${CONSTRAINTS}" "/src[${EXTRAS}]" && rm -rf /src \
  && python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 USER 10001:10001
 ENTRYPOINT ["trajgate"]
@@ -49,7 +53,7 @@ CMD ["train", "--help"]
 # The last stage is what a plain `docker build .` produces: the gateway.
 FROM base AS gateway
 COPY . /src
-RUN pip install /src && rm -rf /src
+RUN pip install -c /src/constraints.txt /src && rm -rf /src
 USER 10001:10001
 ENTRYPOINT ["trajgate"]
 CMD ["serve", "--host", "0.0.0.0"]

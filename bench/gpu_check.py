@@ -56,72 +56,14 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.random_models import SHAPES, TINY_SHAPES, build_random_model, shape_spec  # noqa: E402
+
 if TYPE_CHECKING:
     from trainer.backends import TrainerBackend
     from trainer.samples import Row
 
-# The public configs of the models whose shapes are measured (weights are random: they cost the same).
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b": dict(
-        model_type="qwen2",
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(
-        model_type="qwen2",
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        intermediate_size=8960,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        tie_word_embeddings=True,
-    ),
-    "qwen3-4b": dict(
-        model_type="qwen3",
-        hidden_size=2560,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=9728,
-        vocab_size=151936,
-        max_position_embeddings=40960,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        hidden_act="silu",
-        attention_bias=False,
-        tie_word_embeddings=True,
-    ),
-}
-# Both architectures at toy size: every stage in seconds on a CPU.
-_TINY = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=2048,
-    max_position_embeddings=1024,
-    tie_word_embeddings=True,
-)
-TINY_SHAPES: dict[str, dict[str, Any]] = {
-    "tiny-qwen2": dict(model_type="qwen2", **_TINY),
-    "tiny-qwen3": dict(model_type="qwen3", head_dim=16, **_TINY),
-}
+# The shapes a GPU run measures unless --shapes says otherwise (random_models.SHAPES also has the CPU benchmark's).
+GPU_SHAPES = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-4b")
 
 # Seconds per stage at the default 480 s total (scaled with --budget-s): a stage stops repeating
 # when its budget is spent and writes what it has; ~65 s are left for start-up and model building.
@@ -138,7 +80,7 @@ LEARNING_RATE = 2e-5
 TRAINED_FRACTION = 0.5
 
 # What the unsloth backend needs beyond the GPU machine's torch/transformers/peft/accelerate/
-# safetensors, with the sizes of the cp312 manylinux x86_64 wheels on PyPI (checked 2026-11-26).
+# safetensors, with the sizes of the cp312 manylinux x86_64 wheels of these versions on PyPI.
 # unsloth + unsloth_zoo + bitsandbytes alone are over the 64 MiB that travels with the tree.
 UNSLOTH_WHEELS: list[tuple[str, float]] = [
     ("unsloth-2026.10.9-py3-none-any.whl", 27.3),
@@ -199,7 +141,7 @@ def _fmt(value: Any, spec: str, suffix: str = "") -> str:
 
 
 def render_markdown(data: dict[str, Any]) -> str:
-    """The figures as the tables docs/gpu.md and README's benchmark table take them."""
+    """The figures as the tables of docs/gpu.md and bench/README.md take them."""
     env = data.get("environment", {})
     lines = [
         f"# gpu_check: {env.get('device_name', '?')}",
@@ -331,35 +273,6 @@ def peak_matmul(device: torch.device, dtype: torch.dtype, n: int, deadline: floa
 # ---------------------------------------------------------------------------------------------
 # Models and rows
 # ---------------------------------------------------------------------------------------------
-
-
-def shape_spec(name: str, layers: int | None) -> dict[str, Any]:
-    spec = dict({**SHAPES, **TINY_SHAPES}[name])
-    if layers is not None:
-        spec["num_hidden_layers"] = layers
-    return spec
-
-
-def build_random_model(spec: dict[str, Any], directory: Path, device: torch.device, tokenizer: bool) -> int:
-    """Random weights of ``spec``'s shape, saved in bf16 (what vLLM serves; the fp32 reference of the
-    numerics stage upcasts the same values). Built on ``device``: initialising 4B parameters there
-    takes a second, on a CPU a minute. Returns the parameter count."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = dict(spec)
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
-    params = sum(p.numel() for p in model.parameters())
-    model.to(torch.bfloat16).save_pretrained(directory)  # type: ignore[arg-type]  # transformers' typing of .to
-    del model
-    release(device)
-    if tokenizer:
-        from bench.trainer_step import _write_placeholder_tokenizer
-
-        _write_placeholder_tokenizer(directory, config.vocab_size)
-    return params
 
 
 def make_rows(count: int, length: int, vocab: int, shared_prefix: int, seed: int = 0) -> list[Row]:
@@ -756,7 +669,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but torch.cuda.is_available() is False (--device cpu --tiny checks the script)")
-    args.shapes = (args.shapes or ",".join(TINY_SHAPES if args.tiny else SHAPES)).split(",")
+    args.shapes = (args.shapes or ",".join(TINY_SHAPES if args.tiny else GPU_SHAPES)).split(",")
     unknown = [s for s in args.shapes if s not in SHAPES and s not in TINY_SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}")
@@ -822,7 +735,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as tmp:
             model_dir = Path(tmp)
             log(clock, f"{name}: building random weights")
-            params = build_random_model(spec, model_dir, device, tokenizer=args.backend == "unsloth")
+            # bf16: what vLLM serves; the numerics stage's fp32 reference upcasts the same values.
+            params = build_random_model(spec, model_dir, device, torch.bfloat16, tokenizer=args.backend == "unsloth")
+            release(device)
             log(clock, f"{name}: {params / 1e6:,.1f}M parameters")
             if "step" in args.stages:
                 budget = STEP_SECONDS.get(name, OTHER_SHAPE_SECONDS)

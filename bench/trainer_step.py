@@ -37,7 +37,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -46,35 +45,15 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench.random_models import build_random_model, shape_spec  # noqa: E402
 from trainer.backends import LoraSpec, TrainerBackend, make_backend  # noqa: E402
 from trainer.loss import LossConfig  # noqa: E402
 from trainer.samples import Row, collate, micro_batches  # noqa: E402
 
 TARGET_RATIO = 1.5
 
-# Shapes of the real models (their public configs); weights are random, which costs the same.
-SHAPES: dict[str, dict[str, Any]] = {
-    "135m": dict(  # SmolLM2-135M
-        arch="llama",
-        hidden_size=576,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-    ),
-    "0.5b": dict(  # Qwen2.5-0.5B
-        arch="qwen2",
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-    ),
-}
+# --shape -> the public config it builds with random weights (bench/random_models.py), which costs the same.
+SHAPES = {"135m": "smollm2-135m", "0.5b": "qwen2.5-0.5b"}
 QUICK_LAYERS = 8
 
 
@@ -142,37 +121,6 @@ def peak_memory(device: torch.device) -> Iterator[dict[str, float]]:
 # ---------------------------------------------------------------------------------------------
 # The model and the rows
 # ---------------------------------------------------------------------------------------------
-
-
-def _write_placeholder_tokenizer(directory: Path, vocab_size: int) -> None:
-    """unsloth's loader also loads a tokenizer; a random-weights model has none. A word-level one
-    over placeholder tokens is enough: the benchmark feeds token ids."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"<t{i}>": i for i in range(vocab_size)}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<t0>"))
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<t0>", pad_token="<t0>", eos_token="<t1>"
-    ).save_pretrained(directory)
-
-
-def build_random_model(shape: str, layers: int | None, dtype: torch.dtype, directory: Path, tokenizer: bool) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
-
-    spec = dict(SHAPES[shape])
-    arch = spec.pop("arch")
-    if layers is not None:
-        spec["num_hidden_layers"] = layers
-    torch.manual_seed(0)
-    model: PreTrainedModel
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=4096, **spec))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(max_position_embeddings=4096, **spec))
-    model.to(dtype).save_pretrained(directory)  # type: ignore[arg-type]  # transformers' typing of .to is wrong
-    if tokenizer:
-        _write_placeholder_tokenizer(directory, spec["vocab_size"])
 
 
 def synthetic_rows(
@@ -285,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             model_dir, what = args.model, args.model
         else:
             model_dir = tmp
-            build_random_model(args.shape, layers, dtype, Path(tmp), tokenizer=args.backend == "unsloth")
+            spec = shape_spec(SHAPES[args.shape], layers)
+            build_random_model(spec, Path(tmp), torch.device("cpu"), dtype, tokenizer=args.backend == "unsloth")
             what = f"random {args.shape} shape" + (f", {layers} layers" if layers else "")
         backend = make_backend(
             args.backend,

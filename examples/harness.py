@@ -131,8 +131,8 @@ def summarise(groups: list[list[Played]]) -> Summary:
 def train(agent: Agent[Q], steps: int, groups_per_round: int, size: int, seed: int, max_rounds: int) -> bool:
     """Play rounds back to back until the run has `steps` trained steps. The agent does not pace itself: the
     gateway admits a round's groups only while the trainer can take them before they are more than the run's
-    max_staleness versions old, and holds their first calls until then (admission, README). A round starts only
-    while the run is short of `steps`, so the trainer always takes another step and makes room for it.
+    max_staleness versions old, and holds their first calls until then (admission, docs/training.md). A round starts
+    only while the run is short of `steps`, so the trainer always takes another step and makes room for it.
     False if `max_rounds` were not enough: the trainer drops groups whose episodes all earn the same reward, so a
     model that never gets one right (or always does) gives it nothing to learn from."""
     rng = random.Random(seed)

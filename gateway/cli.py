@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
         "export",
         help="write a run's trajectories (messages, token ids, logprobs, rewards) as JSON Lines or Parquet",
         description="Stream a run's trajectories, oldest first, one record per trajectory with its calls nested "
-        "(schema in the README). Memory stays constant however large the run.",
+        "(schema in docs/api.md). Memory stays constant however large the run.",
     )
     export.add_argument("--run", required=True, help="the run to export")
     export.add_argument("--format", choices=FORMATS, default="jsonl", help="default: jsonl")
@@ -492,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the run's max_staleness: versions the sampling policy may trail the trained one, enforced "
                       "by the gateway's admission; 0 = synchronous on-policy (default: 1)")
     demo.add_argument("--admission", choices=["wait", "reject", "off"], default="wait",
-                      help="the run's admission (README): wait (default) holds a new group's first call while the "
+                      help="the run's admission (docs/training.md): wait (default) holds a new group's first call while the "
                       "trainer cannot take it in time, reject answers 429, off admits everything")
     demo.add_argument("--fleet", type=int, default=0,
                       help="keep this many training episodes in flight, with no rounds (a fleet of agents paced only "

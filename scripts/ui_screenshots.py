@@ -1,4 +1,4 @@
-"""The README's screenshots of the web UI, taken from a real run's database (the CPU demo's).
+"""The web UI screenshots in the README and docs/operations.md, taken from a real run's database (the CPU demo's).
 
 Serves the UI on DATABASE with `trajgate serve` (an admin key set, so the pages look as they do in production),
 logs in through the form in Debian's headless chromium (selenium + chromium-driver, nothing downloaded), and saves

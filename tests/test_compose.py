@@ -29,6 +29,7 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERFILE_VLLM_CPU = ROOT / "Dockerfile.vllm-cpu"
 DOCKERIGNORE = ROOT / ".dockerignore"
+CONSTRAINTS = ROOT / "constraints.txt"
 GATEWAYS_FILE = ROOT / "docker-compose.gateways.yml"
 HAPROXY_CFG = ROOT / "deploy" / "haproxy.cfg"
 
@@ -544,7 +545,7 @@ def test_dockerfile_installs_torch_before_the_project() -> None:
     runs = [rest for keyword, rest in stages["trainer"] if keyword == "RUN"]
     args = build_args(stages["trainer"])
     torch_at = position(runs, r"torch==", "installing torch")
-    project_at = position(runs, r"pip install \S*/src\[", "installing the project with extras")
+    project_at = position(runs, r"pip install .*/src\[", "installing the project with extras")
     assert torch_at < project_at, "torch must be installed before the project's extras"
     assert "--index-url" in runs[torch_at] and "TORCH_INDEX" in runs[torch_at]
     # The same torch as everywhere else in the project (trainer/demo/vllm_cpu.py, the Makefile).
@@ -553,6 +554,25 @@ def test_dockerfile_installs_torch_before_the_project() -> None:
     assert "train" in args["EXTRAS"].split(",")
     gateway_runs = " ".join(rest for keyword, rest in stages["gateway"] if keyword == "RUN")
     assert "torch" not in gateway_runs and "[" not in gateway_runs, "the gateway image installs the base package only"
+
+
+def test_images_install_the_tested_versions() -> None:
+    """Both images install the project under constraints.txt (what `make setup` and CI use), and it is in the context."""
+    stages = dockerfile_stages(DOCKERFILE)
+    trainer_runs = [rest for keyword, rest in stages["trainer"] if keyword == "RUN"]
+    project = trainer_runs[position(trainer_runs, r"pip install .*/src\[", "installing the project with extras")]
+    constraints_arg = build_args(stages["trainer"])["CONSTRAINTS"]
+    assert constraints_arg == "/src/constraints.txt"
+    assert re.search(r'-c "?\$\{CONSTRAINTS\}"?\s', project), f"the trainer's project install ignores constraints: {project}"
+    gateway_runs = [rest for keyword, rest in stages["gateway"] if keyword == "RUN"]
+    gateway_install = gateway_runs[position(gateway_runs, r"pip install .*/src", "installing the project")]
+    assert "-c /src/constraints.txt" in gateway_install, f"the gateway's install ignores constraints: {gateway_install}"
+    # COPY . /src brings it along only if .dockerignore lets it through.
+    patterns = [line.strip() for line in DOCKERIGNORE.read_text().splitlines()]
+    assert CONSTRAINTS.name not in patterns and "*.txt" not in patterns
+    # The constraints pin the torch the images and the Makefile install, or the trainer image's resolve would fail.
+    pins = [line for line in CONSTRAINTS.read_text().splitlines() if line.startswith("torch==")]
+    assert pins == [vllm_cpu.TORCH_SPEC]
 
 
 def test_vllm_cpu_dockerfile_follows_the_recipe() -> None:

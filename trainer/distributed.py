@@ -235,12 +235,13 @@ class DataParallel:
         """This rank's replica: on its own device, its share of the base weights under FSDP."""
         if self.fsdp and spec.backend != "hf":
             raise ValueError(f"--fsdp shards the hf backend's model; the {spec.backend!r} backend is not supported")
-        extra = {"fsdp_mesh": self.mesh} if self.fsdp else {}
+        options = dict(spec.backend_args)
+        if self.fsdp:
+            options["fsdp_mesh"] = self.mesh
         return make_backend(
             spec.backend,  # type: ignore[arg-type]  # resolved by rank 0: "hf" or "unsloth"
             device=str(self.device),
-            **spec.backend_args,
-            **extra,
+            **options,
         )
 
     # -- rank 0 -> followers ----------------------------------------------------------------------
@@ -269,9 +270,11 @@ class DataParallel:
             for p in backend.trainable:
                 self._checked(dist.broadcast, p.data, src=0, group=self.group)
         if self.rank != 0:
+            shared = state[0]
+            assert shared is not None, "broadcast_object_list leaves rank 0's state on every rank"
             # load_state_dict moves each moment to its parameter's device and dtype.
-            backend.optimizer.load_state_dict(state[0]["optimizer"])
-            backend.step = int(state[0]["step"])
+            backend.optimizer.load_state_dict(shared["optimizer"])
+            backend.step = int(shared["step"])
 
     def stop(self) -> None:
         """Rank 0: tell the followers to exit. Skipped when a collective already failed: a dead rank would not

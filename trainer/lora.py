@@ -60,7 +60,7 @@ def check_vllm_adapter(directory: Path, max_lora_rank: int | None = None) -> dic
     config_path = directory / ADAPTER_CONFIG
     if not config_path.is_file():
         raise ValueError(f"{directory} has no {ADAPTER_CONFIG}")
-    config = json.loads(config_path.read_text())
+    config: dict[str, Any] = json.loads(config_path.read_text())
     problems: list[str] = []
     if not (directory / ADAPTER_WEIGHTS).is_file():
         problems.append(f"no {ADAPTER_WEIGHTS}")

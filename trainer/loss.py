@@ -24,7 +24,7 @@ full-batch loss and gradient, whatever the micro-batching.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -291,7 +291,7 @@ def policy_loss(
     extra: dict[str, Tensor] = {}
     if config.kind == "grpo" and config.tis_cap is None:
         per_token, clipped = _ppo_clip(ratio, adv, config.clip_eps, config.clip_eps_high)
-    elif config.kind == "grpo":
+    elif config.kind == "grpo" and config.tis_cap is not None:
         is_ratio = torch.exp(torch.where(on, old - behaviour, zero))
         weight = is_ratio.clamp(max=config.tis_cap)
         ppo_ratio = torch.exp(torch.where(on, logprobs - old, zero))
@@ -330,7 +330,7 @@ def _masked_mean(values: Tensor, on: Tensor) -> Tensor:
     return torch.where(on, values, torch.zeros_like(values)).sum() / on.sum().clamp(min=1)
 
 
-def aggregate_metrics(per_micro_batch: Sequence[dict[str, Tensor]]) -> dict[str, float]:
+def aggregate_metrics(per_micro_batch: Sequence[Mapping[str, Tensor | float]]) -> dict[str, float]:
     """Combine micro-batch metrics into the step's: token-weighted means, max of maxes, min of mins.
 
     Converts to Python floats (one host sync per step, not per micro-batch). Micro-batches without

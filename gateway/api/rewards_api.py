@@ -1,4 +1,5 @@
-"""Posting rewards and closing groups: what an agent does when an episode ends (agent key or admin key).
+"""Posting rewards and closing groups: what an agent does when an episode ends (agent key or admin key). A key bound
+to runs (tenants) reaches only their trajectories and groups; any other is the same 404 as one never recorded.
 
 Before touching the database, each handler waits until every call answered before the request arrived is written,
 by this process's record writer and by every other live gateway's (gateway.recorder.heartbeat): the agent's last call may still
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request, Response
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from gateway.http.deps import (
     FiniteNumber,
     JsonObject,
+    agent_runs,
     gateway_state,
     json_response,
     read_json,
@@ -29,9 +31,6 @@ from gateway.http.deps import (
 from gateway.http.errors import GatewayError
 from gateway.proxy.attribution import ID_RE, ID_RULE, check_id
 from gateway.store.rewards import RewardItem, RewardResult, RewardsRejected, close_group, store_rewards
-
-if TYPE_CHECKING:
-    from gateway.http.deps import GatewayState
 
 router = APIRouter(dependencies=[Depends(require_agent)])
 
@@ -70,9 +69,10 @@ def _result(result: RewardResult) -> dict[str, Any]:
     }
 
 
-async def _store(gw: GatewayState, items: Sequence[RewardItem]) -> list[RewardResult]:
+async def _store(request: Request, items: Sequence[RewardItem]) -> list[RewardResult]:
+    gw = gateway_state(request)
     await gw.peers.settled(FLUSH_TIMEOUT_S)
-    return await asyncio.to_thread(store_rewards, gw.engine, items)
+    return await asyncio.to_thread(store_rewards, gw.engine, items, agent_runs(request))
 
 
 @router.post("/v1/trajectories/{trajectory_id}/reward")
@@ -82,7 +82,7 @@ async def post_reward(trajectory_id: str, request: Request) -> dict[str, Any]:
     body = validated(RewardBody, await read_json(request, nul_ok=True))
     item = RewardItem(trajectory_id, body.reward, body.metrics, body.metadata)
     try:
-        (result,) = await _store(gateway_state(request), [item])
+        (result,) = await _store(request, [item])
     except RewardsRejected as exc:
         error = exc.errors[0]
         code = "trajectory_not_found" if error.reason == "not_found" else "reward_conflict"
@@ -115,7 +115,7 @@ async def post_rewards(request: Request) -> Response:
     if failures:
         return _rejected(422, failures)
     try:
-        results = await _store(gateway_state(request), items)
+        results = await _store(request, items)
     except RewardsRejected as exc:
         failures = [_failure(e.index, e.trajectory_id, _STATUS[e.reason], e.message) for e in exc.errors]
         return _rejected(404 if any(f["status"] == 404 for f in failures) else 409, failures)
@@ -140,7 +140,7 @@ async def close(group_id: str, request: Request) -> dict[str, Any]:
     check_id(group_id, "group id")
     gw = gateway_state(request)
     await gw.peers.settled(FLUSH_TIMEOUT_S)
-    state = await asyncio.to_thread(close_group, gw.engine, group_id)
+    state = await asyncio.to_thread(close_group, gw.engine, group_id, agent_runs(request))
     if state is None:
         message = f"no group {group_id!r}: no call of this group has been recorded"
         raise GatewayError(404, message, code="group_not_found")

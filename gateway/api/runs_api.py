@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
+from gateway.http import sse
 from gateway.http.deps import gateway_state, json_response, read_json, require_admin, validated, validation_message
 from gateway.http.errors import GatewayError
 from gateway.judge.policy import JudgeNotAllowed, JudgePolicy
@@ -158,7 +159,7 @@ async def get_events(
 
 async def _follow(gw: GatewayState, run: str, after: int, ndjson: bool) -> AsyncIterator[bytes]:
     """Poll for new steps until the client leaves (Starlette then cancels this) or the gateway shuts down."""
-    keepalive = b"\n" if ndjson else b": keep-alive\n\n"
+    keepalive = b"\n" if ndjson else sse.KEEPALIVE
     last_write = time.monotonic()
     while not gw.stopping.is_set():
         try:
@@ -171,7 +172,7 @@ async def _follow(gw: GatewayState, run: str, after: int, ndjson: bool) -> Async
             return
         for step in steps:
             data = orjson.dumps(step)
-            yield data + b"\n" if ndjson else b"id: %d\ndata: %s\n\n" % (step["step"], data)
+            yield data + b"\n" if ndjson else sse.frame(data, id=step["step"])
             after = step["step"]
             last_write = time.monotonic()
         if time.monotonic() - last_write >= KEEPALIVE_S:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.http.deps import GatewayState, gateway_state
+from gateway.http.deps import GatewayState, agent_runs, gateway_state
 from gateway.http.errors import GatewayError
 from gateway.store.records import ping
 
@@ -63,11 +63,15 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, object]:
-    """The runs, named as agents should call them, plus the base model."""
+    """The runs, named as agents should call them, plus the base model. Once some key is bound to runs (tenants),
+    which runs exist is not for everyone to read: an agent key is needed, and a bound key is shown only its runs."""
     gw = gateway_state(request)
+    runs = agent_runs(request) if gw.auth.bound else None
     base = await gw.proxy.base_model()
     now = int(time.time())
     names = [base] + [run for run in gw.router.runs() if run != base]
+    if runs is not None:
+        names = sorted(runs)
     data: list[dict[str, object]] = [
         {"id": name, "object": "model", "created": now, "owned_by": "trajgate"} for name in names
     ]

@@ -22,11 +22,14 @@ from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from starlette.types import Message as AsgiMessage
+from starlette.types import Receive, Scope, Send
 
+from gateway.http import sse
 from gateway.http.auth import presented_key
 from gateway.http.errors import GatewayError, UpstreamFailure
-from gateway.proxy.attribution import PathPrefix, check_run, split_api_key
-from gateway.proxy.hot_path import Proxy
+from gateway.proxy.attribution import PathPrefix, check_bound, check_run, split_api_key
+from gateway.proxy.hot_path import Proxy, named_run
 
 ENDPOINT = "messages"  # the label records and metrics carry
 MESSAGES = "/v1/messages"
@@ -459,9 +462,11 @@ def _source_url(source: Any) -> str:
 # -- chat -> Anthropic -------------------------------------------------------------------------------------------
 
 
-def error_body(status: int, message: str, request_id: str | None = None) -> bytes:
-    kind = ERROR_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
-    body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
+def error_body(error: GatewayError, request_id: str | None = None) -> bytes:
+    """Any error the gateway or vLLM answers a Messages call with, in Anthropic's shape: its type follows from the
+    status alone, as Anthropic's does (the OpenAI type and code have no Anthropic counterpart)."""
+    kind = ERROR_TYPES.get(error.status) or ("api_error" if error.status >= 500 else "invalid_request_error")
+    body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": error.message}}
     if request_id:
         body["request_id"] = request_id
     return orjson.dumps(body)
@@ -557,7 +562,7 @@ def to_message(response: dict[str, Any]) -> dict[str, Any]:
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+    return sse.frame(orjson.dumps(data), event=name)
 
 
 class StreamTranslator:
@@ -582,7 +587,7 @@ class StreamTranslator:
         """One SSE `data:` payload from the chat path; returns the events to send (none once the stream failed)."""
         if self.failed:
             return []
-        if payload == b"[DONE]":
+        if payload == sse.DONE_PAYLOAD:
             return self.finish()
         try:
             chunk = orjson.loads(payload)
@@ -697,16 +702,16 @@ class StreamTranslator:
 class AnswerTranslator:
     """The `send` the chat path answers through: rewrites its answer into the Anthropic shape on the way out."""
 
-    def __init__(self, send: Any) -> None:
+    def __init__(self, send: Send) -> None:
         self._send = send
         self.stream: StreamTranslator | None = None
         self.status = 200
         self.headers: list[tuple[bytes, bytes]] = []
         self.request_id: str | None = None
         self.body: list[bytes] = []
-        self.partial = b""
+        self.lines = sse.DataLines()
 
-    async def __call__(self, message: dict[str, Any]) -> None:
+    async def __call__(self, message: AsgiMessage) -> None:
         if message["type"] == "http.response.start":
             await self._start(message)
         elif message["type"] == "http.response.body":
@@ -719,7 +724,7 @@ class AnswerTranslator:
         else:
             await self._send(message)
 
-    async def _start(self, message: dict[str, Any]) -> None:
+    async def _start(self, message: AsgiMessage) -> None:
         self.status = message["status"]
         content_type = b""
         for name, value in message.get("headers") or ():
@@ -730,20 +735,15 @@ class AnswerTranslator:
                 if name == b"x-request-id":
                     self.request_id = value.decode()
                     self.headers.append((b"request-id", value))  # where the Anthropic SDK looks for it
-        if content_type.startswith(b"text/event-stream"):
+        if content_type.startswith(sse.EVENT_STREAM):
             self.stream = StreamTranslator()
-            headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-            headers += self.headers
-            await self._send({"type": "http.response.start", "status": self.status, "headers": headers})
+            await sse.start_stream(self._send, self.headers, self.status, sse.EVENT_STREAM + b"; charset=utf-8")
 
-    async def _stream_body(self, message: dict[str, Any]) -> None:
+    async def _stream_body(self, message: AsgiMessage) -> None:
         assert self.stream is not None
-        data = self.partial + message.get("body", b"")
-        *lines, self.partial = data.split(b"\n")
         out: list[bytes] = []
-        for line in lines:
-            if line.startswith(b"data:"):
-                out += self.stream.feed(line[5:].strip())
+        for payload in self.lines.feed(message.get("body", b"")):
+            out += self.stream.feed(payload)
         more = message.get("more_body", False)
         if not more and self.stream.started and not (self.stream.finished or self.stream.failed):
             out += self.stream.fail("the stream ended before the answer was complete")
@@ -758,9 +758,10 @@ class AnswerTranslator:
                 response = orjson.loads(raw)
                 body = orjson.dumps(to_message(response))
             except (orjson.JSONDecodeError, AttributeError, TypeError):
-                status, body = 502, error_body(502, "vLLM sent a body that is not a chat completion", self.request_id)
+                error = GatewayError(502, "vLLM sent a body that is not a chat completion", "upstream_error")
+                status, body = 502, error_body(error, self.request_id)
         else:
-            body = error_body(status, error_message(raw), self.request_id)
+            body = error_body(GatewayError(status, error_message(raw)), self.request_id)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *self.headers]
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         await self._send({"type": "http.response.body", "body": body})
@@ -813,20 +814,23 @@ class MessagesApi:
             raise
         return True
 
-    async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
+    async def handle(self, scope: Scope, receive: Receive, send: Send, prefix: PathPrefix | None) -> None:
         path = prefix.rest if prefix else scope["path"]
         if path not in PATHS:
-            await _send_error(send, 404, f"{path} is not served here: only /v1/messages and its count_tokens")
+            message = f"{path} is not served here: only /v1/messages and its count_tokens"
+            await _send_error(send, GatewayError(404, message))
             return
         if scope["method"] != "POST":
             message = f"{scope['method']} is not allowed here; use POST"
-            await _send_error(send, 405, message, ((b"allow", b"POST"),))
+            await _send_error(send, GatewayError(405, message), ((b"allow", b"POST"),))
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             # The key first, as Anthropic checks it: an unauthenticated caller learns nothing about its body.
-            self.proxy.auth.check_agent(split_api_key(presented_key(headers))[0])
+            runs = self.proxy.auth.check_agent(split_api_key(presented_key(headers))[0])
             data = _parse(await self.proxy.read_body(receive, headers))
+            if runs is not None:  # a bound key's run, before vLLM is asked anything (the chat path asks again)
+                check_bound(named_run(headers, data), runs)
             if path == COUNT_TOKENS:
                 counted = parse_request(data, CountTokensRequest)
                 count = await self._count_tokens(counted, await self._merge_inline_system(counted))
@@ -843,7 +847,7 @@ class MessagesApi:
         except (GatewayError, UpstreamFailure) as exc:
             error = exc.error if isinstance(exc, UpstreamFailure) else exc
             self.proxy.metrics.count_request(ENDPOINT, error.status)
-            await _send_error(send, error.status, error.message)
+            await _send_error(send, error)
             return
         await self.proxy.handle(
             _chat_scope(scope, len(chat)), _chat_receive(chat, receive), AnswerTranslator(send), _chat_prefix(prefix)
@@ -875,7 +879,7 @@ def _serialise(chat: dict[str, Any]) -> bytes:
         raise GatewayError(400, "request body is nested too deeply") from None
 
 
-def _chat_scope(scope: dict[str, Any], length: int) -> dict[str, Any]:
+def _chat_scope(scope: Scope, length: int) -> Scope:
     """The scope the chat path sees: its own path, the translated body's length, the API's label for the record."""
     headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
     headers.append((b"content-length", str(length).encode()))
@@ -887,11 +891,11 @@ def _chat_prefix(prefix: PathPrefix | None) -> PathPrefix | None:
     return dataclasses.replace(prefix, rest=CHAT_PATH) if prefix is not None else None
 
 
-def _chat_receive(body: bytes, receive: Any) -> Any:
+def _chat_receive(body: bytes, receive: Receive) -> Receive:
     """Yields the chat body once, then the client's own messages (a stream watches them for a hang-up)."""
     sent = False
 
-    async def chat_receive() -> dict[str, Any]:
+    async def chat_receive() -> AsgiMessage:
         nonlocal sent
         if sent:
             return await receive()
@@ -901,11 +905,11 @@ def _chat_receive(body: bytes, receive: Any) -> Any:
     return chat_receive
 
 
-async def _send_bytes(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+async def _send_bytes(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     headers = [*headers, (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send: Any, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    await _send_bytes(send, status, error_body(status, message), [(b"content-type", b"application/json"), *headers])
+async def _send_error(send: Send, error: GatewayError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    await _send_bytes(send, error.status, error_body(error), [(b"content-type", b"application/json"), *headers])

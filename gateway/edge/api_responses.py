@@ -10,6 +10,8 @@ mode, records and the trainer then work as for any chat call; only the record's 
 - A stored response belongs to the agent key that created it (its fingerprint, `Auth.tenant`, kept with the record
   under `trajgate_responses` and never sent upstream): fetched or continued with another key it is a 404, exactly as
   an unknown id. With agent auth off there is one tenant.
+- A key bound to runs (tenants, `Auth.check_agent`) sees only the stored responses of those runs: another run's
+  response, fetched or continued, is the same 404 as an unknown id (its own run's binding may have changed since).
 - `previous_response_id`: the earlier call's chat messages plus its answer, then this input. Kept in memory up to
   TRAJGATE_RESPONSES_MEMORY_BYTES (oldest dropped first); otherwise read from the database (the record of another
   gateway, or of this one before a restart), waiting up to TRAJGATE_TOKEN_STATE_WAIT_S for a record still in a
@@ -47,9 +49,11 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import Message, Receive, Scope, Send
 
+from gateway.http import sse
 from gateway.http.auth import presented_key
-from gateway.http.deps import gateway_state, json_response, require_agent
+from gateway.http.deps import agent_runs, gateway_state, json_response, require_agent
 from gateway.http.errors import GatewayError
 from gateway.proxy import capture
 from gateway.proxy.attribution import PathPrefix, split_api_key
@@ -564,6 +568,9 @@ class _Kept:
     conversation: list[dict[str, Any]]
     response: dict[str, Any]
     owner: str | None  # Auth.tenant of the key that created it
+    # The run of one read back from its record, which the reader's key must be bound to (bindings may have changed
+    # since it was made); None for one this process made: its owner's key was checked against these bindings then.
+    run: str | None
     size: int = 0  # bytes of the conversation and the response as JSON: what it counts against the memory bound
 
 
@@ -593,7 +600,7 @@ class ResponsesAPI:
     def remember(self, chat: dict[str, Any], response: dict[str, Any]) -> None:
         if chat.get("store") is False or self.memory_bytes == 0:
             return
-        kept = _Kept(continuation(chat, response), response, owner_of(chat))
+        kept = _Kept(continuation(chat, response), response, owner_of(chat), None)
         # The JSON size stands for the memory held: what a client controls (its input, the answer it asked for)
         # is what grows, and orjson measures it in C at a fraction of the call's own serialising.
         kept.size = len(orjson.dumps(kept.conversation)) + len(orjson.dumps(response))
@@ -612,11 +619,14 @@ class ResponsesAPI:
         if kept is not None:
             self.kept_bytes -= kept.size
 
-    async def find(self, response_id: str, owner: str | None) -> _Kept | None:
-        """A stored response by id, if `owner` (Auth.tenant of the caller's key) may see it: memory first, then the
-        record (polled briefly: it may still be on its way). Another tenant's response is None, as an unknown id."""
+    async def find(self, response_id: str, owner: str | None, runs: frozenset[str] | None) -> _Kept | None:
+        """A stored response by id, if `owner` (Auth.tenant of the caller's key) bound to `runs` (None: any) may see
+        it: memory first, then the record (polled briefly: it may still be on its way). Another tenant's response is
+        None, as an unknown id."""
         kept = await self._find(response_id)
         if kept is None or (owner is not None and kept.owner != owner):
+            return None
+        if runs is not None and kept.run is not None and kept.run not in runs:
             return None
         return kept
 
@@ -646,18 +656,18 @@ class ResponsesAPI:
                 return None
             await asyncio.sleep(_POLL_S)
 
-    async def create(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
+    async def create(self, scope: Scope, receive: Receive, send: Send, prefix: PathPrefix | None) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             # The key first: an unauthenticated caller learns nothing about its body.
             key = split_api_key(presented_key(headers))[0]
-            self.proxy.auth.check_agent(key)
+            runs = self.proxy.auth.check_agent(key)
             owner = self.proxy.auth.tenant(key)
             body = await self.proxy.read_body(receive, headers)  # the same body limit as every model call
             request = parse_json(body)
             previous = None
             if request.get("previous_response_id") is not None:
-                previous = await self._previous(request["previous_response_id"], owner)
+                previous = await self._previous(request["previous_response_id"], owner, runs)
             chat = chat_request(request, previous)
             if owner is not None:
                 chat[EXTRA][OWNER] = owner
@@ -680,7 +690,7 @@ class ResponsesAPI:
         chat_prefix = dataclasses.replace(prefix, rest=CHAT_PATH) if prefix else None
         sent = False
 
-        async def chat_receive() -> dict[str, Any]:
+        async def chat_receive() -> Message:
             nonlocal sent
             if not sent:
                 sent = True
@@ -690,10 +700,10 @@ class ResponsesAPI:
         answer = _Answer(self, chat, request.get("previous_response_id"), send)
         await self.proxy.handle(chat_scope, chat_receive, answer, chat_prefix)
 
-    async def _previous(self, response_id: Any, owner: str | None) -> list[dict[str, Any]]:
+    async def _previous(self, response_id: Any, owner: str | None, runs: frozenset[str] | None) -> list[dict[str, Any]]:
         if not isinstance(response_id, str):
             raise _bad("previous_response_id: expected a string")
-        kept = await self.find(response_id, owner)
+        kept = await self.find(response_id, owner, runs)
         if kept is None:
             raise GatewayError(
                 404, f"Previous response with id '{response_id[:80]}' not found.", code="previous_response_not_found"
@@ -708,7 +718,7 @@ def _from_record(response_id: str, exchange: RecordedExchange) -> _Kept | None:
     if chat.get("store") is False:
         return None
     response = response_object(response_id, chat, exchange.response)
-    return _Kept(continuation(chat, response), response, owner_of(chat))
+    return _Kept(continuation(chat, response), response, owner_of(chat), exchange.run)
 
 
 def _serialise(chat: dict[str, Any]) -> bytes:
@@ -718,7 +728,7 @@ def _serialise(chat: dict[str, Any]) -> bytes:
         raise GatewayError(400, "request body is nested too deeply to forward", code="invalid_json") from None
 
 
-async def _send_json(send: Any, status: int, body: bytes) -> None:
+async def _send_json(send: Send, status: int, body: bytes) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -728,7 +738,7 @@ class _Answer:
     """The `send` the proxy answers through: a chat answer becomes a Response object, a chat stream Responses
     events; an error body (already OpenAI-shaped, as Responses errors are) passes through."""
 
-    def __init__(self, api: ResponsesAPI, chat: dict[str, Any], previous_id: str | None, send: Any) -> None:
+    def __init__(self, api: ResponsesAPI, chat: dict[str, Any], previous_id: str | None, send: Send) -> None:
         self.api = api
         self.chat = chat
         self.previous_id = previous_id
@@ -739,14 +749,14 @@ class _Answer:
         self.body: list[bytes] = []
         self.stream: _EventStream | None = None
 
-    async def __call__(self, message: dict[str, Any]) -> None:
+    async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
             self.headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"content-length"]
             request_id = next((v.decode() for k, v in self.headers if k.lower() == b"x-request-id"), "")
             self.response_id = "resp_" + request_id.removeprefix("req-")
             content_type = next((v for k, v in self.headers if k.lower() == b"content-type"), b"")
-            if self.status == 200 and content_type.startswith(b"text/event-stream"):
+            if self.status == 200 and content_type.startswith(sse.EVENT_STREAM):
                 self.stream = _EventStream(self.api, self.chat, self.response_id, self.previous_id, self.send)
                 await self.send(message)
             return
@@ -779,7 +789,7 @@ class _EventStream:
     Response (in `response.completed`) is built from the assembled chat answer, as `GET` rebuilds it."""
 
     def __init__(
-        self, api: ResponsesAPI, chat: dict[str, Any], response_id: str, previous_id: str | None, send: Any
+        self, api: ResponsesAPI, chat: dict[str, Any], response_id: str, previous_id: str | None, send: Send
     ) -> None:
         self.api = api
         self.chat = chat
@@ -791,19 +801,15 @@ class _EventStream:
         self.sequence = 0
         self.started = False
         self.finished = False
-        self.partial = b""
+        self.lines = sse.DataLines()
         self.output_index = -1
         self.open: dict[str, Any] | None = None  # the output item being written
         self.tool_items: dict[int, dict[str, Any]] = {}
 
     async def feed(self, data: bytes, more: bool) -> None:
-        self.partial += data
-        *events, self.partial = self.partial.split(b"\n\n")
         out: list[bytes] = []
-        for event in events:
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    self._on_data(line[5:].strip(), out)
+        for payload in self.lines.feed(data):
+            self._on_data(payload, out)
         if not more and not self.finished and self.started:
             self._failed("the stream ended before the model finished", out)
         if out or not more:
@@ -812,7 +818,7 @@ class _EventStream:
     def _event(self, kind: str, out: list[bytes], **fields: Any) -> None:
         payload = orjson.dumps({"type": kind, "sequence_number": self.sequence, **fields})
         self.sequence += 1
-        out.append(b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n")
+        out.append(sse.frame(payload, event=kind))
 
     def _start(self, created: int | None, out: list[bytes]) -> None:
         self.started = True
@@ -825,7 +831,7 @@ class _EventStream:
     def _on_data(self, payload: bytes, out: list[bytes]) -> None:
         if self.finished:
             return
-        if payload == b"[DONE]":
+        if payload == sse.DONE_PAYLOAD:
             self._complete(out)
             return
         chunk = orjson.loads(payload)
@@ -974,7 +980,7 @@ async def retrieve(response_id: str, request: Request) -> Response:
     unknown id, one created with `store: false`, or one another agent key created."""
     gw = gateway_state(request)
     owner = gw.auth.tenant(split_api_key(presented_key(dict(request.headers)))[0])
-    kept = await gw.responses.find(response_id, owner)
+    kept = await gw.responses.find(response_id, owner, agent_runs(request))
     if kept is None:
         raise GatewayError(404, f"No response found with id '{response_id[:80]}'.", code="not_found")
     return json_response(kept.response)

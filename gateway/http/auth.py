@@ -1,14 +1,17 @@
-"""Agent and admin keys, compared in constant time. Keys are never logged or recorded."""
+"""Agent and admin keys, compared in constant time, and the runs a bound agent key may use (tenants, docs/design.md
+§13). Keys are never logged or recorded."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import logging
+from collections.abc import Sequence
 
 from pydantic import SecretStr
 
 from gateway.http.errors import GatewayError
+from gateway.runs.settings import AgentKey
 
 log = logging.getLogger("trajgate.auth")
 
@@ -34,9 +37,17 @@ def _matches(candidate: str | None, keys: list[bytes]) -> bool:
 
 
 class Auth:
-    def __init__(self, agent_keys: list[SecretStr], admin_key: SecretStr | None) -> None:
+    def __init__(self, agent_keys: Sequence[SecretStr], admin_key: SecretStr | None) -> None:
         self._admin = [admin_key.get_secret_value().encode()] if admin_key else []
         self._agent = [key.get_secret_value().encode() for key in agent_keys] + self._admin
+        # Only bound keys are here; looked up once a key has matched, so a call pays one dict and one set lookup.
+        self._runs = {
+            key.get_secret_value(): key.runs
+            for key in agent_keys
+            if isinstance(key, AgentKey) and key.runs is not None
+        }
+        if admin_key is not None:
+            self._runs.pop(admin_key.get_secret_value(), None)  # the admin key sees every run
 
     @property
     def agent_open(self) -> bool:
@@ -52,10 +63,19 @@ class Auth:
         if self.admin_open:
             log.warning("AUTH OFF: TRAJGATE_ADMIN_KEY is not set; admin and read endpoints are open to anyone")
 
-    def check_agent(self, key: str | None) -> None:
-        """Agent endpoints accept an agent key or the admin key."""
-        if self._agent and not _matches(key, self._agent):
+    def check_agent(self, key: str | None) -> frozenset[str] | None:
+        """Agent endpoints accept an agent key or the admin key. Returns the runs the key is bound to, or None when
+        it may use any run (an unbound key, the admin key, agent auth off)."""
+        if not self._agent:
+            return None
+        if not _matches(key, self._agent):
             raise GatewayError(401, "missing or invalid API key", "authentication_error", "invalid_api_key")
+        return self._runs.get(key) if key is not None else None
+
+    @property
+    def bound(self) -> bool:
+        """Some key is bound to runs: which runs exist is then itself something a key may not see."""
+        return bool(self._runs)
 
     def tenant(self, key: str | None) -> str | None:
         """Who owns what an agent stores (Responses API): a fingerprint of the key it called with, so one key cannot

@@ -65,8 +65,14 @@ def gateway_state(request: Request) -> GatewayState:
 async def require_agent(request: Request) -> None:
     """An agent key or the admin key; an agent's `key#group/trajectory` form is accepted here too, so one
     configured client can both call the model and post rewards."""
+    agent_runs(request)
+
+
+def agent_runs(request: Request) -> frozenset[str] | None:
+    """The runs the caller's agent key is bound to (None: any run), after the same check as `require_agent`
+    (401 for a bad key): what a handler needs whose run is known only once it has looked something up."""
     key, _, _ = split_api_key(presented_key(dict(request.headers)))
-    gateway_state(request).auth.check_agent(key)
+    return gateway_state(request).auth.check_agent(key)
 
 
 async def require_admin(request: Request) -> None:

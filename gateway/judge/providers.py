@@ -135,7 +135,7 @@ async def _complete_litellm(
     max_tokens: int,
     api_key: str | None,
 ) -> Completion:
-    litellm = _litellm or await asyncio.to_thread(_import_litellm)
+    litellm = _litellm if _litellm is not None else await asyncio.to_thread(_import_litellm)
     kwargs: dict[str, Any] = {
         "model": config.model,
         "messages": messages,

@@ -6,30 +6,24 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
-import orjson
+from starlette.types import Receive, Send
 
+from gateway.http import sse
 from gateway.http.errors import UpstreamFailure
 from gateway.upstream.client import UpstreamError
 
 log = logging.getLogger("trajgate.proxy")
 
 
-async def wait_for_disconnect(receive: Any) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
     """Returns once the client hangs up; run beside a stream to stop generating for a client that left."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def send_sse_error(send: Any, message: str) -> None:
-    """Tell a client in-band that its stream failed: the status line has already been sent."""
-    event = orjson.dumps({"error": {"message": message, "type": "upstream_error", "param": None, "code": None}})
-    await send({"type": "http.response.body", "body": b"data: " + event + b"\n\n", "more_body": True})
-
-
 async def relay_until_done(
-    relay: Awaitable[None], receive: Any, send: Any, done: Callable[[], bool], record: Callable[[str], None]
+    relay: Awaitable[None], receive: Receive, send: Send, done: Callable[[], bool], record: Callable[[str], None]
 ) -> str | None:
     """Run a stream relay until it ends or the client hangs up; returns why the stream ended early (for the call's
     record), None when it did not. Cancelling the relay on a hang-up stops reading from vLLM, which lets it abort
@@ -79,5 +73,5 @@ async def relay_until_done(
         assert error is not None
         record(error)
         with contextlib.suppress(OSError):
-            await send_sse_error(send, told)
+            await send({"type": "http.response.body", "body": sse.error_event(told), "more_body": True})
     return error

@@ -89,6 +89,16 @@ def check_run(value: object) -> str:
     return value
 
 
+def check_bound(run: str, runs: frozenset[str] | None) -> str:
+    """`run` if the caller's key may use it: a key bound to runs (`Auth.check_agent`) gets any other run answered
+    as OpenAI answers a model that does not exist, whether it exists or not, so a tenant learns nothing of the
+    others' runs."""
+    if runs is not None and run not in runs:
+        message = f"The model `{run}` does not exist or you do not have access to it."
+        raise GatewayError(404, message, code="model_not_found")
+    return run
+
+
 def _group_size(value: str | None) -> int | None:
     if value is None or value == "":
         return None

@@ -15,24 +15,27 @@ from typing import Any
 import aiohttp
 import orjson
 from sqlalchemy import Engine
+from starlette.types import Receive, Scope, Send
 
+from gateway.http import sse
 from gateway.http.auth import Auth, presented_key
 from gateway.http.errors import GatewayError
 from gateway.http.metrics import GatewayMetrics
+from gateway.http.sse import DATA, DONE, DONE_PAYLOAD, END
 from gateway.proxy import capture, sampling
 from gateway.proxy.admit import Admission, Refused
 from gateway.proxy.asgi_io import relay_until_done
-from gateway.proxy.attribution import Attribution, PathPrefix, attribute, check_run, split_api_key
+from gateway.proxy.attribution import Attribution, PathPrefix, attribute, check_bound, check_run, split_api_key
 from gateway.proxy.routing import PolicyRouter, Route
 from gateway.proxy.token_in import TokenIn
 from gateway.proxy.turns import SeqClock
 from gateway.recorder.writer import RecordWriter
 from gateway.store.call_record import CallRecord
 from gateway.upstream.client import UpstreamError, UpstreamPool, UpstreamResponse
+from gateway.upstream.failures import exchange_error
 from gateway.upstream.replicas import Lease, Replica, Replicas, fetch_models
 
 ENDPOINTS = {"/v1/chat/completions": capture.CHAT, "/v1/completions": capture.COMPLETIONS}
-_SSE_DATA = b"data:"
 
 
 @dataclass(slots=True)
@@ -140,7 +143,7 @@ class Proxy:
             raise GatewayError(502, "vLLM /models did not answer 200", "upstream_error")
         return models
 
-    async def handle(self, scope: dict[str, Any], receive: Any, send: Any, prefix: PathPrefix | None) -> None:
+    async def handle(self, scope: Scope, receive: Receive, send: Send, prefix: PathPrefix | None) -> None:
         received = time.perf_counter()
         created_at = time.time()
         # (the Responses API brings an unguessable id of its own: it is the response's id, which fetches the answer)
@@ -152,12 +155,12 @@ class Proxy:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             key, key_group, key_trajectory = split_api_key(presented_key(headers))
-            self.auth.check_agent(key)  # before the body: an unauthenticated caller learns nothing about it
+            runs = self.auth.check_agent(key)  # before the body: an unauthenticated caller learns nothing about it
             body = await self.read_body(receive, headers)
             request = parse_json(body)
             attribution = attribute(headers, prefix, key_group, key_trajectory)
             retry_count, idempotency_key = _retry_headers(headers)
-            run = check_run(headers.get("x-run") or request.get("model"))
+            run = check_bound(named_run(headers, request), runs)
             route = self.router.resolve(run, await self.base_model())
             if self.admission.applies(route, attribution):  # a group's version, admitted first if new here
                 route = await self.admission.route(route, attribution, receive)
@@ -211,8 +214,8 @@ class Proxy:
         path: str,
         payload: bytes,
         asks: capture.ClientAsks,
-        receive: Any,
-        send: Any,
+        receive: Receive,
+        send: Send,
         out_headers: list[tuple[bytes, bytes]],
     ) -> None:
         """Chat and completions calls: vLLM's own endpoint, answered as it arrives."""
@@ -227,8 +230,7 @@ class Proxy:
                 body = await upstream.read()
             except (UpstreamError, TimeoutError) as exc:
                 upstream.release()
-                status, message = (504, "vLLM timed out") if isinstance(exc, TimeoutError) else (502, str(exc))
-                await self.fail(send, call, out_headers, GatewayError(status, message, "upstream_error"))
+                await self.fail(send, call, out_headers, exchange_error(exc))
                 return
             again = await self._reroute_retired(call, payload, body, out_headers)
             if again is not None:
@@ -249,17 +251,14 @@ class Proxy:
             upstream.release()
 
     async def _post(
-        self, call: Call, path: str, payload: bytes, send: Any, out_headers: list[tuple[bytes, bytes]]
+        self, call: Call, path: str, payload: bytes, send: Send, out_headers: list[tuple[bytes, bytes]]
     ) -> UpstreamResponse | None:
         """POST the call to its replica; None once a failure to reach vLLM has been answered and recorded."""
         assert call.lease is not None
         try:
             return await call.lease.post(self.upstream, path.removeprefix("/v1"), payload)
-        except TimeoutError:
-            await self.fail(send, call, out_headers, GatewayError(504, "vLLM timed out", "upstream_error", "timeout"))
-        except UpstreamError as exc:
-            message = f"vLLM unreachable: {type(exc).__name__}: {exc}"
-            await self.fail(send, call, out_headers, GatewayError(502, message, "upstream_error", "upstream_error"))
+        except (TimeoutError, UpstreamError) as exc:
+            await self.fail(send, call, out_headers, exchange_error(exc))
         return None
 
     async def _reroute_retired(
@@ -287,7 +286,7 @@ class Proxy:
         upstream: UpstreamResponse,
         call: Call,
         asks: capture.ClientAsks,
-        send: Any,
+        send: Send,
         out_headers: list[tuple[bytes, bytes]],
         body: bytes | None = None,
     ) -> None:
@@ -296,8 +295,7 @@ class Proxy:
         try:
             raw = body if body is not None else await upstream.read()
         except (UpstreamError, TimeoutError) as exc:
-            status, message = (504, "vLLM timed out") if isinstance(exc, TimeoutError) else (502, str(exc))
-            await self.fail(send, call, out_headers, GatewayError(status, message, "upstream_error"))
+            await self.fail(send, call, out_headers, exchange_error(exc))
             return
         call.finished = time.perf_counter()
         call.status = upstream.status
@@ -321,7 +319,7 @@ class Proxy:
 
     async def send_answer(
         self,
-        send: Any,
+        send: Send,
         call: Call,
         status: int,
         body: bytes,
@@ -340,8 +338,8 @@ class Proxy:
         upstream: UpstreamResponse,
         call: Call,
         asks: capture.ClientAsks,
-        receive: Any,
-        send: Any,
+        receive: Receive,
+        send: Send,
         out_headers: list[tuple[bytes, bytes]],
     ) -> None:
         """Forward each SSE event as it arrives (no buffering); assemble the record on the side.
@@ -368,23 +366,14 @@ class Proxy:
             call.error = error
             record()
 
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *out_headers],
-            }
-        )
+        await sse.start_stream(send, out_headers)
 
-        def relay_line(line: bytes, out: list[bytes]) -> None:
-            """Feed one SSE line to the record and append what the client gets for it to `out`."""
-            if not line.startswith(_SSE_DATA):
-                return
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
+        def relay_event(payload: bytes, out: list[bytes]) -> None:
+            """Feed one event's data to the record and append what the client gets for it to `out`."""
+            if payload == DONE_PAYLOAD:
                 state["done"] = True
                 record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
-                out.append(b"data: [DONE]\n\n")
+                out.append(DONE)
                 return
             if call.first_chunk is None:
                 call.first_chunk = time.perf_counter()
@@ -398,7 +387,7 @@ class Proxy:
             else:
                 assembler.feed(chunk)
                 payload = orjson.dumps(chunk)
-            out += (b"data: ", payload, b"\n\n")
+            out += (DATA, payload, END)
 
         async def flush(out: list[bytes]) -> None:
             if out:
@@ -406,25 +395,15 @@ class Proxy:
                 out.clear()
 
         async def pump() -> None:
-            # Lines are framed here, with no length limit: vLLM sends all of a prompt's token ids in the first event.
-            partial: list[bytes] = []  # an unfinished line, kept in pieces so a long one costs one join
+            lines = sse.DataLines()
             out: list[bytes] = []  # what this read gives the client
             async for data in upstream.iter_chunks():
-                if b"\n" not in data:
-                    partial.append(data)
-                    continue
-                if partial:
-                    partial.append(data)
-                    data = b"".join(partial)
-                    partial.clear()
-                *lines, rest = data.split(b"\n")
-                if rest:
-                    partial.append(rest)
-                for line in lines:
-                    relay_line(line, out)
+                for payload in lines.feed(data):
+                    relay_event(payload, out)
                 await flush(out)
-            if partial:
-                relay_line(b"".join(partial), out)
+            last = lines.end()
+            if last is not None:
+                relay_event(last, out)
                 await flush(out)
             state["done"] = True
 
@@ -444,7 +423,7 @@ class Proxy:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def fail(
-        self, send: Any, call: Call, out_headers: list[tuple[bytes, bytes]], error: GatewayError
+        self, send: Send, call: Call, out_headers: list[tuple[bytes, bytes]], error: GatewayError
     ) -> None:
         call.finished = time.perf_counter()
         call.status = error.status
@@ -510,7 +489,7 @@ class Proxy:
                 )
             )
 
-    async def read_body(self, receive: Any, headers: dict[str, str]) -> bytes:
+    async def read_body(self, receive: Receive, headers: dict[str, str]) -> bytes:
         """The whole request body within TRAJGATE_MAX_BODY_BYTES (413 above it): every API surface reads it here."""
         declared = _int_header(headers.get("content-length"))
         if declared > self.max_body_bytes:
@@ -532,6 +511,11 @@ class Proxy:
 
 def _too_large(limit: int) -> GatewayError:
     return GatewayError(413, f"request body larger than {limit} bytes", code="request_too_large")
+
+
+def named_run(headers: dict[str, str], request: dict[str, Any]) -> str:
+    """The run a call names: `X-Run`, else `model` (the APIs translated at the edge ask the same)."""
+    return check_run(headers.get("x-run") or request.get("model"))
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -596,7 +580,7 @@ def _int_header(value: str | None) -> int:
         return 0
 
 
-async def _send_bytes(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+async def _send_bytes(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     await send(
         {
             "type": "http.response.start",
@@ -607,5 +591,5 @@ async def _send_bytes(send: Any, status: int, body: bytes, headers: list[tuple[b
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_json(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
     await _send_bytes(send, status, body, [(b"content-type", b"application/json"), *headers])

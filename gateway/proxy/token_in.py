@@ -38,13 +38,16 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import Receive, Send
 
+from gateway.http import sse
 from gateway.http.errors import GatewayError, UpstreamFailure
 from gateway.proxy import capture, chat_templates
 from gateway.proxy.asgi_io import relay_until_done
 from gateway.proxy.chat_templates import TemplateInfo
 from gateway.store.token_state import RecordedTurn, recorded_turns
 from gateway.upstream.client import UpstreamError, UpstreamResponse
+from gateway.upstream.failures import exchange_error, not_json, stream_error, upstream_error
 from gateway.upstream.replicas import Lease
 
 if TYPE_CHECKING:
@@ -56,7 +59,6 @@ log = logging.getLogger("trajgate.token_in")
 RENDER = "/v1/chat/completions/render"
 GENERATE = "/inference/v1/generate"
 DERENDER = "/v1/chat/completions/derender"
-SCALE_OUT_HINT = "start vLLM with --enable-scale-out to use token_mode token_in"
 
 # Why a call started a new token segment (calls.segment_reason); null when it continued its predecessor.
 FIRST_CALL = "first_call"
@@ -449,11 +451,8 @@ class TokenIn:
             finally:
                 response.release()
             lease.answered(status)
-        except TimeoutError:
-            raise UpstreamFailure(GatewayError(504, f"vLLM timed out on {path}", "upstream_error", "timeout")) from None
-        except UpstreamError as exc:
-            message = f"vLLM unreachable on {path}: {type(exc).__name__}: {exc}"
-            raise UpstreamFailure(GatewayError(502, message, "upstream_error", "upstream_error")) from None
+        except (TimeoutError, UpstreamError) as exc:
+            raise UpstreamFailure(exchange_error(exc, path)) from None
         if status != 200:
             raise UpstreamFailure(upstream_error(path, status, raw))
         try:
@@ -461,8 +460,7 @@ class TokenIn:
         except orjson.JSONDecodeError:
             answer = None
         if not isinstance(answer, dict):
-            message = f"vLLM sent a body that is not a JSON object on {path}"
-            raise UpstreamFailure(GatewayError(502, message, "upstream_error"))
+            raise UpstreamFailure(not_json(path))
         return answer
 
     # -- the call ------------------------------------------------------------------------------------------------
@@ -472,8 +470,8 @@ class TokenIn:
         call: Call,
         upstream_body: dict[str, Any],
         asks: capture.ClientAsks,
-        receive: Any,
-        send: Any,
+        receive: Receive,
+        send: Send,
         out_headers: list[tuple[bytes, bytes]],
     ) -> None:
         """Plan, generate, derender and answer one chat call; every failure is recorded and answered OpenAI-style."""
@@ -580,8 +578,8 @@ class TokenIn:
         chat_request: dict[str, Any],
         asks: capture.ClientAsks,
         keys: list[str],
-        receive: Any,
-        send: Any,
+        receive: Receive,
+        send: Send,
         out_headers: list[tuple[bytes, bytes]],
     ) -> None:
         """Generate as a stream and derender it chunk by chunk, each derender carrying the previous `stream_state`.
@@ -594,28 +592,20 @@ class TokenIn:
         try:
             payload = orjson.dumps({**generate_body, "stream": True})
             upstream = await call.lease.post(self.proxy.upstream, GENERATE, payload, root=True)
-        except TimeoutError:
-            error = GatewayError(504, f"vLLM timed out on {GENERATE}", "upstream_error", "timeout")
-            await self.proxy.fail(send, call, out_headers, error)
-            return
-        except UpstreamError as exc:
-            error = GatewayError(502, f"vLLM unreachable on {GENERATE}: {exc}", "upstream_error", "upstream_error")
-            await self.proxy.fail(send, call, out_headers, error)
+        except (TimeoutError, UpstreamError) as exc:
+            await self.proxy.fail(send, call, out_headers, exchange_error(exc, GENERATE))
             return
         call.lease.answered(upstream.status)
         try:
             if upstream.status != 200:
-                error = upstream_error(GENERATE, upstream.status, await upstream.read())
+                try:
+                    error = upstream_error(GENERATE, upstream.status, await upstream.read())
+                except (TimeoutError, UpstreamError) as exc:
+                    error = exchange_error(exc, GENERATE)
                 await self.proxy.fail(send, call, out_headers, error)
                 return
             relay = StreamRelay(self, call, upstream, chat_request, asks, prompt, keys, send)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), *out_headers],
-                }
-            )
+            await sse.start_stream(send, out_headers)
             call.status = 200
             try:
                 error = await relay_until_done(relay.run(), receive, send, lambda: relay.done, relay.fail)
@@ -644,7 +634,7 @@ class StreamRelay:
         asks: capture.ClientAsks,
         prompt: list[int],
         keys: list[str],
-        send: Any,
+        send: Send,
     ) -> None:
         self.owner = owner
         self.keys = keys
@@ -689,35 +679,27 @@ class StreamRelay:
         self.done = True
         self.call.finished = time.perf_counter()
         self.record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
-        await self.send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await self.send({"type": "http.response.body", "body": sse.DONE, "more_body": True})
 
     async def _read(self) -> None:
-        partial: list[bytes] = []
+        lines = sse.DataLines()
         try:
             async for data in self.upstream.iter_chunks():
-                partial.append(data)
-                if b"\n" not in data:
-                    continue
-                *lines, rest = b"".join(partial).split(b"\n")
-                partial = [rest] if rest else []
-                self._take(lines)
-            if partial:
-                self._take([b"".join(partial)])
+                self._take(lines.feed(data))
+            last = lines.end()
+            if last is not None:
+                self._take((last,))
         finally:
             self.reading = False
             self.arrived.set()
 
-    def _take(self, lines: list[bytes]) -> None:
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
+    def _take(self, payloads: Sequence[bytes]) -> None:
+        for payload in payloads:
+            if payload == sse.DONE_PAYLOAD:
                 continue
             chunk = orjson.loads(payload)
             if "error" in chunk and "choices" not in chunk:
-                message = (chunk["error"] or {}).get("message") if isinstance(chunk["error"], dict) else chunk["error"]
-                raise UpstreamFailure(GatewayError(502, f"vLLM generate stream failed: {message}", "upstream_error"))
+                raise UpstreamFailure(stream_error(chunk["error"]))
             self.pending.append(chunk)
         if self.pending:
             self.arrived.set()
@@ -786,8 +768,7 @@ class StreamRelay:
 
     async def _send_chunk(self, chunk: dict[str, Any]) -> None:
         capture.strip_for_client(chunk, self.asks)
-        body = b"data: " + orjson.dumps(chunk) + b"\n\n"
-        await self.send({"type": "http.response.body", "body": body, "more_body": True})
+        await self.send({"type": "http.response.body", "body": sse.frame(orjson.dumps(chunk)), "more_body": True})
 
     def fail(self, error: str) -> None:
         """The stream broke: record why, before the client is told."""
@@ -866,30 +847,6 @@ def for_derender(generated: dict[str, Any]) -> dict[str, Any]:
             choice = {**choice, "token_ids": ids[:-1]}
         out["choices"].append(choice)
     return out
-
-
-def upstream_error(path: str, status: int, raw: bytes) -> GatewayError:
-    """What the client is told when a scale-out step fails: a 403 means the endpoints are off (one clear error naming
-    the flag); other client errors pass vLLM's status and error (message, type, param, code) through as chat mode does;
-    server errors become a 502."""
-    if status == 403:
-        return GatewayError(502, f"vLLM refused {path} (403): {SCALE_OUT_HINT}", "upstream_error", "scale_out_disabled")
-    message = raw[:2000].decode("utf-8", "replace").replace("\x00", "\ufffd")
-    error_type = "upstream_error"
-    code: str | int | None = None
-    param: str | None = None
-    with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
-        error = orjson.loads(raw).get("error")
-        if isinstance(error, dict):
-            message = str(error.get("message") or message)
-            error_type = str(error.get("type") or error_type)
-            code = error.get("code") if isinstance(error.get("code"), (str, int)) else None
-            param = error.get("param") if isinstance(error.get("param"), str) else None
-        elif isinstance(error, str):
-            message = error
-    if 400 <= status < 500:
-        return GatewayError(status, message, error_type, code, param)
-    return GatewayError(502, f"vLLM answered {status} on {path}: {message}", "upstream_error", "upstream_error")
 
 
 def chat_logprobs(derendered: dict[str, Any] | None, chat_request: dict[str, Any]) -> list[dict[str, Any]]:

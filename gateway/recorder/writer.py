@@ -679,7 +679,7 @@ class RecordWriter:
             self._stopping.wait(min(remaining, self._flush_interval_s / _DRAINS_PER_FLUSH))
 
     def _take_held(self, limit: int) -> list[CallRecord]:
-        records = []
+        records: list[CallRecord] = []
         while self._held and len(records) < limit:
             records.append(self._held.popleft())
         return records
@@ -834,9 +834,8 @@ class RecordWriter:
         """Let records go from memory: those in the log stay there for replay; those not in it (the log failed) are
         appended now, or, if the disk still fails, held in memory and retried from the writer thread, unless `keep`
         is False (the writer is closing: then they are lost, counted and logged)."""
-        segments = {segment for _, segment, _ in entries if segment is not None}
-        for segment in segments:
-            self._spool.drop(segment)
+        for logged in {segment for _, segment, _ in entries if segment is not None}:
+            self._spool.drop(logged)
         self._count(records_spooled=len(entries) - sum(1 for _, segment, _ in entries if segment is None))
         lines: list[bytes] = []
         kept: list[CallRecord] = []

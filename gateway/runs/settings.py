@@ -10,8 +10,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from gateway.runs.names import run_name_problem
 
 ENV_PREFIX = "TRAJGATE_"
 
@@ -20,8 +22,56 @@ class ConfigError(Exception):
     """A setting is invalid; the message is one line that names the environment variable."""
 
 
+class AgentKey(SecretStr):
+    """An agent key and the runs it is bound to (None: any run, as every key before tenants). A SecretStr, so it
+    prints masked and everything that reads keys as secrets (gateway/judge/policy.py) reads these unchanged."""
+
+    def __init__(self, secret_value: str, runs: frozenset[str] | None = None) -> None:
+        super().__init__(secret_value)
+        self.runs = runs
+
+
+def parse_agent_keys(value: str) -> list[AgentKey]:
+    """`TRAJGATE_AGENT_KEYS`: entries separated by ';', each either `KEY=RUN[,RUN...]` (a key bound to those runs)
+    or today's comma-separated unbound keys.
+
+    An entry is a binding only when the text after its LAST '=' is a comma-separated list of valid run names (run
+    names never hold '='), so a base64 key's padding (`abc==`, `abc=,def`) still reads as unbound keys. What could be
+    a mistyped binding is refused rather than read as unbound keys, which would open every run to the key: an
+    unbound key may hold '=' only as trailing padding, and a bound entry holds exactly one key (several bound keys
+    are several ';'-separated entries). Messages name an entry by its position, never its text: it holds a key.
+    """
+    keys: list[AgentKey] = []
+    bound: dict[str, frozenset[str] | None] = {}
+    entries = [entry.strip() for entry in value.split(";") if entry.strip()]
+    for number, entry in enumerate(entries, 1):
+        where = f"entry {number} (entries are separated by ';')"
+        key, equals, tail = entry.rpartition("=")
+        runs = [run.strip() for run in tail.split(",")]
+        if equals and all(run_name_problem(run) is None for run in runs):
+            key = key.strip()
+            if not key or "," in key:
+                raise ValueError(f"{where}: a binding is one key, '=', then run names: KEY=RUN[,RUN...]")
+            parsed = [AgentKey(key, frozenset(runs))]
+        else:
+            parsed = [AgentKey(key) for key in (key.strip() for key in entry.split(",")) if key]
+            if any("=" in key.get_secret_value().rstrip("=") for key in parsed):
+                raise ValueError(
+                    f"{where}: after its last '=' comes neither nothing nor a list of run names "
+                    "(KEY=RUN[,RUN...]; a run name: 1-128 of [A-Za-z0-9._:/-]; no empty item)"
+                )
+        for agent_key in parsed:
+            secret = agent_key.get_secret_value()
+            if secret in bound and bound[secret] != agent_key.runs:
+                raise ValueError(f"{where}: a key given earlier appears again with other runs")
+            bound[secret] = agent_key.runs
+            keys.append(agent_key)
+    return keys
+
+
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=".env", extra="ignore")
+    # (hide_input_in_errors: TRAJGATE_AGENT_KEYS is parsed from its raw text, which a validation error would quote)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=".env", extra="ignore", hide_input_in_errors=True)
 
     database_url: str = Field(
         "sqlite:///trajgate.db",
@@ -38,8 +88,10 @@ class Settings(BaseSettings):
     base_weights: str | None = Field(
         None, description="Weights the trainer loads for runs that name none: the same weights vLLM serves."
     )
-    agent_keys: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list, description="Comma-separated keys agents may use; empty means no agent auth."
+    agent_keys: Annotated[list[AgentKey], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated keys agents may use; empty means no agent auth. A key bound to runs is an entry "
+        "`KEY=RUN[,RUN...]`, entries separated by ';' (docs/design.md §13, Tenants).",
     )
     admin_key: SecretStr | None = Field(None, description="Key for admin and read endpoints; unset means no auth.")
     judge_key_envs: Annotated[list[str], NoDecode] = Field(
@@ -200,7 +252,12 @@ class Settings(BaseSettings):
             raise ValueError("lists the same replica twice")
         return ",".join(urls)
 
-    @field_validator("agent_keys", "judge_key_envs", "forwarded_allow_ips", mode="before")
+    @field_validator("agent_keys", mode="before")
+    @classmethod
+    def _parse_agent_keys(cls, value: object) -> object:
+        return parse_agent_keys(value) if isinstance(value, str) else value
+
+    @field_validator("judge_key_envs", "forwarded_allow_ips", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
@@ -220,7 +277,7 @@ class Settings(BaseSettings):
 
     @field_validator("agent_keys")
     @classmethod
-    def _check_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+    def _check_keys(cls, keys: list[AgentKey]) -> list[AgentKey]:
         # '#' separates a real key from attribution in the api-key form, so a key may not contain it.
         if any("#" in key.get_secret_value() for key in keys):
             raise ValueError("a key may not contain '#'")
@@ -230,6 +287,17 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
+
+    @model_validator(mode="after")
+    def _bindings_need_an_admin_key(self) -> Settings:
+        # With no admin key the reads, the export and the UI are open to anyone: binding keys to runs would wall
+        # nothing off, and saying so at start beats a deployment that believes its tenants are apart.
+        if self.admin_key is None and any(key.runs is not None for key in self.agent_keys):
+            raise ValueError(
+                f"{ENV_PREFIX}AGENT_KEYS binds keys to runs, which walls nothing off while TRAJGATE_ADMIN_KEY is unset (the "
+                "read, export and admin endpoints are open to anyone): set TRAJGATE_ADMIN_KEY"
+            )
+        return self
 
     @property
     def upstream_urls(self) -> list[str]:
@@ -247,7 +315,9 @@ def load_settings(**overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else "?"
+        if not first["loc"]:  # a rule across settings: its message names them
+            raise ConfigError(first["msg"].removeprefix("Value error, ")) from None
+        field = str(first["loc"][0])
         raise ConfigError(f"invalid {ENV_PREFIX}{field.upper()}: {first['msg']}") from None
 
 

@@ -1,6 +1,6 @@
 """Admission's SQL: admit new training groups against a run's bound, atomically across gateways, and report it.
 
-The bound (README "Admission"): a group admitted while version V serves the run can still be trained if the trainer
+The bound (docs/training.md): a group admitted while version V serves the run can still be trained if the trainer
 consumes it by the step it builds while V + max_staleness is current. Steps advance the version one at a time and
 each takes groups_per_step groups (oldest admitted first), so with L = steps committed but not yet served (last step
 - V) and B = 1 while a step is being trained (its claimed groups are chosen: a group it drops frees no room in it),
@@ -125,7 +125,7 @@ def admit_groups(engine: Engine, run: str, asks: Sequence[tuple[str, float]]) ->
         if config is None:
             return Decision(set(ids), set(), 0, 0, 1)
         versions: dict[str, int] = dict(
-            conn.execute(  # type: ignore[arg-type]
+            conn.execute(
                 select(Admission.group_id, Admission.policy_version).where(Admission.group_id.in_(ids))
             ).all()
         )
@@ -262,14 +262,18 @@ def trainer_figures(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     step, and the staleness (current version - oldest version sampling it) of the groups trained."""
     waited = sum(m.get("wait_seconds") or 0.0 for m in steps)
     busy = sum((m.get("step_seconds") or 0.0) + (m.get("swap_seconds") or 0.0) for m in steps)
-    used = [(m.get("groups_used") or 0, m.get("staleness_mean"), m.get("staleness_max")) for m in steps]
-    used = [(n, mean, top) for n, mean, top in used if n and mean is not None]
+    # (groups used, their mean staleness, their max staleness) of the steps that trained groups
+    used: list[tuple[int, float, int | None]] = []
+    for m in steps:
+        n, mean, top = m.get("groups_used") or 0, m.get("staleness_mean"), m.get("staleness_max")
+        if n and mean is not None:
+            used.append((n, mean, top))
     total = sum(n for n, _, _ in used)
     return {
         "trainer_idle_share": waited / (waited + busy) if waited + busy > 0 else None,
         "stale_dropped_per_step": [(m.get("drop_reasons") or {}).get(STALE_REASON, 0) for m in steps],
         "staleness_mean": sum(n * mean for n, mean, _ in used) / total if total else None,
-        "staleness_max": max((top for _, _, top in used), default=None),
+        "staleness_max": max((top for _, _, top in used if top is not None), default=None),
     }
 
 

@@ -20,6 +20,7 @@ from gateway.store.models import Call
 @dataclass(frozen=True, slots=True)
 class RecordedExchange:
     call_id: str
+    run: str
     endpoint: str
     status_code: int | None
     request: dict[str, Any] | None  # whole: the messages it shares with its predecessor are put back
@@ -41,6 +42,7 @@ def recorded_exchange(engine: Engine, call_id: str) -> RecordedExchange | None:
             select(
                 Call.id,
                 Call.seq,
+                Call.run,
                 Call.endpoint,
                 Call.status_code,
                 Call.request,
@@ -56,5 +58,7 @@ def recorded_exchange(engine: Engine, call_id: str) -> RecordedExchange | None:
     for row in rows:
         request = rebuilder.request(row.seq, 0, row.request, row.messages_parent_seq, row.messages_prefix_len)
         if row.id == call_id:
-            return RecordedExchange(row.id, row.endpoint, row.status_code, request, row.response, row.created_at)
+            return RecordedExchange(
+                row.id, row.run, row.endpoint, row.status_code, request, row.response, row.created_at
+            )
     return None

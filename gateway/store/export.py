@@ -8,10 +8,10 @@ page of trajectory rows and the calls of one trajectory, whatever the size of th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sqlalchemy import Engine, select, tuple_
+from sqlalchemy import Connection, Engine, select, tuple_
 
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.lineage import Rebuilder
@@ -27,7 +27,7 @@ def iter_trajectories(
     engine: Engine, run: str, include_eval: bool = False, page_size: int = PAGE_TRAJECTORIES
 ) -> Iterator[dict[str, Any]]:
     """Yield one dict per trajectory of `run` (training trajectories only unless `include_eval`), oldest first,
-    in the export schema documented in the README."""
+    in the export schema documented in docs/api.md ("Exporting")."""
     page_query = (
         select(
             Trajectory.trajectory_id,
@@ -59,7 +59,7 @@ def iter_trajectories(
         after = (last.created_at, last.trajectory_id)
 
 
-def _with_calls(conn: Any, page: list[Any]) -> Iterator[dict[str, Any]]:
+def _with_calls(conn: Connection, page: Sequence[Any]) -> Iterator[dict[str, Any]]:
     calls_query = (
         select(
             Call.trajectory_id,

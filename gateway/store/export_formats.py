@@ -1,6 +1,6 @@
 """`trajgate export`: a run's trajectories as JSON Lines or Parquet, streamed (constant memory for large runs).
 
-One record per trajectory, its calls nested in turn order; the schema is in the README. JSON has no infinity, so a
+One record per trajectory, its calls nested in turn order; the schema is in docs/api.md. JSON has no infinity, so a
 logprob of -inf (a token vLLM forced) is written as null in JSON Lines; Parquet keeps it. In Parquet the free-form
 JSON fields (messages, tool_calls, metrics, metadata) are JSON-encoded strings.
 """

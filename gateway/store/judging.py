@@ -61,13 +61,12 @@ def load_group(engine: Engine, group_id: str) -> GroupToJudge | None:
     return loaded
 
 
-def _aware(value: Any) -> datetime | None:
+def _aware(value: datetime | str | None) -> datetime | None:
     """SQLite hands timestamps back without their zone; they were written in UTC."""
     if value is None:
         return None
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    moment = datetime.fromisoformat(value) if isinstance(value, str) else value
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def judgeable_groups(

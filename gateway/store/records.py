@@ -240,7 +240,7 @@ class _TextArray(UserDefinedType[list[str]]):
         return literal
 
 
-def _one_of(column: Any, name: str, dialect: str) -> ColumnElement[bool]:
+def _one_of(column: ColumnElement[Any], name: str, dialect: str) -> ColumnElement[bool]:
     """`column` is one of the list bound as `name`. On Postgres `= ANY(array)`: one SQL text whatever the list's
     length, so neither SQLAlchemy nor psycopg renders and parses an IN list of a placeholder per id for every batch
     (which was a tenth of the writer's CPU at batches of 64). SQLite has no arrays and keeps the expanding IN."""
@@ -478,8 +478,8 @@ def write_calls(engine: Engine, records: Sequence[CallRecord]) -> None:
                 rows = []
                 for record, lineage in zip(calls, lineages):
                     give_way()
-                    key = (record.trajectory_id, record.seq)
-                    rows.append(_call_row(record, lineage, hashes[key], firsts[key], packed[record.id]))
+                    attempt = (record.trajectory_id, record.seq)
+                    rows.append(_call_row(record, lineage, hashes[attempt], firsts[attempt], packed[record.id]))
                 if conn.dialect.name == "postgresql":
                     _insert_rows(conn, statements.calls, rows)
                 else:
@@ -751,8 +751,8 @@ def _lineages(
         give_way()
         if record.seq in settlements[record.trajectory_id].dropped:
             continue
-        row = stored[record.trajectory_id].get((record.seq, record.choice_index))
-        if row is None or _aware(row.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
+        existing = stored[record.trajectory_id].get((record.seq, record.choice_index))
+        if existing is None or _aware(existing.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
             kept[record.trajectory_id].append(record)
             digests[record.id] = message_digests(record.request, key_order)
             packed[record.id] = _packed(record)

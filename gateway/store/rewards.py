@@ -54,20 +54,27 @@ class RewardsRejected(Exception):
         self.errors = errors
 
 
-def store_rewards(engine: Engine, items: Sequence[RewardItem]) -> list[RewardResult]:
+def store_rewards(
+    engine: Engine, items: Sequence[RewardItem], runs: frozenset[str] | None = None
+) -> list[RewardResult]:
     """Store the rewards in one transaction and settle the readiness of every group they touch.
 
     The same reward again changes nothing (idempotent retries). A different reward is stored while the group is
-    open or ready, and refused (conflict) once the trainer claimed it. Unknown trajectories are refused too.
-    Raises RewardsRejected listing every refused item, having stored nothing.
+    open or ready, and refused (conflict) once the trainer claimed it. Unknown trajectories are refused too, and so,
+    with the same message, is a trajectory of a run outside `runs` (the runs the caller's key is bound to; None:
+    any), so a tenant cannot tell another's trajectory from none. Raises RewardsRejected listing every refused
+    item, having stored nothing.
     """
     ids = sorted({item.trajectory_id for item in items})
     with write_transaction(engine) as conn:
         group_of: dict[str, str] = {
             row.trajectory_id: row.group_id
             for row in conn.execute(
-                select(Trajectory.trajectory_id, Trajectory.group_id).where(Trajectory.trajectory_id.in_(ids))
+                select(Trajectory.trajectory_id, Trajectory.group_id, Trajectory.run).where(
+                    Trajectory.trajectory_id.in_(ids)
+                )
             )
+            if runs is None or row.run in runs
         }
         groups = lock_groups(conn, sorted(set(group_of.values())))
         # Read after the lock: a reward for the same group committed before we got it is now visible.
@@ -120,12 +127,13 @@ def store_rewards(engine: Engine, items: Sequence[RewardItem]) -> list[RewardRes
     return results
 
 
-def close_group(engine: Engine, group_id: str) -> str | None:
+def close_group(engine: Engine, group_id: str, runs: frozenset[str] | None = None) -> str | None:
     """Declare the group complete: it is ready once every trajectory it has is rewarded, whatever its expected
-    size. Returns the group's state afterwards, or None if no call of the group has been written."""
+    size. Returns the group's state afterwards, or None if no call of the group has been written, or if it is a
+    group of a run outside `runs` (as `store_rewards`)."""
     with write_transaction(engine) as conn:
         group = lock_groups(conn, [group_id]).get(group_id)
-        if group is None:
+        if group is None or (runs is not None and group["run"] not in runs):
             return None
         if not group["closed"]:
             conn.execute(update(Group).where(Group.group_id == group_id).values(closed=True))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Connection, Engine, case, func, select, update
+from sqlalchemy import Connection, Engine, Table, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.runs.config import RunConfig, merged_config
@@ -299,7 +299,11 @@ def record_train_step(bind: Engine | Connection, run: str, step: int, metrics: d
     Pass a Connection to make it part of the trainer's step-commit transaction (policy version, groups trained,
     metrics: all or nothing), or an Engine to write it on its own. A NaN loss is stored as null, not refused.
     """
-    statement = TrainStep.__table__.insert().values(run=run, step=step, metrics=_finite(metrics), created_at=utcnow())
+    statement = (
+        cast(Table, TrainStep.__table__)
+        .insert()
+        .values(run=run, step=step, metrics=_finite(metrics), created_at=utcnow())
+    )
     if isinstance(bind, Connection):
         bind.execute(statement)
         return

@@ -19,9 +19,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import Connection, Engine, case, delete, func, or_, select, update
+from sqlalchemy import Connection, Engine, Table, case, delete, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.store import peers
@@ -31,6 +31,10 @@ from gateway.store.lineage import Rebuilder
 from gateway.store.models import Admission, Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory
 from gateway.store.rewards import lock_groups, settle_group
 from gateway.store.runs import record_train_step
+
+if TYPE_CHECKING:  # imported where it is used: only a Postgres trainer listens
+    import psycopg
+    from psycopg.rows import TupleRow
 
 log = logging.getLogger("trajgate.store")
 
@@ -66,9 +70,9 @@ class ReadyListener:
         self.run = run
         self._url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         self._postgres = engine.dialect.name == "postgresql"
-        self._conn: Any = None
+        self._conn: psycopg.Connection[TupleRow] | None = None
 
-    def _connect(self) -> Any:
+    def _connect(self) -> psycopg.Connection[TupleRow]:
         import psycopg
 
         if self._conn is None or self._conn.closed:
@@ -322,9 +326,13 @@ def load_groups(engine: Engine, group_ids: Sequence[str]) -> list[dict[str, Any]
             }
         )
     groups: dict[str, dict[str, Any]] = {gid: {"group_id": gid, "trajectories": []} for gid in ids}
-    for row in trajectories:
-        groups[row.group_id]["trajectories"].append(
-            {"trajectory_id": row.trajectory_id, "reward": row.reward, "calls": by_trajectory.get(row.trajectory_id, [])}
+    for trajectory in trajectories:
+        groups[trajectory.group_id]["trajectories"].append(
+            {
+                "trajectory_id": trajectory.trajectory_id,
+                "reward": trajectory.reward,
+                "calls": by_trajectory.get(trajectory.trajectory_id, []),
+            }
         )
     return [groups[gid] for gid in ids]
 
@@ -460,7 +468,7 @@ def publish_version(engine: Engine, run: str, step: int, served_name: str, adapt
     """Make `served_name` the run's current policy: gateways route the run's calls to it within a second."""
     with engine.begin() as conn:
         conn.execute(
-            PolicyVersion.__table__.insert().values(
+            cast(Table, PolicyVersion.__table__).insert().values(
                 run=run, step=step, served_name=served_name, adapter_path=adapter_path, status="loaded", created_at=_now()
             )
         )

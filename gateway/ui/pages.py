@@ -192,7 +192,8 @@ async def login(request: Request) -> Response:
             raise GatewayError(413, f"login form larger than {MAX_LOGIN_BODY} bytes", code="request_too_large")
     form = parse_qs(body.decode("utf-8", "replace"))
     key = (form.get("key") or [""])[0]
-    target = _safe_next((form.get("next") or [None])[0])
+    nexts = form.get("next")
+    target = _safe_next(nexts[0] if nexts else None)
     gw = gateway_state(request)
     if not gw.auth.is_admin(key):
         return _page(request, "login.html", status=401, next=target, error="That is not the admin key.")

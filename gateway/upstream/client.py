@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
@@ -282,8 +281,7 @@ class UpstreamPool:
             raise ConnectFailed(f"connecting to {key[0]}:{key[1]} timed out") from None
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {key[0]}:{key[1]}: {exc.strerror or exc}") from None
-        conn: Any = protocol
-        return conn
+        return protocol
 
     def put_back(self, key: tuple[str, int], conn: _Connection) -> None:
         idle = self._idle.setdefault(key, [])

@@ -178,3 +178,10 @@ def test_weights_in_another_dtype_than_asked_are_refused() -> None:
     gpu_check.check_base_dtype(backend, "float32")
     with pytest.raises(RuntimeError, match="loaded as float32, not bfloat16"):
         gpu_check.check_base_dtype(backend, "bf16")
+
+
+def test_a_gpu_run_measures_the_three_qwen_shapes(tmp_path: Path) -> None:
+    # bench/random_models.py also holds the CPU benchmark's SmolLM2 shape: it must not join the GPU run's default.
+    args = gpu_check.parse_args(["--device", "cpu", "--out", str(tmp_path)])
+    assert args.shapes == ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen3-4b"]
+    assert set(args.shapes) == set(gpu_check.STEP_SECONDS) == set(gpu_check.NUMERICS_SECONDS)

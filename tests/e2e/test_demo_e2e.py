@@ -18,7 +18,7 @@ from gateway.store.reads import trajectory_view
 from gateway.store.runs import run_view
 from tests.support.waiting import OutputLines
 
-# The line the demo prints for the web UI (README "The web UI").
+# The line the demo prints for the web UI (docs/operations.md "The web UI").
 UI_URL = r"watch it in the browser: http://127\.0\.0\.1:\d+/ui/run\?name=demo$"
 SMALL = ["--steps", "2", "--groups-per-step", "2", "--group-size", "4", "--eval-samples", "2", "--eval-limit", "6",
          "--max-tokens", "16"]  # fmt: skip
@@ -133,8 +133,8 @@ def test_tools_demo_trains_a_multi_turn_agent(tmp_path: Path) -> None:
     assert code == 0, output[-5000:]
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     # Two steps need two of the agent's 10 rounds to hold a group whose episodes earned different rewards. With the
-    # lookup credit 4 in 5 groups do (README, measured on the base model), so missing them is a ~1e-12 chance; with the
-    # right answer alone a round gave nothing 56% of the time, and this failed about one run in 40.
+    # lookup credit 4 in 5 groups do (docs/demo.md, measured on the base model), so missing them is a ~1e-12 chance;
+    # with the right answer alone a round gave nothing 56% of the time, and this failed about one run in 40.
     assert [s["step"] for s in summary["steps"]] == [1, 2]
     assert summary["after"]["policy_versions"] == [2]
     assert summary["change"]["questions"] == 6

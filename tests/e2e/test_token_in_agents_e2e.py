@@ -5,7 +5,7 @@ trainer trains such a run end to end.
 Train mode (temperature 1), so what the model says varies run to run: every assertion is derived from the recorded
 calls, never from what the model chose. The agent is invoked twice (the question, then a follow-up on the whole
 history), so every trajectory has at least two turns whether or not the model called the tool; the ReAct loop is cut
-at a few tool rounds. The merge ratios in both modes are printed (`-s`) for the README.
+at a few tool rounds. The merge ratios in both modes are printed (`-s`) for docs/agents.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ A random model says nothing useful, so each turn is forced with vLLM's structure
 real model would write, in the parser's native format) and ends on the end token the grammar then allows: the test
 depends on the template, vLLM and the gateway only. The same tool loop runs in both token modes; token_in must keep
 one exact sequence (every call continues the previous prompt + completion), whatever chat mode does. DeepSeek V3's
-tokenizer as vLLM 0.32 loads it is not qualified (README: Qualified templates): token_in refuses it, chat serves it.
+tokenizer as vLLM 0.32 loads it is not qualified (docs/agents.md, Qualified templates): token_in refuses it, chat
+serves it.
 Gemma 3 is not served here: its vocabulary is larger than vLLM's LoRA allows.
 """
 

@@ -8,7 +8,7 @@ Train mode (temperature 1), so what the model says varies run to run: the assert
 builds from the recorded ids and messages (which call extends which, why a root is one), never about the answers.
 In chat mode the template re-renders each reply, so whether a resumption extends its own earlier call depends on the
 re-rendering; there the test checks that the parent is that call exactly when its ids are a prefix. The figures the
-README quotes (calls, roots, forks, rows per trajectory, tokens trained) are printed with `-s`.
+bench/README.md and docs/trajectories.md quote (calls, roots, forks, rows per trajectory, tokens trained) are printed with `-s`.
 """
 
 from __future__ import annotations

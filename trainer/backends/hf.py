@@ -92,6 +92,8 @@ class HFBackend(TrainerBackend):
     some micro-batches, is off.
     """
 
+    model: PeftModel  # the base class says nn.Module; save_pretrained and get_base_model are peft's
+
     name = "hf"
 
     def __init__(
@@ -208,7 +210,9 @@ class HFBackend(TrainerBackend):
         decoder = cast("PreTrainedModel", self.model.get_base_model()).get_decoder()
         shared = self._shared_prefix(input_ids, attention_mask) if self.share_prefix else 0
         if shared == 0:
-            return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+            out = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            hidden: Tensor = out.last_hidden_state
+            return hidden
         batch = input_ids.shape[0]
         prefix = decoder(input_ids=input_ids[:1, :shared], use_cache=True)
         cache = prefix.past_key_values

@@ -139,7 +139,7 @@ class UnslothBackend(HFBackend):
         if input_ids.shape[1] > self.max_seq_length:
             raise ValueError(f"a row of {input_ids.shape[1]} tokens exceeds max_seq_length {self.max_seq_length}")
         with _env(_HIDDEN_STATES_ENV, "1"):
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            out: Tensor = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
         hidden_size = self._lm_head_weight.shape[1]
         if out.shape[-1] != hidden_size:
             raise RuntimeError(

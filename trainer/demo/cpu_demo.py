@@ -466,7 +466,8 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
             )
             if code != 0 or not out.is_file():
                 raise DemoError(f"the agent's {label} evaluation failed ({code})")
-            return json.loads(out.read_text())
+            result: dict[str, Any] = json.loads(out.read_text())
+            return result
 
         say(f"held-out evaluation of the base model ({options.eval_samples} answers per question)")
         before = evaluate("before")

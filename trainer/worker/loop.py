@@ -46,7 +46,7 @@ from gateway.store.training import (
     renew_run_lease,
     run_lease,
 )
-from trainer.backends import LoraSpec, TrainerBackend, make_backend, resolve_backend_name
+from trainer.backends import BackendName, LoraSpec, TrainerBackend, make_backend, resolve_backend_name
 from trainer.checkpoint import (
     checkpoint_dir,
     discard_after,
@@ -71,7 +71,7 @@ class TrainerError(RuntimeError):
 @dataclass
 class TrainerOptions:
     run: str
-    backend: str = "auto"
+    backend: BackendName = "auto"
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
@@ -350,7 +350,7 @@ class Trainer:
     def _replica_spec(self) -> ReplicaSpec:
         """What every rank builds: rank 0 resolves ``auto`` so that all ranks run the same backend."""
         assert self.data_parallel is not None
-        backend = resolve_backend_name(self.options.backend, str(self.data_parallel.device))  # type: ignore[arg-type]
+        backend = resolve_backend_name(self.options.backend, str(self.data_parallel.device))
         return ReplicaSpec(backend, self._backend_args(), self.loss, self.config.micro_batch_tokens)
 
     def _publisher(self) -> Publisher:

@@ -263,9 +263,9 @@ async def test_an_unreachable_database_is_a_503_not_a_404(tmp_path: Any) -> None
     try:
         api = api_responses.ResponsesAPI(proxy=None, engine=engine, wait_s=0, memory_bytes=0)  # type: ignore[arg-type]
         with pytest.raises(GatewayError) as error:
-            await api.find("resp_" + "a" * 32, None)
+            await api.find("resp_" + "a" * 32, None, None)
         assert (error.value.status, error.value.code) == (503, "database_unavailable")
-        assert await api.find("resp_not-one-of-ours", None) is None
+        assert await api.find("resp_not-one-of-ours", None, None) is None
     finally:
         engine.dispose()
 

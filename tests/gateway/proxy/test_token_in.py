@@ -163,7 +163,7 @@ def test_tool_loop_turns_extend_and_clients_see_openai_shapes(
 
 
 def test_read_api_and_export_show_why_a_segment_started(token_gateway: RunningGateway) -> None:
-    # README sends users to segment_reason; the admin read API and the export are where they read calls
+    # docs/agents.md sends users to segment_reason; the admin read API and the export are where they read calls
     trajectory = f"segment-{uuid.uuid4().hex[:8]}"
     tool_loop(client_for(token_gateway, trajectory), False)
     token_gateway.flush()

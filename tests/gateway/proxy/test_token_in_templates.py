@@ -167,9 +167,9 @@ def test_qwen3_changes_the_assistant_message_and_the_bridge_still_continues() ->
     assert {c["scenario"] for c in unstable} >= {"tools, enable_thinking=false", "tools+thinking"}
 
 
-def test_the_readme_shows_the_suites_table() -> None:
-    readme = (Path(__file__).parents[3] / "README.md").read_text()
-    assert "\n".join(REGISTRY["table"]) in readme
+def test_the_docs_show_the_suites_table() -> None:
+    agents_doc = (Path(__file__).parents[3] / "docs" / "agents.md").read_text()
+    assert "\n".join(REGISTRY["table"]) in agents_doc
 
 
 # -- through the gateway -----------------------------------------------------------------------------------------
@@ -190,7 +190,8 @@ class Alternating:
         return client.chat.completions.create(**kwargs)
 
 
-# Postgres only: gateways wait for each other's writers there (README: Several gateways); SQLite serves one gateway.
+# Postgres only: gateways wait for each other's writers there (docs/operations.md, Several gateways); SQLite serves
+# one gateway.
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
 def test_a_trajectory_alternating_between_two_gateways_extends_as_on_one(

@@ -198,7 +198,7 @@ def trained_steps(engine: object, group: str) -> dict[str, int | None]:
 
 
 def test_late_trajectory_in_a_claimed_group_is_trained_later_never_twice(db_url: str) -> None:
-    """The rule (README "Groups and readiness"): a step trains what it loaded; a trajectory that joined meanwhile
+    """The rule (docs/api.md "Groups and readiness"): a step trains what it loaded; a trajectory that joined meanwhile
     is kept, the group goes back to open when the step commits, and its next claim trains only the newcomers."""
     (group,) = make_ready_groups(db_url, groups=1)
     engine = db.make_engine(db_url)
