@@ -43,9 +43,9 @@ from gateway.store.training import (  # noqa: E402
     load_groups,
     publish_version,
 )
-from tests.fake_upstream import FakeUpstream  # noqa: E402
-from tests.gateway_harness import running_gateway  # noqa: E402
-from tests.test_gateway_capture import sdk_kwargs  # noqa: E402
+from tests.support.fake_upstream import FakeUpstream  # noqa: E402
+from tests.support.gateway_harness import running_gateway  # noqa: E402
+from tests.support.openai_calls import sdk_kwargs  # noqa: E402
 from trainer.samples import build_samples  # noqa: E402
 from trainer.worker.loop import to_groups  # noqa: E402
 

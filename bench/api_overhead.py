@@ -45,7 +45,7 @@ from bench.gateway_overhead import (  # noqa: E402
     run_c1,
     wait_http,
 )
-from tests.pgcluster import PgCluster, free_port  # noqa: E402
+from tests.support.pgcluster import PgCluster, free_port  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"

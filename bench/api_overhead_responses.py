@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.gateway_harness import start_serve  # noqa: E402
-from tests.pgcluster import free_port  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
+from tests.support.gateway_harness import start_serve  # noqa: E402
+from tests.support.pgcluster import free_port  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 BODIES = {

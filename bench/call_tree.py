@@ -34,8 +34,8 @@ from gateway.store import records as store_records  # noqa: E402
 from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.records import LineageCache, write_calls  # noqa: E402
 from gateway.store.tree import Candidate, LookupWork, find_parent, own_key  # noqa: E402
-from tests.factories import make_record  # noqa: E402
-from tests.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
+from tests.support.factories import make_record  # noqa: E402
+from tests.support.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
 
 
 def trajectory(turns: int, turn_tokens: int, completion_tokens: int, sub_every: int, seed: int) -> list[CallRecord]:

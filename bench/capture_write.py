@@ -27,7 +27,7 @@ from sqlalchemy import Engine, text  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.records import LineageCache, count_calls, write_calls  # noqa: E402
-from tests.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
+from tests.support.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
 
 TARGET_ROWS_S = 5_000
 

@@ -2,7 +2,7 @@
 that records nothing: one run, one table.
 
 Everything is started here and measured in the same run (docs/design.md §14, issue 18):
-  * a throwaway Postgres (tests.pgcluster.PgCluster), migrated to head, pinned to CPU 0;
+  * a throwaway Postgres (tests.support.pgcluster.PgCluster), migrated to head, pinned to CPU 0;
   * bench/fast_upstream.py, a vLLM-shaped fake answering recorded vLLM responses, pinned to CPU 0;
   * bench/thin_proxy.py (FastAPI + uvicorn + an aiohttp client, no recording) in front of it, pinned to CPU 1;
   * `trajgate serve` against both (capture on: every call is written to Postgres), pinned to CPU 1;
@@ -49,7 +49,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.fast_upstream import FIXTURES, load_fixtures, pick_chat_fixture  # noqa: E402
-from tests.pgcluster import PgCluster, free_port  # noqa: E402
+from tests.support.pgcluster import PgCluster, free_port  # noqa: E402
 
 UPSTREAM_CPU = 0
 GATEWAY_CPU = 1

@@ -1,8 +1,8 @@
 """What the wait for other gateways' writers (gateway/recorder/heartbeat.py) costs a reward: one gateway against two on one
 Postgres, with each reward posted to the gateway that did NOT answer the episode's call.
 
-Everything runs in this process, as the fast tests do (tests.gateway_harness.running_gateway, the replaying
-tests.fake_upstream, a throwaway tests.pgcluster.PgCluster), so the figures are latencies of the reward path, not
+Everything runs in this process, as the fast tests do (tests.support.gateway_harness.running_gateway, the replaying
+tests.support.fake_upstream, a throwaway tests.support.pgcluster.PgCluster), so the figures are latencies of the reward path, not
 of a tuned deployment. Per episode: one chat call, then its reward, at once; episodes run one after another (c=1) so
 the latency is the reward's own. Reported: reward latency p50/p99 with one gateway (the reward finds the call in
 this gateway's writer) and with two (the reward waits for the other gateway's next beat), plus the peer rows'
@@ -26,10 +26,10 @@ if str(REPO) not in sys.path:
 
 import httpx  # noqa: E402
 
-from tests.fake_upstream import FakeUpstream  # noqa: E402
-from tests.gateway_harness import RunningGateway, running_gateway  # noqa: E402
-from tests.pgcluster import PgCluster, create_database  # noqa: E402
-from tests.test_gateway_capture import client_body  # noqa: E402
+from tests.support.fake_upstream import FakeUpstream  # noqa: E402
+from tests.support.gateway_harness import RunningGateway, running_gateway  # noqa: E402
+from tests.support.openai_calls import client_body  # noqa: E402
+from tests.support.pgcluster import PgCluster, create_database  # noqa: E402
 
 
 def episodes(

@@ -2,7 +2,7 @@
 
 bench/gateway_overhead.py measures the whole gateway; at s=64 the relay's per-event work (parse, assemble, strip,
 re-serialise) is a good share of it but lost in that run's noise. This drives the real `_relay_stream` of a real
-`Proxy` (its metrics, `submit` and CallRecords included; tests/stream_relay.py) with the stream
+`Proxy` (its metrics, `submit` and CallRecords included; tests/support/stream_relay.py) with the stream
 bench/fast_upstream.py serves — the recorded `chat_stream` framing filled with the plain chat answer closest to 16
 tokens: 18 JSON events and `[DONE]` — one SSE event per upstream read, as vLLM's chunked HTTP delivers them. Only
 the upstream response, the ASGI `send`/`receive` and the writer are stubbed, so the figure is the relay's own CPU
@@ -34,7 +34,7 @@ if str(REPO) not in sys.path:
 from bench.fast_upstream import FIXTURES, load_fixtures, pick_chat_fixture, stream_from_answer  # noqa: E402
 from gateway.proxy import capture  # noqa: E402
 from gateway.store.models import CHAT  # noqa: E402
-from tests.stream_relay import relay, relay_proxy, sse_reads  # noqa: E402
+from tests.support.stream_relay import relay, relay_proxy, sse_reads  # noqa: E402
 
 ASKS = {
     "none": capture.ClientAsks(logprobs=False, token_ids=False),

@@ -13,13 +13,13 @@ row holds its whole prompt and whole request, exactly what a row held before 000
 trajectory. Columns: ids = prompt + completion ids and logprobs (bytes), request and response = JSON text length,
 total = the three; on Postgres also the on-disk size of those columns after TOAST compression (`pg_column_size`).
 
-Shapes (`--shapes`): the same store, one trajectory per shape of tests/trajectory_shapes.py (linear, supervisor with a
+Shapes (`--shapes`): the same store, one trajectory per shape of tests/support/trajectory_shapes.py (linear, supervisor with a
 sub-agent every 8th call, two alternating forks, compaction every 8 calls; ~470 ids a call) at 16/32/64 calls:
 bytes of stored prompt ids, all stored ids (prompt + completion) over the trajectory's distinct ids, and request JSON
 bytes. A trajectory of any shape should store about its distinct ids, growing linearly with its calls.
 
 Run: `python bench/storage.py [--turns 1 8 16 32 64] [--shapes 16 32 64] [--pg-url URL | --no-pg]` (without --pg-url
-it starts a throwaway Postgres with tests.pgcluster, as the tests do).
+it starts a throwaway Postgres with tests.support.pgcluster, as the tests do).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from gateway.store import db  # noqa: E402
 from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.models import Call  # noqa: E402
 from gateway.store.records import LineageCache, write_calls  # noqa: E402
-from tests.trajectory_shapes import SHAPES, shaped  # noqa: E402
+from tests.support.trajectory_shapes import SHAPES, shaped  # noqa: E402
 
 USER_TOKENS = 300
 COMPLETION_TOKENS = 160
@@ -212,7 +212,7 @@ def _postgres(url: str | None) -> Iterator[str]:
     if url is not None:
         yield url
         return
-    from tests.pgcluster import PgCluster, create_database
+    from tests.support.pgcluster import PgCluster, create_database
 
     cluster = PgCluster()
     cluster.start()

@@ -44,9 +44,9 @@ from bench.storage import _stored_bytes  # noqa: E402
 from bench.token_upstream import WORDS  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store.training import load_groups  # noqa: E402
-from tests.gateway_harness import running_gateway  # noqa: E402
-from tests.stored import stored_calls  # noqa: E402
-from tests.waiting import wait_until  # noqa: E402
+from tests.support.gateway_harness import running_gateway  # noqa: E402
+from tests.support.stored import stored_calls  # noqa: E402
+from tests.support.waiting import wait_until  # noqa: E402
 from trainer.samples import build_samples  # noqa: E402
 from trainer.worker.loop import to_groups  # noqa: E402
 

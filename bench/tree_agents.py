@@ -33,9 +33,9 @@ import openai
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.examples import load_example  # noqa: E402
-from tests.gateway_harness import RunningGateway, running_gateway  # noqa: E402
-from tests.stored import as_trajectory_data, stored_calls  # noqa: E402
+from tests.support.examples import load_example  # noqa: E402
+from tests.support.gateway_harness import RunningGateway, running_gateway  # noqa: E402
+from tests.support.stored import as_trajectory_data, stored_calls  # noqa: E402
 from trainer.demo.vllm_cpu import smollm2_server  # noqa: E402
 from trainer.samples import GroupData, build_samples  # noqa: E402
 

@@ -9,7 +9,7 @@ far slower than on the small run. The trajectory page's figure includes laying o
 text, which vLLM gives (gateway.ui.token_text: a derender request the first time a page is shown).
 
 Run: `python bench/ui_pages.py [--calls 100000] [--pg-url URL | --no-pg]` (without --pg-url it starts a throwaway
-Postgres with tests.pgcluster, as the tests do).
+Postgres with tests.support.pgcluster, as the tests do).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from gateway.store.ui_reads import (  # noqa: E402
     trajectory_page,
 )
 from gateway.ui.tree_view import layout as tree_layout  # noqa: E402
-from tests.factories import make_record  # noqa: E402
+from tests.support.factories import make_record  # noqa: E402
 
 GROUP = 8
 CALLS_PER_TRAJECTORY = 3
@@ -136,7 +136,7 @@ def main() -> None:
     if args.pg_url:
         measure("postgres", args.pg_url, args.calls)
         return
-    from tests.pgcluster import PgCluster, create_database
+    from tests.support.pgcluster import PgCluster, create_database
 
     cluster = PgCluster()
     cluster.start()

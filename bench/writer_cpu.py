@@ -44,7 +44,7 @@ from gateway.store import db  # noqa: E402
 from gateway.store import records as store_records  # noqa: E402
 from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.records import LineageCache, write_calls  # noqa: E402
-from tests.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
+from tests.support.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
 
 ANSWER = "The capital of France is Paris."
 Batches = Callable[[int, int], Iterator[list[CallRecord]]]

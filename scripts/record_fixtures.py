@@ -267,8 +267,8 @@ def record_tree(rec: Recorder) -> None:
 def record_tree_handoff(rec: Recorder) -> None:
     """The OpenAI Agents SDK handoff of examples/agents_sdk_handoff.py (triage hands the question to the geographer,
     who answers), driven through the gateway in front of a recording proxy once per token mode, as
-    tests/handoff_agent.py replays it: eval mode, greedy."""
-    from tests.handoff_agent import RUNS, play
+    tests/support/handoff_agent.py replays it: eval mode, greedy."""
+    from tests.support.handoff_agent import RUNS, play
 
     for mode, run in RUNS.items():
         with _recording_gateway(rec, run=run, token_mode=mode) as (gateway, proxy):
@@ -355,9 +355,9 @@ def record_scale_out(rec: Recorder) -> None:
 
 def record_ui_token_text(rec: Recorder) -> None:
     """The trajectory page's one request for its tokens' text (gateway.ui.token_text), for the seeded trajectory whose
-    completion ids are real SmolLM2 tokens (tests/ui_seed.py): vLLM's completions derender, tokenizer only."""
+    completion ids are real SmolLM2 tokens (tests/support/ui_seed.py): vLLM's completions derender, tokenizer only."""
     from gateway.ui.token_text import DERENDER_COMPLETIONS, derender_body
-    from tests.ui_seed import TOKEN_TEXT_IDS
+    from tests.support.ui_seed import TOKEN_TEXT_IDS
 
     rec.record("ui_token_text", "POST", DERENDER_COMPLETIONS, derender_body(TOKEN_TEXT_IDS))
 
@@ -373,9 +373,9 @@ def _recording_gateway(
 
     import httpx
 
-    from tests.fake_upstream import FakeUpstream
-    from tests.gateway_harness import running_gateway
-    from tests.token_in_agent import RUN
+    from tests.support.fake_upstream import FakeUpstream
+    from tests.support.gateway_harness import running_gateway
+    from tests.support.token_in_agent import RUN
 
     proxy = FakeUpstream(fixtures={}, forward_to=rec.root_url).start()
     try:
@@ -394,13 +394,13 @@ def _recording_gateway(
 
 def record_token_in(rec: Recorder) -> None:
     """The gateway's own token_in exchanges (render twice, generate, derender; streamed and not) for the tool loop in
-    tests/token_in_agent.py, recorded by running the real gateway in front of a recording proxy to this vLLM. The
+    tests/support/token_in_agent.py, recorded by running the real gateway in front of a recording proxy to this vLLM. The
     loop runs in eval mode so the client's greedy sampling reaches vLLM and a re-record gives the same tokens; the
-    proxy holds each generate chunk until the gateway derendered the previous one (tests/fake_upstream.py lockstep),
+    proxy holds each generate chunk until the gateway derendered the previous one (tests/support/fake_upstream.py lockstep),
     the same one-chunk-per-derender sequence the fast tests replay."""
     import openai
 
-    from tests.token_in_agent import tool_loop
+    from tests.support.token_in_agent import tool_loop
 
     for stream in (False, True):
         with _recording_gateway(rec) as (gateway, proxy):
@@ -427,7 +427,7 @@ def record_token_in_calls(rec: Recorder) -> None:
 
     import openai
 
-    from tests.token_in_agent import RUN
+    from tests.support.token_in_agent import RUN
 
     reference = [json.loads(rec._raw("POST", "/v1/chat/completions", chat(TOKEN_IN_PROMPT, **extra))[2])
                  for extra in TOKEN_IN_LOGPROBS]
@@ -455,15 +455,15 @@ def record_token_in_calls(rec: Recorder) -> None:
 
 
 def record_responses(rec: Recorder) -> None:
-    """The OpenAI Responses API calls of tests/responses_agent.py (a question, and the function-call loop continued by
+    """The OpenAI Responses API calls of tests/support/responses_agent.py (a question, and the function-call loop continued by
     `previous_response_id`), streamed and not, driven through the gateway (which translates them to chat) in front of
     a recording proxy: once for a chat-mode run, once for a token_in run. Eval mode, so greedy sampling reaches vLLM."""
     import uuid
 
     import openai
 
-    from tests.responses_agent import RUN as RESPONSES_RUN
-    from tests.responses_agent import TOKEN_IN_RUN, ask, tool_loop
+    from tests.support.responses_agent import RUN as RESPONSES_RUN
+    from tests.support.responses_agent import TOKEN_IN_RUN, ask, tool_loop
 
     for name, run in (("responses_chat", RESPONSES_RUN), ("responses_token_in", TOKEN_IN_RUN)):
         with _recording_gateway(rec, run=TOKEN_IN_RUN) as (gateway, proxy):
@@ -484,13 +484,13 @@ def record_responses(rec: Recorder) -> None:
 
 
 def record_messages(rec: Recorder) -> None:
-    """The gateway's own chat exchanges for Anthropic Messages API calls (tests/messages_agent.py's tool loop,
+    """The gateway's own chat exchanges for Anthropic Messages API calls (tests/support/messages_agent.py's tool loop,
     streamed and not, in both token modes; a stop-sequence call; count_tokens' render), recorded like token_in's:
     the real gateway drives them through a recording proxy to this vLLM, in eval mode so the client's greedy
     sampling reaches vLLM and a re-record gives the same tokens."""
     import anthropic
 
-    from tests.messages_agent import COUNT_TOKENS, RUN, STOP_CALL, tool_loop
+    from tests.support.messages_agent import COUNT_TOKENS, RUN, STOP_CALL, tool_loop
 
     for token_mode in ("chat", "token_in"):
         for stream in (False, True):

@@ -1,8 +1,9 @@
 """Record what real vLLM (SmolLM2-135M-Instruct on CPU) answers to the LLM judge's prompt.
 
-The fast judge tests replay these answers through a fake OpenAI-compatible server (tests/fake_judge.py). The group
-judged is tests/judge_group.py's four trajectories (ids j-1 .. j-4), the prompt is built by the judge's own code,
-and the request is exactly what the judge's built-in client sends. One file per variant in tests/fixtures/judge/:
+The fast judge tests replay these answers through a fake OpenAI-compatible server (tests/support/fake_judge.py). The
+group judged is tests/support/judge_group.py's four trajectories (ids j-1 .. j-4), the prompt is built by the judge's
+own code, and the request is exactly what the judge's built-in client sends. One file per variant in
+tests/fixtures/judge/:
 
     {
       "name": str,
@@ -47,7 +48,7 @@ from gateway.judge.providers import response_format  # noqa: E402
 from gateway.runs.config import JudgeConfig  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store.judging import load_group  # noqa: E402
-from tests.judge_group import GROUP, write_group  # noqa: E402
+from tests.support.judge_group import GROUP, write_group  # noqa: E402
 from trainer.demo.vllm_cpu import smollm2_server  # noqa: E402
 
 MODEL = "smollm2"

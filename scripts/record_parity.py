@@ -1,6 +1,6 @@
 """Build and record the parity corpus: real client requests, and what real vLLM answers to each.
 
-tests/test_parity.py replays every request of tests/fixtures/parity/ against the gateway (in front of the fake
+tests/gateway/test_parity.py replays every request of tests/fixtures/parity/ against the gateway (in front of the fake
 upstream) and checks its status and the shape of its answer against the answer of vLLM's own endpoint, so the
 gateway is never stricter than vLLM on what real clients send. One JSON file per request:
 
@@ -13,7 +13,7 @@ gateway is never stricter than vLLM on what real clients send. One JSON file per
       "edited": str,           # only where the request was changed by hand, and why
       "note": str,             # only where how it was captured needs saying
       "vllm": {"version": str, "status": int, "response": {...} | null, "events": [[event, data], ...] | null},
-      "upstream": [...]        # the exchanges the gateway had with vLLM for it (tests/fake_upstream.py's form)
+      "upstream": [...]        # the exchanges the gateway had with vLLM for it (tests/support/fake_upstream.py's form)
     }
 
 Two steps, each run from the repo root:
@@ -124,8 +124,8 @@ def answer(response: httpx.Response) -> dict[str, Any]:
 def recording_gateway(root_url: str) -> Iterator[tuple[str, Any]]:
     """A gateway on a scratch SQLite whose upstream is a FakeUpstream forwarding to the real vLLM and keeping
     every exchange."""
-    from tests.fake_upstream import FakeUpstream
-    from tests.gateway_harness import running_gateway
+    from tests.support.fake_upstream import FakeUpstream
+    from tests.support.gateway_harness import running_gateway
 
     proxy = FakeUpstream(fixtures={}, forward_to=root_url).start()
     try:

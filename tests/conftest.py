@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import Engine
 
 from gateway.store import db
-from tests.fake_upstream import FakeUpstream
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.pgcluster import PgCluster, create_database, drop_database
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.pgcluster import PgCluster, create_database, drop_database
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.waiting import OutputLines, SocketReader, wait_until
+from tests.support.waiting import OutputLines, SocketReader, wait_until
 
 FIRST = b"HTTP/1.1 200 OK\r\ncontent-length: 15\r\ncontent-type: application/json\r\n\r\n" + b'{"status":"ok"}'
 SECOND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\n{}"

@@ -14,13 +14,13 @@ reach the database in any order (the spool replays late). So the rule is a funct
   that attempt's seq. The row remembers the earliest attempt it stands for (`first_seq`, `first_retry_count`), so an
   earlier attempt that arrives late (or is replayed again) is recognised as part of it instead of becoming a turn.
 
-Processing attempts in seq order gives the canonical result; an attempt arriving out of order joins the call it
-would have joined in order, so the final rows do not depend on arrival order (tests/test_retries.py checks every
-order of each scenario; tests/test_attempts.py generated ones). Identical requests of one trajectory in flight at
-once are the ambiguity content cannot resolve: a retry may be paired with the other identical call (same body, so
-only which seq holds which answer differs); a retry whose first attempt was lost looks exactly like a retry of an
-earlier identical call and replaces it; and when such retries also reach the database out of order, a call can be
-left as two rows. An Idempotency-Key per call removes the ambiguity.
+Processing attempts in seq order gives the canonical result; an attempt arriving out of order joins the call it would
+have joined in order, so the final rows do not depend on arrival order (tests/gateway/store/test_retries.py checks every
+order of each scenario; tests/gateway/store/test_attempts.py generated ones). Identical requests of one trajectory in
+flight at once are the ambiguity content cannot resolve: a retry may be paired with the other identical call (same body,
+so only which seq holds which answer differs); a retry whose first attempt was lost looks exactly like a retry of an
+earlier identical call and replaces it; and when such retries also reach the database out of order, a call can be left
+as two rows. An Idempotency-Key per call removes the ambiguity.
 """
 
 from __future__ import annotations

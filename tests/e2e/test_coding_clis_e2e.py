@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import stored_calls
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.stored import stored_calls
 from trainer.demo.vllm_cpu import cache_dir, smollm2_server
 
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.197"

@@ -16,7 +16,7 @@ from gateway.store import db
 from gateway.store.export import iter_trajectories
 from gateway.store.reads import trajectory_view
 from gateway.store.runs import run_view
-from tests.waiting import OutputLines
+from tests.support.waiting import OutputLines
 
 # The line the demo prints for the web UI (docs/operations.md "The web UI").
 UI_URL = r"watch it in the browser: http://127\.0\.0\.1:\d+/ui/run\?name=demo$"

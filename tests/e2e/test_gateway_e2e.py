@@ -13,8 +13,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessage
 
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import stored_calls
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.stored import stored_calls
 from trainer.demo.vllm_cpu import ensure_smollm2
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 

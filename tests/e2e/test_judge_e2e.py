@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from gateway.judge.providers import litellm_installed
-from tests.gateway_harness import RunningGateway, running_gateway
+from tests.support.gateway_harness import RunningGateway, running_gateway
 
 GROUP = "e2e-judge"
 RUN = "judge-e2e"

@@ -19,8 +19,8 @@ from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.runs import steps_after
 from gateway.store.training import group_states
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.waiting import OutputLines, wait_until
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.waiting import OutputLines, wait_until
 from trainer.demo.vllm_cpu import ensure_tiny_model
 from trainer.worker.loop import Trainer, TrainerOptions
 

@@ -1,6 +1,6 @@
 """Anthropic SDK agents through the gateway's /v1/messages, in front of real vLLM CPU + SmolLM2.
 
-The tool loop is tests/messages_agent.py's (a tool_result follows turn 1 whatever the model answered). Nothing
+The tool loop is tests/support/messages_agent.py's (a tool_result follows turn 1 whatever the model answered). Nothing
 asserted depends on what the model says: every expectation is derived from the ids vLLM returned and the Message
 the SDK built from them. The first test runs greedy (eval mode) so the decoded text comparisons are about capture,
 not about a random sample ending inside a UTF-8 sequence; the second trains a train-mode group one step.
@@ -19,10 +19,10 @@ import pytest
 from gateway.store.lineage import EXTENDS
 from tests.e2e.one_step import reward_and_train_one_step
 from tests.e2e.test_gateway_e2e import tool_call_in
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.messages_agent import tool_loop, tool_uses
-from tests.stored import stored_calls
-from tests.token_in_agent import continues_exactly
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.messages_agent import tool_loop, tool_uses
+from tests.support.stored import stored_calls
+from tests.support.token_in_agent import continues_exactly
 from trainer.demo.vllm_cpu import ensure_smollm2
 
 TOKEN_RUN = "messages-token-in"

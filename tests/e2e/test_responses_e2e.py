@@ -37,10 +37,10 @@ from openai import AsyncOpenAI
 from gateway.store.lineage import EXTENDS
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 from tests.e2e.one_step import reward_and_train_one_step
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.responses_agent import TOOL_ITEMS
-from tests.stored import stored_calls, tree_rows
-from tests.token_in_agent import continues_exactly
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.responses_agent import TOOL_ITEMS
+from tests.support.stored import stored_calls, tree_rows
+from tests.support.token_in_agent import continues_exactly
 from trainer.demo.vllm_cpu import ensure_smollm2
 
 RUN = "agents-sdk"

@@ -29,9 +29,9 @@ from gateway.proxy.token_in import NO_MATCH
 from gateway.store.lineage import EXTENDS, HISTORY_EDITED, TRUNCATED
 from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESULT
 from tests.e2e.one_step import reward_and_train_one_step
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import as_trajectory_data, stored_calls, tree_rows
-from tests.token_in_agent import continues_exactly
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.stored import as_trajectory_data, stored_calls, tree_rows
+from tests.support.token_in_agent import continues_exactly
 from trainer.demo.vllm_cpu import ensure_smollm2
 from trainer.samples import GroupData, build_samples
 

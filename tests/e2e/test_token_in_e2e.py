@@ -16,9 +16,9 @@ import openai
 import pytest
 
 from gateway.store.lineage import EXTENDS
-from tests.gateway_harness import running_gateway
-from tests.stored import stored_calls
-from tests.token_in_agent import RUN, tool_loop
+from tests.support.gateway_harness import running_gateway
+from tests.support.stored import stored_calls
+from tests.support.token_in_agent import RUN, tool_loop
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
 
 CALL_FIELDS = [f.name for f in fields(CallData)]

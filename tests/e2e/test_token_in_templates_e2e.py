@@ -23,8 +23,8 @@ import openai
 import pytest
 
 from scripts.qualify_token_in import TEMPLATES, WEATHER_TOOL, Template, fetch
-from tests.gateway_harness import running_gateway
-from tests.stored import stored_calls
+from tests.support.gateway_harness import running_gateway
+from tests.support.stored import stored_calls
 from trainer.demo.vllm_cpu import VllmServer, ensure_tiny_model_for
 
 PARSERS = {

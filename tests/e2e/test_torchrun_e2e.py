@@ -5,8 +5,8 @@ checkpoint and resumed from a two-rank one, with the model whole on each rank (D
 
 In the e2e tier (no vLLM here) because a torchrun launch loads torch and transformers in three processes: about
 20 s on an idle 2-core machine, over a minute on a busy one. The fast tier checks the same arithmetic with two
-spawned ranks (tests/test_distributed.py). The databases are SQLite files: only rank 0 touches the database, and
-the loop's store calls are the ones tests/test_trainer_loop.py runs on both backends.
+spawned ranks (tests/trainer/test_distributed.py). The databases are SQLite files: only rank 0 touches the database, and
+the loop's store calls are the ones tests/trainer/worker/test_trainer_loop.py runs on both backends.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.runs import steps_after, upsert_run
 from gateway.store.training import group_states
-from tests.test_backends import build_tiny_llama
-from tests.test_trainer_loop import adapter, seed_groups
+from tests.trainer.backends.test_backends import build_tiny_llama
+from tests.trainer.worker.test_trainer_loop import adapter, seed_groups
 from trainer.worker.loop import Trainer, TrainerOptions
 
 GROUPS, PER_STEP = 8, 2
@@ -149,7 +149,7 @@ def test_a_rank_that_dies_mid_step_leaves_nothing_committed(tmp_path: Path, tiny
     checkpoints = tmp_path / "ckpt"
     died = torchrun(
         url, checkpoints, tiny, "--steps", "1", "--lease-s", "1",
-        module="tests.torchrun_fault", TRAJGATE_TEST_KILL_RANK="1",
+        module="tests.support.torchrun_fault", TRAJGATE_TEST_KILL_RANK="1",
     )  # fmt: skip
     assert died.returncode != 0
     assert "exitcode  : 3" in died.stderr  # rank 1 died as the fault hook made it; rank 0 then failed

@@ -25,9 +25,9 @@ from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.lineage import COMPACTED, EXTENDS, FIRST_CALL, NEW_ROOT
 from gateway.store.runs import steps_after
-from tests.examples import load_example
-from tests.gateway_harness import RunningGateway, running_gateway
-from tests.stored import as_trajectory_data, stored_calls
+from tests.support.examples import load_example
+from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.stored import as_trajectory_data, stored_calls
 from trainer.demo.vllm_cpu import ensure_smollm2
 from trainer.samples import GroupData, build_samples
 from trainer.worker.loop import Trainer, TrainerOptions

@@ -1,0 +1,505 @@
+"""RecordWriter: every submitted record reaches the database exactly once, through outages, overload and restarts,
+and `submit` never waits on the database."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, select
+
+from gateway.recorder.spool import Syncer
+from gateway.recorder.spool_lines import read_spool_line, spool_line
+from gateway.recorder.writer import RecordWriter
+from gateway.store import db
+from gateway.store.arrays import decode_logprobs
+from gateway.store.call_record import CallRecord
+from gateway.store.models import Call
+from gateway.store.records import LineageCache, count_calls, write_calls
+from tests.support.factories import make_record
+from tests.support.pgcluster import PgCluster, free_port
+from tests.support.waiting import wait_until
+
+FAST = {"flush_interval_s": 0.01, "retry_interval_s": 0.1}
+
+
+@pytest.fixture
+def spool_dir(tmp_path: Path) -> Path:
+    return tmp_path / "spool"
+
+
+def _records(count: int) -> list[CallRecord]:
+    return [make_record(f"t{i // 10}", i % 10, group_id=f"g{i // 40}") for i in range(count)]
+
+
+def _ids(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        return list(conn.execute(select(Call.id)).scalars())
+
+
+def _segments(spool_dir: Path) -> list[Path]:
+    return sorted(spool_dir.glob("spool-*.jsonl"))
+
+
+def test_spool_line_round_trips_exactly() -> None:
+    record = make_record(completion_tokens=50, seed=3, request={"logit_bias": {"50256": -100}})
+    record.completion_logprobs[1] = math.nan
+    back = read_spool_line(spool_line(record))
+    assert back.completion_logprobs[0] == -math.inf and math.isnan(back.completion_logprobs[1])
+    assert back.completion_logprobs[2:] == record.completion_logprobs[2:]
+    back.completion_logprobs = record.completion_logprobs = None
+    assert back == record
+    int_keys = make_record(request={"logit_bias": {50256: -100}})  # orjson's slower mode, only when needed
+    assert read_spool_line(spool_line(int_keys)).request == {"logit_bias": {"50256": -100}}
+    unpackable = make_record(prompt_token_ids=[2**40])  # kept as JSON, so the store can refuse it and keep it aside
+    assert read_spool_line(spool_line(unpackable)).prompt_token_ids == [2**40]
+
+
+async def test_records_submitted_from_an_event_loop_all_arrive_once(engine: Engine, spool_dir: Path) -> None:
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    records = _records(2000)
+    for i, record in enumerate(records):
+        writer.submit(record)
+        if i % 100 == 0:
+            await asyncio.sleep(0)
+    assert await asyncio.to_thread(writer.flush, 20)
+    try:
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+        assert writer.counters.records_written == 2000 and writer.counters.records_spooled == 0 and writer.db_up
+        assert writer.counters.records_logged == 2000 and writer.stats().queue_depth == 0
+    finally:
+        writer.close()
+    assert writer.stats().spool_bytes == 0  # every record committed, so the log was removed
+
+
+async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: Path) -> None:
+    cluster = PgCluster()
+    cluster.start()
+    engine = db.make_engine(cluster.url())
+    writer = RecordWriter(engine, tmp_path / "spool", **FAST)
+    try:
+        db.upgrade(cluster.url())
+        writer.start()
+        records = _records(3000)
+        slowest = 0.0
+        for i, record in enumerate(records):
+            if i == 800:
+                stopping = asyncio.create_task(asyncio.to_thread(cluster.stop))
+            if i == 1600:
+                await stopping
+                starting = asyncio.create_task(asyncio.to_thread(cluster.start))
+            started = time.perf_counter()
+            writer.submit(record)
+            slowest = max(slowest, time.perf_counter() - started)
+            if i % 20 == 0:
+                await asyncio.sleep(0.005)
+        await starting
+
+        def all_in() -> bool:
+            return writer.db_up and not _segments(tmp_path / "spool") and count_calls(engine) == len(records)
+
+        await asyncio.to_thread(wait_until, all_in, 30, "every record in the database and the spool empty")
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+        assert writer.counters.records_spooled > 0 and writer.counters.write_errors > 0  # the outage really was hit
+        assert slowest < 0.05, f"submit took {slowest * 1000:.1f} ms"
+    finally:
+        writer.close()
+        engine.dispose()
+        cluster.destroy()
+
+
+def test_full_queue_spills_to_the_spool_and_arrives_later(engine: Engine, spool_dir: Path) -> None:
+    writer = RecordWriter(engine, spool_dir, queue_size=10, **FAST)
+    records = _records(200)
+    for record in records:  # the writer is not started yet: a writer that cannot keep up
+        writer.submit(record)
+    stats = writer.stats()
+    assert stats.queue_depth == 10 and stats.records_spooled == 190 and stats.spool_bytes > 0
+    assert not writer.flush(0.05)  # ten records still wait in the queue
+    writer.start()
+    assert writer.flush(10)
+    try:
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+        assert _segments(spool_dir) == []
+    finally:
+        writer.close()
+
+
+def test_start_replays_what_a_previous_process_left(
+    engine: Engine, spool_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    records = _records(50)
+    # The previous process committed the first ten and crashed before deleting the segment, mid-append.
+    write_calls(engine, records[:10])
+    spool_dir.mkdir()
+    segment = spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl"
+    torn = spool_line(make_record("torn", 0))
+    segment.write_bytes(b"".join(spool_line(r) for r in records) + torn[: len(torn) // 2])
+
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    with caplog.at_level(logging.WARNING, logger="trajgate.writer"):
+        writer.start()
+        assert writer.flush(10)
+        writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    assert not segment.exists()
+    assert "line 51" in caplog.text
+    with engine.connect() as conn:
+        stored = conn.execute(select(Call.completion_logprobs).where(Call.id == records[20].id)).scalar_one()
+    assert decode_logprobs(stored) == records[20].completion_logprobs
+
+
+def test_a_database_down_from_the_start_spools_until_one_is_there(sqlite_url: str, spool_dir: Path) -> None:
+    """The gateway may come up before its database (compose ordering): records wait in the spool."""
+    nowhere = db.make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres")
+    writer = RecordWriter(nowhere, spool_dir, **FAST)
+    writer.start()
+    records = _records(50)
+    for record in records:
+        writer.submit(record)
+    assert writer.flush(5)  # spooled counts as safe while the database is down
+    writer.close()
+    nowhere.dispose()
+    assert not writer.db_up and writer.counters.records_spooled == 50 and writer.counters.records_written == 0
+    assert len(_segments(spool_dir)) == 1
+
+    db.upgrade(sqlite_url)
+    engine = db.make_engine(sqlite_url)
+    successor = RecordWriter(engine, spool_dir, **FAST)
+    successor.start()
+    successor.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records) and _segments(spool_dir) == []
+    engine.dispose()
+
+
+def test_close_drains_and_later_submits_wait_in_the_spool(engine: Engine, spool_dir: Path) -> None:
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    records = _records(500)
+    for record in records:
+        writer.submit(record)
+    writer.close()
+    assert count_calls(engine) == 500 and _segments(spool_dir) == []
+
+    writer.submit(make_record("late", 0))
+    writer.close()
+    assert writer.counters.records_spooled == 1 and len(_segments(spool_dir)) == 1
+    successor = RecordWriter(engine, spool_dir, **FAST)
+    successor.start()
+    assert successor.flush(10)
+    successor.close()
+    assert count_calls(engine) == 501 and _segments(spool_dir) == []
+
+
+def test_a_segment_another_writer_still_appends_to_is_left_alone(sqlite_url: str, tmp_path: Path) -> None:
+    """Several gateway processes may share a spool directory; the flock keeps them off each other's segment."""
+    db.upgrade(sqlite_url)
+    engine = db.make_engine(sqlite_url)
+    spool_dir = tmp_path / "spool"
+    owner = RecordWriter(engine, spool_dir, queue_size=1, **FAST)  # never started: everything spills
+    for record in _records(20):
+        owner.submit(record)
+    [owned] = _segments(spool_dir)
+    # A dead process's segment, newer than the live one: once it is in, the replay pass has passed `owned` by.
+    (spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl").write_bytes(spool_line(make_record("dead", 0)))
+
+    other = RecordWriter(engine, spool_dir, **FAST)
+    other.start()
+    wait_until(lambda: count_calls(engine) == 1, 10, "the dead writer's segment to be replayed")
+    assert owned.exists() and _segments(spool_dir) == [owned]
+
+    owner.close()  # closes and unlocks its segment; the queued record is spooled too
+    other.close()  # its final replay pass now takes the segment
+    assert count_calls(engine) == 21 and _segments(spool_dir) == []
+    engine.dispose()
+
+
+def test_a_record_the_database_refuses_is_set_aside_without_blocking_the_rest(engine: Engine, spool_dir: Path) -> None:
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    good = _records(20)
+    bad = make_record("bad", 0, prompt_token_ids=[2**40])  # cannot be stored as int32
+    for record in [*good[:10], bad, *good[10:]]:
+        writer.submit(record)
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in good)
+    assert writer.counters.records_rejected == 1 and writer.db_up
+    [rejected] = (spool_dir / "rejected").iterdir()
+    assert read_spool_line(rejected.read_bytes()).id == bad.id
+    assert _segments(spool_dir) == []
+
+
+def test_a_poison_record_is_isolated_without_writing_its_batch_row_by_row(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 % of requests carrying something the database refuses must not turn every batch into 256 transactions."""
+    import gateway.recorder.writer as writer_module
+
+    transactions = []
+
+    def counting(engine: Engine, records: list[CallRecord], cache: LineageCache | None = None) -> None:
+        transactions.append(len(records))
+        write_calls(engine, records, cache)
+
+    monkeypatch.setattr(writer_module, "write_calls", counting)
+    writer = RecordWriter(engine, spool_dir, batch_size=256, **FAST)
+    good = _records(255)
+    bad = make_record("bad", 0, prompt_token_ids=[2**40])
+    for record in [*good[:100], bad, *good[100:]]:
+        writer.submit(record)  # queued before the thread starts: one batch of 256
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in good)
+    assert writer.counters.records_rejected == 1 and writer.counters.records_written == 255
+    assert len(transactions) <= 2 * 8 + 1, transactions  # bisection: two halves per level, log2(256) levels
+
+
+def test_a_spool_that_cannot_be_opened_keeps_records_in_memory(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EMFILE ("Too many open files") opening the spool is the disk's problem, not the record's: nothing is lost."""
+    import gateway.recorder.spool as spool_module
+
+    failures = {"left": 3}
+    real_open = spool_module.Spool._open_segment
+
+    def flaky(self: object, capacity: int) -> object:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError(24, "Too many open files")
+        return real_open(self, capacity)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(spool_module.Spool, "_open_segment", flaky)
+    writer = RecordWriter(engine, spool_dir, queue_size=1, **FAST)
+    records = _records(30)
+    for record in records:  # the queue holds one; the rest spill, and the spool fails three times
+        writer.submit(record)
+    assert writer.counters.spool_errors >= 1 and writer.counters.records_lost == 0
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    assert writer.counters.records_lost == 0
+
+
+def test_replay_counts_what_it_replays_and_what_it_could_not_read(engine: Engine, spool_dir: Path) -> None:
+    records = _records(12)
+    spool_dir.mkdir()
+    segment = spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl"
+    torn = spool_line(make_record("torn", 0))
+    segment.write_bytes(b"".join(spool_line(r) for r in records) + b"{not a record\n" + torn[: len(torn) // 2])
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert writer.counters.records_replayed == 12 and writer.counters.records_unreadable == 2
+
+
+def test_a_submitted_record_survives_the_process_being_killed(engine: Engine, spool_dir: Path) -> None:
+    """Once `submit` returns, the record is in the log: a process SIGKILLed before its writer stored anything
+    (here: never started) leaves every record for the next start to replay."""
+    records = _records(300)
+    child = """
+import os, signal, sys
+from pathlib import Path
+from gateway.store.db import make_engine
+from gateway.recorder.spool_lines import read_spool_line
+from gateway.recorder.writer import RecordWriter
+writer = RecordWriter(make_engine("sqlite://"), Path(sys.argv[1]))
+for line in sys.stdin.buffer:
+    writer.submit(read_spool_line(line))
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", child, str(spool_dir)],
+        input=b"".join(spool_line(r) for r in records),
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+    assert count_calls(engine) == 0
+    successor = RecordWriter(engine, spool_dir, **FAST)
+    successor.start()
+    assert successor.flush(20)
+    successor.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    assert successor.counters.records_replayed == 300 and _segments(spool_dir) == []
+    # The killed process's untruncated, zero-filled tail is not a record.
+    assert successor.counters.records_unreadable == 0
+
+
+def test_replaying_a_segment_twice_stores_each_call_once(engine: Engine, spool_dir: Path) -> None:
+    """A crash between a replay's commit and its delete replays the segment again: upserts keep one row a call."""
+    records = _records(40)
+    spool_dir.mkdir()
+    lines = b"".join(spool_line(r) for r in records)
+    (spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl").write_bytes(lines)
+    for _ in range(2):
+        writer = RecordWriter(engine, spool_dir, **FAST)
+        writer.start()
+        assert writer.flush(10)
+        writer.close()
+        assert writer.counters.records_replayed == 40 and _segments(spool_dir) == []
+        (spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl").write_bytes(lines)  # the same, again
+    assert count_calls(engine) == 40 and sorted(_ids(engine)) == sorted(r.id for r in records)
+
+
+class _Fsyncs:
+    """The fsync seam: records what was synced (a segment file, or the spool directory) instead of timing it."""
+
+    def __init__(self) -> None:
+        self.synced: list[str] = []
+
+    def __call__(self, fd: int) -> None:
+        target = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        self.synced.append("dir" if target.is_dir() else target.name)
+        os.fsync(fd)
+
+    def take(self) -> list[str]:
+        taken, self.synced = self.synced, []
+        return taken
+
+
+def test_group_fsync_syncs_each_segment_once_per_round_and_the_directory_after_it_changes(
+    engine: Engine, spool_dir: Path
+) -> None:
+    fsyncs = _Fsyncs()
+    # The interval is far beyond the test, so only the rounds the test runs (`_sync`) happen.
+    writer = RecordWriter(engine, spool_dir, fsync_interval_s=3600, segment_age_s=3600, fsync=fsyncs, **FAST)
+    for record in _records(50):
+        writer.submit(record)
+    assert fsyncs.take() == []  # appends never wait for the disk
+    [segment] = _segments(spool_dir)
+    writer._sync()
+    assert fsyncs.take() == [segment.name, "dir"]  # fifty appends, one fsync; the new segment's name made durable
+    writer._sync()
+    assert fsyncs.take() == []  # nothing new
+    writer.submit(make_record("one-more", 0))
+    writer._sync()
+    assert fsyncs.take() == [segment.name]
+    writer.start()
+    assert writer.flush(10)
+    writer._spool.rotate()  # every record is committed, so rotation removes the segment
+    assert _segments(spool_dir) == [] and fsyncs.take() == [segment.name]  # synced as it is closed
+    writer._sync()
+    assert fsyncs.take() == ["dir"]  # the removal made durable
+    writer.close()
+
+
+def test_fsync_interval_zero_syncs_every_record_before_submit_returns(engine: Engine, spool_dir: Path) -> None:
+    fsyncs = _Fsyncs()
+    writer = RecordWriter(engine, spool_dir, fsync_interval_s=0, fsync=fsyncs, **FAST)
+    writer.submit(make_record("a", 0))
+    [segment] = _segments(spool_dir)
+    assert fsyncs.take() == [segment.name, "dir"]
+    writer.submit(make_record("a", 1))
+    assert fsyncs.take() == [segment.name]
+    writer.close()
+
+
+def test_the_sync_thread_waits_the_configured_interval_between_rounds() -> None:
+    waits: list[float] = []
+    rounds: list[int] = []
+
+    def wait(timeout_s: float) -> bool:
+        waits.append(timeout_s)
+        return len(waits) == 4  # stopped during the fourth wait
+
+    syncer = Syncer(lambda: rounds.append(len(waits)), 0.025, wait=wait)
+    syncer.run()
+    assert waits == [0.025] * 4
+    assert rounds == [1, 2, 3, 4]  # one round after each interval, and a last one when stopped
+
+
+def test_committed_segments_are_rotated_and_removed_while_running(engine: Engine, spool_dir: Path) -> None:
+    """With a healthy database the log stays short: an old enough segment is closed, and removed once stored."""
+    writer = RecordWriter(engine, spool_dir, segment_age_s=0.05, **FAST)
+    writer.start()
+    try:
+        records = _records(60)
+        for batch in range(3):
+            for record in records[batch * 20 : batch * 20 + 20]:
+                writer.submit(record)
+            assert writer.flush(10)
+            wait_until(lambda: _segments(spool_dir) == [], 10, f"batch {batch}'s segment to be removed")
+        counters = writer.counters
+        assert count_calls(engine) == 60 and counters.records_spooled == 0 and counters.records_replayed == 0
+    finally:
+        writer.close()
+
+
+def test_a_stalled_database_keeps_memory_bounded_and_loses_nothing(engine: Engine, spool_dir: Path) -> None:
+    """While writes cannot finish, records beyond the queue live only in the log, and are replayed afterwards."""
+    import gateway.recorder.writer as writer_module
+
+    gate = threading.Event()
+    real_write = writer_module.write_calls
+
+    def stalled(engine: Engine, records: list[CallRecord], cache: LineageCache | None = None) -> None:
+        gate.wait(30)
+        real_write(engine, records, cache)
+
+    writer = RecordWriter(engine, spool_dir, queue_size=50, batch_size=10, **FAST)
+    writer_module.write_calls = stalled  # type: ignore[assignment]
+    try:
+        writer.start()
+        records = _records(1000)
+        for record in records:
+            writer.submit(record)
+        assert writer.stats().queue_depth <= 50 and writer.counters.records_spooled >= 1000 - 50 - 10
+        gate.set()
+        assert writer.flush(30)
+    finally:
+        writer_module.write_calls = real_write
+        writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records) and _segments(spool_dir) == []
+
+
+def test_a_full_segment_is_closed_and_truncated_off_the_hot_path(engine: Engine, spool_dir: Path) -> None:
+    fsyncs = _Fsyncs()
+    writer = RecordWriter(engine, spool_dir, segment_bytes=8192, fsync_interval_s=3600, fsync=fsyncs, **FAST)
+    records = _records(40)
+    for record in records:
+        writer.submit(record)
+    segments = _segments(spool_dir)
+    assert len(segments) > 3 and fsyncs.take() == []  # new segments opened as each filled; nothing synced inline
+    writer._sync()  # the sync thread's round: full segments truncated to their records and made durable
+    assert set(fsyncs.take()) == {path.name for path in segments} | {"dir"}
+    *full, current = segments
+    assert all(path.read_bytes().endswith(b"\n") for path in full)  # truncated to whole records
+    assert current.read_bytes().endswith(b"\0")  # still preallocated: appends need no system call
+    lines = [line for path in segments for line in path.read_bytes().rstrip(b"\0").splitlines(keepends=True)]
+    assert sorted(read_spool_line(line).id for line in lines) == sorted(r.id for r in records)
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records) and _segments(spool_dir) == []
+
+
+def test_replay_stops_at_a_dead_process_s_zero_filled_tail_and_skips_a_torn_record(
+    engine: Engine, spool_dir: Path
+) -> None:
+    records = _records(5)
+    torn = spool_line(make_record("torn", 0))
+    spool_dir.mkdir()
+    segment = spool_dir / f"spool-{time.time_ns()}-{os.getpid() + 1}.jsonl"
+    segment.write_bytes(b"".join(spool_line(r) for r in records) + torn[:100] + bytes(65536))
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    writer.start()
+    assert writer.flush(10)
+    writer.close()
+    assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    assert writer.counters.records_replayed == 5 and writer.counters.records_unreadable == 1 and not segment.exists()

@@ -1,0 +1,173 @@
+"""gateway.store.courtesy: the writer thread pauses for the event loop at the yield points of its work, only it, and only
+while it keeps up."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from sqlalchemy import Engine
+
+from gateway.recorder import writer as writer_module
+from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, RecordWriter
+from gateway.store import courtesy
+from gateway.store.call_record import CallRecord
+from gateway.store.records import LineageCache, count_calls, write_calls
+from tests.support.factories import make_record
+
+
+class Clock:
+    """perf_counter and sleep for gateway.store.courtesy: time moves only when a test says so (or a pause is slept), and
+    each pause is noted with the thread that took it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.ticking = False  # a second passes at every read: every yield point reached pauses
+        self.pauses: list[tuple[str, float]] = []
+        self.lock = threading.Lock()
+
+    def perf_counter(self) -> float:
+        if self.ticking:
+            self.now += 1
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        with self.lock:
+            self.pauses.append((threading.current_thread().name, seconds))
+            self.now += seconds
+
+
+def write_through(writer: RecordWriter, count: int) -> None:
+    """Start `writer`, hand it `count` records of their own trajectories, wait for them, close it."""
+    writer.start()
+    try:
+        for i in range(count):
+            writer.submit(make_record(f"t{i}", 0, group_id=f"g{i}"))
+        assert writer.flush(10)
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(courtesy, "time", SimpleNamespace(perf_counter=fake.perf_counter, sleep=fake.sleep))
+    return fake
+
+
+def test_a_thread_pauses_once_per_slice_it_runs_and_only_within_the_block(clock: Clock) -> None:
+    with courtesy.giving_way(0.0002, 0.0001):
+        courtesy.give_way()
+        clock.now += 0.00015
+        courtesy.give_way()
+        assert clock.pauses == []  # not a whole slice yet
+        clock.now += 0.0001
+        courtesy.give_way()
+        assert [seconds for _, seconds in clock.pauses] == [0.0001]
+        courtesy.give_way()
+        assert len(clock.pauses) == 1  # the slice starts again after the pause
+        clock.now += 0.0002
+        courtesy.give_way()
+        assert len(clock.pauses) == 2
+    clock.now += 1
+    courtesy.give_way()
+    assert len(clock.pauses) == 2
+
+
+def test_other_threads_never_pause(clock: Clock) -> None:
+    def other() -> None:
+        for _ in range(5):
+            clock.now += 1
+            courtesy.give_way()
+
+    with courtesy.giving_way(0.0002, 0.0001):  # this thread only
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert clock.pauses == []
+        courtesy.give_way()
+        assert len(clock.pauses) == 1
+
+
+def test_a_slice_of_zero_never_pauses_and_blocks_nest(clock: Clock) -> None:
+    with courtesy.giving_way(0.0002, 0.0001):
+        with courtesy.giving_way(0, 0.0001):
+            clock.now += 1
+            courtesy.give_way()
+            assert clock.pauses == []
+        courtesy.give_way()  # the outer block's slice again
+        assert len(clock.pauses) == 1
+
+
+def test_writing_a_batch_passes_a_yield_point_for_each_record(engine: Engine, clock: Clock) -> None:
+    """A batch's work per record in write_calls reaches give_way, so a long batch is cut into slices rather than run
+    in one stretch."""
+    records = [make_record(f"t{i}", 0, group_id=f"g{i}") for i in range(40)]
+    clock.ticking = True
+    with courtesy.giving_way(0.5, 0.0001):
+        write_calls(engine, records)
+    assert count_calls(engine) == 40
+    # settling and lineage, the rows and the cache: at least three passes over the batch
+    assert len(clock.pauses) >= 3 * len(records)
+
+
+def test_the_writer_thread_pauses_and_the_submitting_thread_does_not(
+    engine: Engine, clock: Clock, tmp_path: Path
+) -> None:
+    clock.ticking = True
+    write_through(RecordWriter(engine, tmp_path / "spool", flush_interval_s=0.01, slice_s=0.5, pause_s=0.0003), 20)
+    assert count_calls(engine) == 20
+    names = {name for name, _ in clock.pauses}
+    assert names and threading.current_thread().name not in names
+    assert {seconds for _, seconds in clock.pauses} == {0.0003}
+
+
+def test_a_writer_without_a_slice_never_pauses(engine: Engine, clock: Clock, tmp_path: Path) -> None:
+    clock.ticking = True
+    write_through(RecordWriter(engine, tmp_path / "spool", flush_interval_s=0.01), 20)
+    assert count_calls(engine) == 20
+    assert clock.pauses == []
+
+
+def test_a_writer_that_is_behind_does_not_pause_until_it_has_caught_up(
+    engine: Engine, clock: Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy event loop gives the GIL back to a writer that paused only at the forced switch: a writer with a batch's
+    worth queued behind the one it writes must not pause, or it would fall further behind for as long as the load
+    lasts."""
+    clock.ticking = True
+    batches: list[tuple[int, int]] = []  # (records in the batch, pauses while writing it)
+
+    def noting(engine: Engine, records: list[CallRecord], cache: LineageCache | None = None) -> None:
+        before = len(clock.pauses)
+        write_calls(engine, records, cache)
+        batches.append((len(records), len(clock.pauses) - before))
+
+    monkeypatch.setattr(writer_module, "write_calls", noting)
+    writer = RecordWriter(engine, tmp_path / "spool", batch_size=10, flush_interval_s=0.01, slice_s=0.5)
+    for i in range(35):  # before the thread starts: three batches wait behind the first
+        writer.submit(make_record(f"t{i}", 0, group_id=f"g{i}"))
+    writer.start()
+    try:
+        assert writer.flush(10)
+    finally:
+        writer.close()
+    assert count_calls(engine) == 35
+    assert [size for size, _ in batches] == [10, 10, 10, 5]
+    assert [pauses > 0 for _, pauses in batches] == [False, False, True, True]
+
+
+@pytest.mark.parametrize(("in_flight", "pauses"), [(0, True), (FEW_CALLS_IN_FLIGHT, True), (FEW_CALLS_IN_FLIGHT + 1, False)])
+def test_a_writer_gives_way_only_while_few_calls_are_in_flight(
+    engine: Engine, clock: Clock, tmp_path: Path, in_flight: int, pauses: bool
+) -> None:
+    """With many calls in flight each mostly waits its turn: there the pauses would only cost throughput."""
+    clock.ticking = True
+    write_through(
+        RecordWriter(engine, tmp_path / "spool", flush_interval_s=0.01, slice_s=0.5, calls_in_flight=lambda: in_flight),
+        10,
+    )
+    assert count_calls(engine) == 10
+    assert bool(clock.pauses) is pauses
