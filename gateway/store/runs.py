@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, NamedTuple, cast
 
 from sqlalchemy import Connection, Engine, Table, case, func, select, update
@@ -13,9 +14,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from gateway.runs.config import RunConfig, merged_config
 from gateway.store.admission import admission_view
 from gateway.store.db import write_transaction
-from gateway.store.models import Call, Group, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory, utcnow
+from gateway.store.models import Call, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory, utcnow
 from gateway.store.peers import clock
 from gateway.store.reads import iso
+from gateway.store.run_activity import RunActivity, run_activity
 
 
 class MissingBaseModel(ValueError):
@@ -182,11 +184,29 @@ def _runs_query() -> Any:
     ).outerjoin(current, current.c.run == Run.name)
 
 
-def list_runs(engine: Engine) -> list[dict[str, Any]]:
-    """Every run with its effective config (defaults filled in) and current policy version."""
+def list_runs(engine: Engine, name: str | None = None) -> list[dict[str, Any]]:
+    """Every run (or only `name`) with its effective config (defaults filled in), current policy version, groups by
+    state, and where training stands (gateway.store.run_activity): a fixed number of queries for any number of runs."""
+    query = _runs_query().order_by(Run.name)
+    if name is not None:
+        query = query.where(Run.name == name)
     with engine.connect() as conn:
-        rows = conn.execute(_runs_query().order_by(Run.name)).all()
-    return [_run_summary(row) for row in rows]
+        rows = conn.execute(query).all()
+    activity = run_activity(engine, name)
+    now = utcnow()
+    runs = []
+    for row in rows:
+        summary = _run_summary(row)
+        runs.append({**summary, **_activity_fields(activity.get(row.name, RunActivity()), now)})
+    return runs
+
+
+def _activity_fields(activity: RunActivity, now: datetime) -> dict[str, Any]:
+    return {
+        "groups": activity.groups.get("train", {}),
+        "eval_groups": activity.groups.get("eval", {}),
+        **activity.as_json(now),
+    }
 
 
 def run_exists(engine: Engine, name: str) -> bool:
@@ -214,8 +234,8 @@ def trajectory_counts(conn: Connection, run: str) -> dict[str, dict[str, int]]:
 
 
 def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
-    """The run summary plus its progress: groups by state, trajectory counts, the last step, admission, the eval
-    curve."""
+    """The run summary plus its progress: groups by state, where training stands (as in the runs list), trajectory
+    counts, the last step with its metrics, admission, the eval curve."""
     first_version = (
         select(func.min(Call.policy_version)).where(Call.trajectory_id == Trajectory.trajectory_id).scalar_subquery()
     )
@@ -228,9 +248,6 @@ def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
         row = conn.execute(_runs_query().where(Run.name == name)).first()
         if row is None:
             return None
-        groups = conn.execute(
-            select(Group.mode, Group.state, func.count()).where(Group.run == name).group_by(Group.mode, Group.state)
-        ).all()
         trajectories = trajectory_counts(conn, name)
         last = conn.execute(
             select(TrainStep.step, TrainStep.metrics, TrainStep.created_at)
@@ -251,14 +268,11 @@ def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
             .group_by(eval_rewards.c.version)
             .order_by(eval_rewards.c.version)
         ).all()
-    by_mode: dict[str, dict[str, int]] = {"train": {}, "eval": {}}
-    for mode, state, count in groups:
-        by_mode.setdefault(mode, {})[state] = count
+    activity = run_activity(engine, name).get(name, RunActivity())
     return {
         **_run_summary(row),
         "merge": _merge_summary({reason: count for reason, count in reasons}),
-        "groups": by_mode["train"],
-        "eval_groups": by_mode["eval"],
+        **_activity_fields(activity, utcnow()),
         "trajectories": trajectories,
         "last_step": None if last is None else _step(last),
         # The bound on groups in flight and what it cost each side (gateway.store.admission).

@@ -28,39 +28,11 @@ STD_EPS = 1e-6
 MAX_STEPS_SHOWN = 5000
 
 
-def _groups_by_state(engine: Engine, runs: list[str] | None = None) -> dict[str, dict[str, dict[str, int]]]:
-    """{run: {mode: {state: count}}}."""
-    query = select(Group.run, Group.mode, Group.state, func.count()).group_by(Group.run, Group.mode, Group.state)
-    if runs is not None:
-        query = query.where(Group.run.in_(runs))
-    out: dict[str, dict[str, dict[str, int]]] = {}
-    with engine.connect() as conn:
-        for run, mode, state, count in conn.execute(query):
-            out.setdefault(run, {}).setdefault(mode, {})[state] = count
-    return out
-
-
 def runs_overview(engine: Engine) -> list[dict[str, Any]]:
-    """Every run: its policy version, groups by state, last step and the eval reward per version."""
+    """Every run: its policy version, groups by state, last step, reward trend, trainer (all from the runs list) and
+    the eval reward per version."""
     runs = list_runs(engine)
-    groups = _groups_by_state(engine)
-    last: dict[str, tuple[int, datetime]] = {}
-    with engine.connect() as conn:
-        for run in runs:  # one primary-key lookup per run
-            row = conn.execute(
-                select(TrainStep.step, TrainStep.created_at)
-                .where(TrainStep.run == run["name"])
-                .order_by(TrainStep.step.desc())
-                .limit(1)
-            ).first()
-            if row is not None:
-                last[run["name"]] = (row.step, row.created_at)
     for run in runs:
-        step = last.get(run["name"])
-        run["groups"] = groups.get(run["name"], {}).get("train", {})
-        run["eval_groups"] = groups.get(run["name"], {}).get("eval", {})
-        run["last_step"] = step[0] if step else None
-        run["last_step_at"] = iso(step[1]) if step else None
         run["eval"] = eval_curve(engine, run["name"])
     return runs
 
@@ -68,10 +40,9 @@ def runs_overview(engine: Engine) -> list[dict[str, Any]]:
 def run_page(engine: Engine, run: str) -> dict[str, Any] | None:
     """One run: its summary, groups by state, trajectory counts, why groups were dropped, every step's metrics
     (newest MAX_STEPS_SHOWN) and the eval curve. None if there is no such run."""
-    summary = next((r for r in list_runs(engine) if r["name"] == run), None)
+    summary = next(iter(list_runs(engine, run)), None)
     if summary is None:
         return None
-    groups = _groups_by_state(engine, [run]).get(run, {})
     with engine.connect() as conn:
         trajectories = trajectory_counts(conn, run)
         dropped = conn.execute(
@@ -88,8 +59,6 @@ def run_page(engine: Engine, run: str) -> dict[str, Any] | None:
         ).all()
     return {
         **summary,
-        "groups": groups.get("train", {}),
-        "eval_groups": groups.get("eval", {}),
         "trajectories": trajectories,
         "drop_reasons": [{"reason": reason or "(none given)", "groups": count} for reason, count in dropped],
         "steps": [

@@ -81,6 +81,32 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+SPARK_W, SPARK_H = 80, 18  # the runs page's reward sparkline, in pixels
+
+
+def _trend(points: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A run's reward trend (the runs list's `reward_trend`) as the runs page draws it: an inline SVG polyline's
+    points (no script, so the strict CSP allows it), the newest reward, and its change against the mean of the steps
+    before it in the window. None with no finite reward to show."""
+    rewards = [p["reward_mean"] for p in points if isinstance(p.get("reward_mean"), (int, float))]
+    rewards = [float(r) for r in rewards if math.isfinite(r)]
+    if not rewards:
+        return None
+    low, high = min(rewards), max(rewards)
+    span = high - low or 1.0
+    step_x = SPARK_W / (len(rewards) - 1) if len(rewards) > 1 else 0.0
+    coords = [(i * step_x, SPARK_H - 1 - (r - low) / span * (SPARK_H - 2)) for i, r in enumerate(rewards)]
+    change = rewards[-1] - sum(rewards[:-1]) / (len(rewards) - 1) if len(rewards) > 1 else None
+    arrow = "–" if change is None or abs(change) < 1e-9 else ("▲" if change > 0 else "▼")
+    return {
+        "points": " ".join(f"{x:.1f},{y:.1f}" for x, y in coords),
+        "last": rewards[-1],
+        "change": change,
+        "arrow": arrow,
+        "steps": len(rewards),
+    }
+
+
 def _logprob_class(logprob: float | None) -> str:
     """A token's colour bucket by its probability; forced tokens (vLLM's -inf, stored as such) apart."""
     if logprob is None or not math.isfinite(logprob):
@@ -129,6 +155,8 @@ def _url(path: str, **params: Any) -> str:
 _env = Environment(loader=FileSystemLoader(UI_DIR / "templates"), autoescape=select_autoescape(["html"]))
 _env.filters["fmt"] = _fmt
 _env.filters["lpclass"] = _logprob_class
+_env.filters["trend"] = _trend
+_env.globals["spark"] = {"width": SPARK_W, "height": SPARK_H}
 _env.globals["url"] = _url
 
 

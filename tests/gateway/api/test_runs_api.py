@@ -19,10 +19,11 @@ from gateway.runs.config import RunConfig
 from gateway.store.db import make_engine
 from gateway.store.models import CHAT, COMPLETIONS, PolicyVersion
 from gateway.store.runs import record_train_step
+from gateway.store.training import acquire_run_lease
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway, start_serve
 from tests.support.openai_calls import assert_openai_error, client_body
-from tests.support.trajectories import make_calls, reward
+from tests.support.trajectories import make_calls, reward, set_group_state
 from tests.support.waiting import wait_until
 
 
@@ -138,6 +139,54 @@ def test_run_progress_and_steps(gateway: RunningGateway, upstream: FakeUpstream,
     for path in ("/runs/nope", "/runs/nope/steps", "/runs/nope/events"):
         assert assert_openai_error(httpx.get(gateway.base_url + path), 404)["code"] == "run_not_found"
     assert_openai_error(httpx.get(gateway.base_url + "/runs/my-agent/steps?after=x"), 400)
+
+
+def test_runs_show_step_reward_trend_groups_and_trainer(
+    gateway: RunningGateway, upstream: FakeUpstream, db_url: str
+) -> None:
+    """Every run in `GET /v1/runs` (and `GET /v1/runs/{run}`) says where its training stands: a run with no steps,
+    one with more steps than the trend shows (one step without a reward), a lease
+    held and one expired."""
+    assert post_run(gateway, {"name": "quiet", "config": {}}).status_code == 201
+    assert post_run(gateway, {"name": "stale", "config": {}}).status_code == 201
+    make_calls(gateway, upstream, ["r-a", "r-b"], group="g-ready", size=2)
+    make_calls(gateway, upstream, ["r-c", "r-d"], group="g-claimed", size=2)
+    make_calls(gateway, upstream, ["r-e"], group="g-open", size=2)
+    for trajectory in ("r-a", "r-b", "r-c", "r-d"):
+        assert reward(gateway, trajectory, 1).status_code == 200
+    set_group_state(db_url, "g-claimed", "claimed")
+    engine = make_engine(db_url)
+    try:
+        for step in range(1, 11):  # reward_mean step/16, but steps 8 and 9 logged none a number (NaN is stored null)
+            mean: object = {8: "high", 9: float("nan")}.get(step, step / 16)
+            record_train_step(engine, "my-agent", step, {"loss": 0.1, "reward_mean": mean})
+        acquire_run_lease(engine, "my-agent", "trainer-host-1", 600)
+        acquire_run_lease(engine, "stale", "trainer-gone", -5)  # its holder stopped renewing it 5 s ago
+    finally:
+        engine.dispose()
+
+    listed = {run["name"]: run for run in httpx.get(gateway.base_url + "/runs", timeout=30).json()["data"]}
+    assert sorted(listed) == ["my-agent", "quiet", "stale"]
+    quiet = listed["quiet"]
+    assert (quiet["step"], quiet["last_step_at"], quiet["reward_trend"], quiet["trainer"], quiet["groups"]) == (
+        None, None, [], None, {}
+    )
+    busy = listed["my-agent"]
+    assert busy["step"] == 10 and datetime.fromisoformat(busy["last_step_at"]) <= datetime.now(UTC)
+    assert busy["reward_trend"] == [
+        {"step": step, "reward_mean": None if step in (8, 9) else step / 16} for step in range(3, 11)
+    ]  # the newest 8, oldest first
+    assert busy["groups"] == {"open": 1, "ready": 1, "claimed": 1} and busy["eval_groups"] == {}
+    trainer = busy["trainer"]
+    assert (trainer["holder"], trainer["expired"]) == ("trainer-host-1", False)
+    assert datetime.fromisoformat(trainer["lease_until"]) > datetime.now(UTC)
+    stale = listed["stale"]["trainer"]
+    assert (stale["holder"], stale["expired"]) == ("trainer-gone", True)
+    fields = ("step", "last_step_at", "reward_trend", "groups", "eval_groups", "trainer")
+    for name, run in listed.items():  # the run's own route has the same fields
+        one = httpx.get(f"{gateway.base_url}/runs/{name}", timeout=30).json()
+        assert {key: one[key] for key in fields} == {key: run[key] for key in fields}, name
+
 
 
 def _read_events(url: str, headers: dict[str, str], want: int, out: list[str], ready: threading.Event) -> None:

@@ -17,7 +17,10 @@ import httpx
 import pytest
 
 from gateway.store import db
+from gateway.store.runs import upsert_run
+from gateway.store.training import acquire_run_lease
 from gateway.store.ui_reads import advantages
+from gateway.ui.pages import _trend
 from gateway.ui.token_text import DERENDER_COMPLETIONS, TokenTextCache, batches, derender_body
 from gateway.ui.tree_view import layout as tree_layout
 from tests.support.fake_upstream import FakeUpstream
@@ -144,6 +147,36 @@ def test_runs_page(ui: RunningGateway) -> None:
     # policy version 2 published; groups: 2 trained, 1 dropped; last step 2; eval per version
     assert re.search(rf"{RUN} base-model 2 dropped 1 trained 2 2 ", page), page
     assert "v0: 0.250 (n=4)" in page and "v2: 0.750 (n=4)" in page
+
+
+def test_runs_page_shows_reward_trend_and_trainer(ui: RunningGateway, seeded_url: str) -> None:
+    """The reward of the last steps as an inline sparkline (no script: the CSP allows it) with the change, and who
+    holds each run; a run whose name and trainer are hostile (written straight to the store, which the gateway's
+    name check would refuse) renders inert."""
+    engine = db.make_engine(seeded_url)
+    try:
+        upsert_run(engine, HOSTILE, {}, base_model="base-model")
+        acquire_run_lease(engine, HOSTILE, HOSTILE, -5)  # expired
+    finally:
+        engine.dispose()
+    with admin(ui) as client:
+        raw = client.get("/ui").text
+    page = text_of(raw)
+    # Seeded: steps 1 and 2 with reward_mean 0.5 then 0.625, the worker's lease good for 10 minutes.
+    assert re.search(rf"{RUN} .*?▲ 0\.625 \(\+0\.125 vs the 1 before\) ui-test-worker until \d{{4}}-", page), page
+    assert '<polyline points="0.0,17.0 80.0,1.0"/>' in raw
+    hostile = html.escape(HOSTILE).replace("&quot;", "&#34;")  # (as Jinja writes a quote)
+    assert "<script>alert" not in raw and "<img src=x" not in raw and raw.count("<script") == 1
+    assert f">{hostile}</a>" in raw and f"<code>{hostile}</code> <span class=\"expired\">lease expired</span>" in raw
+
+
+def test_reward_trend_skips_steps_without_a_reward() -> None:
+    assert _trend([]) is None and _trend([{"step": 1, "reward_mean": None}]) is None
+    one = _trend([{"step": 1, "reward_mean": 0.25}, {"step": 2, "reward_mean": None}])
+    assert one is not None and (one["last"], one["change"], one["arrow"], one["steps"]) == (0.25, None, "–", 1)
+    falling = _trend([{"step": s, "reward_mean": r} for s, r in ((1, 1.0), (2, None), (3, 0.5), (4, 0.0))])
+    assert falling is not None and (falling["change"], falling["arrow"]) == (-0.75, "▼")
+    assert falling["points"] == "0.0,1.0 40.0,9.0 80.0,17.0"
 
 
 def test_run_page_numbers(ui: RunningGateway) -> None:
