@@ -35,6 +35,7 @@ from gateway.recorder.writer import RecordWriter
 from gateway.recorder.writer_process import WriterProcess
 from gateway.runs.settings import Settings
 from gateway.store.db import make_engine
+from gateway.store.run_activity import run_gauges
 from gateway.ui import pages as ui
 from gateway.ui.token_text import TokenTextCache
 
@@ -65,6 +66,7 @@ def build_state(settings: Settings) -> GatewayState:
     auth = Auth(settings.agent_keys, settings.admin_key)
     metrics = GatewayMetrics()
     metrics.watch_writer(lambda: asdict(writer.stats()))
+    metrics.watch_runs(lambda: run_gauges(engine))
     proxy = Proxy(
         upstream_urls=settings.upstream_urls,
         upstream_api_key=settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None,

@@ -58,7 +58,9 @@ async def _answers(gw: GatewayState, replica: Replica) -> bool:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(gateway_state(request).metrics.render(), media_type="text/plain; version=0.0.4")
+    # In a worker thread: the per-run gauges read the database (at most once a second), never on the event loop.
+    body = await asyncio.to_thread(gateway_state(request).metrics.render)
+    return Response(body, media_type="text/plain; version=0.0.4")
 
 
 @router.get("/v1/models")

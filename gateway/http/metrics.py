@@ -1,13 +1,22 @@
-"""Prometheus metrics for `GET /metrics`: traffic, latency the gateway adds, and the writer's health."""
+"""Prometheus metrics for `GET /metrics`: traffic, latency the gateway adds, the writer's health, and each run's
+training progress."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from sqlalchemy.exc import SQLAlchemyError
+
+from gateway.store.run_activity import RunGauges
+
+log = logging.getLogger("trajgate.metrics")
 
 WAIT_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
@@ -92,6 +101,60 @@ class _ReplicaCollector(Collector):
             in_flight.add_metric([url], float(calls))
         yield up
         yield in_flight
+
+
+class _RunCollector(Collector):
+    """Each run's groups, step and trainer, read from the database at scrape time (never on the hot path) and kept
+    for `ttl_s`, so several scrapers, or a scrape per gateway sharing one database, cost one read a second. One label
+    value per existing run: a deleted run's series end with it. A database that cannot answer leaves the per-run
+    series out of that scrape (the writer's `trajgate_db_up` says why) rather than failing the whole page."""
+
+    def __init__(self, read: Callable[[], list[RunGauges]], ttl_s: float) -> None:
+        self._read = read
+        self._ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._cached: list[RunGauges] = []
+        self._read_at = -float("inf")
+
+    def _gauges(self) -> list[RunGauges]:
+        with self._lock:  # scrapes render in worker threads: one read at a time, the others reuse it
+            if time.monotonic() - self._read_at >= self._ttl_s:
+                try:
+                    self._cached = self._read()
+                except SQLAlchemyError as exc:
+                    log.warning("per-run metrics left out: database unavailable: %s", type(exc).__name__)
+                    self._cached = []
+                self._read_at = time.monotonic()
+            return self._cached
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        groups = GaugeMetricFamily(
+            "trajgate_run_groups",
+            "Training groups of a run by state: open (waiting for trajectories or rewards), ready, claimed",
+            labels=["run", "state"],
+        )
+        step = GaugeMetricFamily(
+            "trajgate_run_step", "The run's newest committed training step (0 before the first)", labels=["run"]
+        )
+        since = GaugeMetricFamily(
+            "trajgate_run_seconds_since_step",
+            "Seconds since the run's newest training step (absent before the first)",
+            labels=["run"],
+        )
+        held = GaugeMetricFamily(
+            "trajgate_run_trainer_held", "1 while a trainer holds an unexpired lease on the run", labels=["run"]
+        )
+        for run in self._gauges():
+            for state, count in run.groups.items():
+                groups.add_metric([run.run, state], float(count))
+            step.add_metric([run.run], float(run.step))
+            if run.seconds_since_step is not None:
+                since.add_metric([run.run], run.seconds_since_step)
+            held.add_metric([run.run], 1.0 if run.trainer_held else 0.0)
+        yield groups
+        yield step
+        yield since
+        yield held
 
 
 class GatewayMetrics:
@@ -211,6 +274,10 @@ class GatewayMetrics:
 
     def watch_writer(self, stats: Callable[[], dict[str, float]]) -> None:
         self.registry.register(_WriterCollector(stats))
+
+    def watch_runs(self, read: Callable[[], list[RunGauges]], ttl_s: float = 1.0) -> None:
+        """Per-run gauges from `read` (gateway.store.run_activity.run_gauges), at most once per `ttl_s`."""
+        self.registry.register(_RunCollector(read, ttl_s))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -4,6 +4,7 @@ the gateway, progress counts, steps, and the live progress stream."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -141,11 +142,16 @@ def test_run_progress_and_steps(gateway: RunningGateway, upstream: FakeUpstream,
     assert_openai_error(httpx.get(gateway.base_url + "/runs/my-agent/steps?after=x"), 400)
 
 
+def _metric_values(text: str, name: str) -> dict[str, float]:
+    """{label set as written: value} of one /metrics family."""
+    return {labels: float(value) for labels, value in re.findall(rf"^{name}{{(.*?)}} (\S+)$", text, re.M)}
+
+
 def test_runs_show_step_reward_trend_groups_and_trainer(
     gateway: RunningGateway, upstream: FakeUpstream, db_url: str
 ) -> None:
-    """Every run in `GET /v1/runs` (and `GET /v1/runs/{run}`) says where its training stands: a run with no steps,
-    one with more steps than the trend shows (one step without a reward), a lease
+    """Every run in `GET /v1/runs` (and `GET /v1/runs/{run}`) says where its training stands, and /metrics has the
+    same per run: a run with no steps, one with more steps than the trend shows (one step without a reward), a lease
     held and one expired."""
     assert post_run(gateway, {"name": "quiet", "config": {}}).status_code == 201
     assert post_run(gateway, {"name": "stale", "config": {}}).status_code == 201
@@ -187,6 +193,18 @@ def test_runs_show_step_reward_trend_groups_and_trainer(
         one = httpx.get(f"{gateway.base_url}/runs/{name}", timeout=30).json()
         assert {key: one[key] for key in fields} == {key: run[key] for key in fields}, name
 
+    metrics = httpx.get(gateway.url + "/metrics", timeout=30).text
+    assert _metric_values(metrics, "trajgate_run_groups") == {
+        f'run="{run}",state="{state}"': float(run == "my-agent")
+        for run in ("my-agent", "quiet", "stale")
+        for state in ("open", "ready", "claimed")
+    }
+    assert _metric_values(metrics, "trajgate_run_step") == {'run="my-agent"': 10, 'run="quiet"': 0, 'run="stale"': 0}
+    assert _metric_values(metrics, "trajgate_run_trainer_held") == {
+        'run="my-agent"': 1, 'run="quiet"': 0, 'run="stale"': 0
+    }
+    since = _metric_values(metrics, "trajgate_run_seconds_since_step")
+    assert list(since) == ['run="my-agent"'] and 0 <= since['run="my-agent"'] < 60
 
 
 def _read_events(url: str, headers: dict[str, str], want: int, out: list[str], ready: threading.Event) -> None:
