@@ -111,7 +111,9 @@ async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: P
         await asyncio.to_thread(wait_until, all_in, 30, "every record in the database and the spool empty")
         assert sorted(_ids(engine)) == sorted(r.id for r in records)
         assert writer.counters.records_spooled > 0 and writer.counters.write_errors > 0  # the outage really was hit
-        assert slowest < 0.05, f"submit took {slowest * 1000:.1f} ms"
+        # Blocked on the database, a submit would wait out the outage (the cluster's stop and start take seconds);
+        # the bound leaves room for a loaded machine's scheduling. How fast submit is lives in bench/, not here.
+        assert slowest < 0.25, f"submit took {slowest * 1000:.1f} ms"
     finally:
         writer.close()
         engine.dispose()
