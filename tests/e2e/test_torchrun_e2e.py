@@ -24,8 +24,8 @@ from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.runs import steps_after, upsert_run
 from gateway.store.training import group_states
-from tests.trainer.backends.test_backends import build_tiny_llama
-from tests.trainer.worker.test_trainer_loop import adapter, seed_groups
+from tests.support.tiny_models import build_tiny_llama
+from tests.support.trainer_runs import adapter, seed_groups
 from trainer.worker.loop import Trainer, TrainerOptions
 
 GROUPS, PER_STEP = 8, 2
