@@ -80,7 +80,7 @@ def torchrun(
         **os.environ,
         "TRAJGATE_DATABASE_URL": url,
         "TRAJGATE_CHECKPOINT_DIR": str(checkpoints),
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),  # the repository root, where gateway/ and tests/ are
         **env,
     }
     return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
