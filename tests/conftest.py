@@ -6,8 +6,9 @@ Tests that matter take `db_url`, which runs them once on each backend.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from sqlalchemy import Engine
@@ -16,6 +17,9 @@ from gateway.store import db
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
 from tests.support.pgcluster import PgCluster, create_database, drop_database
+
+if TYPE_CHECKING:
+    from tests.support.scripted_server import Scripted
 
 
 @pytest.fixture(scope="session")
@@ -89,3 +93,20 @@ def gateway_settings(upstream: FakeUpstream, db_url: str, tmp_path: Path) -> dic
 def gateway(gateway_settings: dict[str, object]) -> Iterator[RunningGateway]:
     with running_gateway(**gateway_settings) as gw:
         yield gw
+
+
+@pytest.fixture
+def scripted() -> Iterator[Callable[[list[dict[str, Any]]], Scripted]]:
+    """Starts scripted OpenAI-compatible servers for the example agents (tests/support/scripted_server.py), each with
+    its replies; all are closed after the test."""
+    from tests.support.scripted_server import Scripted  # it loads the tool agent example: only where a test asks
+
+    servers: list[Scripted] = []
+
+    def start(replies: list[dict[str, Any]]) -> Scripted:
+        servers.append(Scripted(replies))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()

@@ -28,6 +28,9 @@ writer, peers) and so sits right under the endpoints that use it.
 
 Imports are read with `ast`: module-level, function-level and `if TYPE_CHECKING:` ones alike, since a lazy or
 type-only import is still a dependency. No two modules may form a cycle.
+
+The tests have one rule of their own: nothing imports a test module (tests/**/test_*.py). A helper two test files
+share lives in tests/support/, so that moving, renaming or deleting a test file never breaks another one.
 """
 
 from __future__ import annotations
@@ -73,8 +76,8 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
-    """Every project module `path` imports, wherever the import statement sits."""
+def imports_of(path: Path, name: str, known: set[str], roots: tuple[str, ...] = PACKAGES) -> set[str]:
+    """Every module of `known` under `roots` that `path` imports, wherever the import statement sits."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -89,7 +92,7 @@ def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
             # `from gateway.proxy import capture` imports the module gateway.proxy.capture
             for alias in node.names:
                 found.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in known else source)
-    return {target for target in found if target.split(".")[0] in PACKAGES and target in known}
+    return {target for target in found if target.split(".")[0] in roots and target in known}
 
 
 def project_graph() -> Graph:
@@ -196,6 +199,17 @@ def test_no_two_modules_share_a_file_name() -> None:
     assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
 
 
+def test_no_module_imports_a_test_module() -> None:
+    test_modules = {module_name(path) for path in (ROOT / "tests").rglob("test_*.py")}
+    found = [
+        f"{module_name(path)} imports {target}"
+        for folder in ("tests", "bench", "scripts")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        for target in sorted(imports_of(path, module_name(path), test_modules, roots=("tests",)))
+    ]
+    assert not found, "move what they share into tests/support/:\n" + "\n".join(found)
+
+
 # -- the checker itself, on made-up graphs ---------------------------------------------------------------------------
 
 
@@ -248,3 +262,14 @@ def test_the_reader_sees_lazy_and_type_only_imports(tmp_path: Path) -> None:
     )
     known = {"gateway.proxy", "gateway.proxy.hot_path", "gateway.store.db", "gateway.runs.names"}
     assert imports_of(module, "m", known) == {"gateway.proxy.hot_path", "gateway.store.db", "gateway.runs.names"}
+
+
+def test_the_reader_finds_a_test_module_however_it_is_imported(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from tests.a.test_x import helper\n"
+        "from tests.b import test_y\n"
+        "def f():\n    import tests.c.test_z\n    from tests.support.shared import test_data\n"
+    )
+    known = {"tests.a.test_x", "tests.b.test_y", "tests.c.test_z"}
+    assert imports_of(module, "tests.m", known, roots=("tests",)) == known

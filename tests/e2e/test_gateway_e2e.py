@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessage
 
 from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.hermes_tool_calls import tool_call_in
 from tests.support.stored import stored_calls
 from trainer.demo.vllm_cpu import ensure_smollm2
 from trainer.samples import CallData, GroupData, TrajectoryData, build_samples
@@ -65,13 +65,6 @@ def tool_call_turn(message: ChatCompletionMessage) -> tuple[dict, str]:
     call = {"id": "call_weather_paris", "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}  # fmt: skip
     return {"role": "assistant", "content": None, "tool_calls": [call]}, call["id"]
-
-
-def tool_call_in(text: str) -> dict | None:
-    """The first hermes `<tool_call>{...}</tool_call>` block of a reply, parsed the way vLLM's hermes parser does (an
-    unterminated block at the end counts): what `message.tool_calls` must have been derived from."""
-    match = re.search(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", text, re.DOTALL)
-    return json.loads((match.group(1) or match.group(2)).strip()) if match else None
 
 
 def test_three_turn_conversation_with_tool_result(real_gateway: RunningGateway, pg_url: str, tokenizer: Any) -> None:

@@ -18,8 +18,8 @@ import pytest
 
 from gateway.store.lineage import EXTENDS
 from tests.e2e.one_step import reward_and_train_one_step
-from tests.e2e.test_gateway_e2e import tool_call_in
 from tests.support.gateway_harness import RunningGateway, running_gateway
+from tests.support.hermes_tool_calls import tool_call_in
 from tests.support.messages_agent import tool_loop, tool_uses
 from tests.support.stored import stored_calls
 from tests.support.token_in_agent import continues_exactly

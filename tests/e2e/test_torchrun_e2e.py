@@ -24,8 +24,8 @@ from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.runs import steps_after, upsert_run
 from gateway.store.training import group_states
-from tests.trainer.backends.test_backends import build_tiny_llama
-from tests.trainer.worker.test_trainer_loop import adapter, seed_groups
+from tests.support.tiny_models import build_tiny_llama
+from tests.support.trainer_runs import adapter, seed_groups
 from trainer.worker.loop import Trainer, TrainerOptions
 
 GROUPS, PER_STEP = 8, 2
@@ -80,7 +80,7 @@ def torchrun(
         **os.environ,
         "TRAJGATE_DATABASE_URL": url,
         "TRAJGATE_CHECKPOINT_DIR": str(checkpoints),
-        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),  # the repository root, where gateway/ and tests/ are
         **env,
     }
     return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tests.examples.test_tool_agent import agent, load_example, person_of, scripted, text_reply, tool_reply  # noqa: F401 - scripted is a fixture
+from tests.support.examples import load_example
+from tests.support.scripted_server import agent, person_of, text_reply, tool_reply
 
 graph_agent = load_example("tool_agent_langgraph")
 

@@ -33,10 +33,9 @@ from gateway.store import peers as peer_store
 from gateway.store.db import READY_CHANNEL, make_engine
 from gateway.store.models import GatewayPeer, PolicyVersion
 from gateway.store.training import acquire_run_lease, commit_step
-from tests.gateway.judge.test_judge import judge_block
-from tests.gateway.upstream.test_replicas import FakeAdmin
-from tests.support.fake_judge import FakeJudge
+from tests.support.fake_judge import FakeJudge, judge_block
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.fake_vllm_admin import FakeAdmin
 from tests.support.gateway_harness import RunningGateway, running_gateway, start_serve
 from tests.support.openai_calls import assert_openai_error, client_body
 from tests.support.stored import stored_calls

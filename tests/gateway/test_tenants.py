@@ -19,10 +19,9 @@ from gateway.http.auth import Auth
 from gateway.http.deps import require_agent
 from gateway.http.errors import GatewayError
 from gateway.runs.settings import ConfigError, load_settings
-from tests.gateway.edge.test_api_messages import FIRST
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
-from tests.support.messages_agent import COUNT_TOKENS
+from tests.support.messages_agent import COUNT_TOKENS, FIRST
 from tests.support.openai_calls import client_body
 from tests.support.responses_agent import ask
 from tests.support.stored import stored_calls

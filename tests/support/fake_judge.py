@@ -132,3 +132,10 @@ class FakeJudge:
         asyncio.run_coroutine_threadsafe(shutdown(), loop)
         if self._thread is not None:
             self._thread.join(10)
+
+
+def judge_block(fake: FakeJudge, **overrides: Any) -> dict[str, Any]:
+    """A run's `judge` config pointed at the fake. The built-in client, so the tests behave the same with or without
+    litellm installed."""
+    return {"model": "hosted_vllm/smollm2", "api_base": fake.base_url, "client": "builtin", "backoff_s": 0.0,
+            **overrides}  # fmt: skip

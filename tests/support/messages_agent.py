@@ -27,6 +27,15 @@ HISTORY: list[dict[str, Any]] = [
     *(m for m in TOOL_EXAMPLE if m["role"] != "system"),
     {"role": "user", "content": WEATHER_QUESTION},
 ]
+# The loop's first turn (train mode sends neutral sampling, which replay does not match on).
+FIRST: dict[str, Any] = {
+    "model": RUN,
+    "system": TOOL_SYSTEM,
+    "tools": [TOOL],
+    "max_tokens": 48,
+    "messages": HISTORY,
+    "metadata": {"user_id": "agent-7"},
+}
 # The count_tokens request recorded beside the loop.
 COUNT_TOKENS = {"model": RUN, "system": TOOL_SYSTEM, "messages": HISTORY, "tools": [TOOL]}
 # A greedy call that stops on a stop sequence the model is known (from the recording) to produce.

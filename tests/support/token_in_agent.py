@@ -1,4 +1,5 @@
-"""The OpenAI SDK tool loop that token_in's fixtures were recorded with and its tests replay (and the e2e runs live).
+"""The OpenAI SDK tool loop that token_in's fixtures were recorded with and its tests replay (and the e2e runs live),
+and how a test points it at a gateway: the run set to token_in, a client on a trajectory's eval URL.
 
 Turn 1 asks for the weather with the repo's in-context tool example (SmolLM2's template ignores `tools`); whatever
 the model answers is echoed back the way the SDK's users do; a tool result follows even when the model called no
@@ -10,11 +11,24 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import openai
 
 from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESULT, WEATHER_TOOL
+from tests.support.gateway_harness import RunningGateway
 
 RUN = "tokenin-agent"
+
+
+def start_token_in(gateway: RunningGateway) -> None:
+    body = {"name": RUN, "config": {"token_mode": "token_in"}}
+    response = httpx.post(gateway.url + "/v1/runs", json=body, timeout=30)
+    assert response.status_code in (200, 201), response.text
+
+
+def client_for(gateway: RunningGateway, trajectory: str) -> openai.OpenAI:
+    # eval mode: the client's greedy sampling reaches vLLM, as when the exchanges were recorded
+    return openai.OpenAI(base_url=f"{gateway.url}/eval/t/{trajectory}/v1", api_key="x", max_retries=0)
 
 
 def echoed(message: Any) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer.backends.test_backends import build_tiny_llama, make, mixed_rows, set_behaviour
+from tests.support.tiny_models import build_tiny_llama, make, mixed_rows, set_behaviour
 from trainer.backends import HFBackend, LoraSpec, TrainerBackend
 from trainer.checkpoint import checkpoint_dir, discard_after, latest_checkpoint, load_checkpoint, save_checkpoint
 from trainer.loss import LossConfig

@@ -19,7 +19,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.trainer.backends.test_backends import build_tiny_llama, make, mixed_rows, row, set_behaviour
+from tests.support.tiny_models import build_tiny_llama, make, mixed_rows, row, set_behaviour
 from trainer.distributed import DataParallel, Topology, shard_rows
 from trainer.loss import LossConfig
 from trainer.samples import Row

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from tests.support.training_data import call, group, traj
 from trainer.loss import LossConfig, policy_loss
 from trainer.samples import (
     CallData,
@@ -20,20 +21,6 @@ from trainer.samples import (
     micro_batches,
     tokens_trained_twice,
 )
-
-
-def call(prompt, completion, logprobs=None, *, seq=0, choice=0, version=0, trainable=True) -> CallData:
-    if logprobs is None and completion is not None:
-        logprobs = [-0.1 * (i + 1) for i in range(len(completion))]
-    return CallData(seq, choice, version, prompt, completion, logprobs, trainable)
-
-
-def traj(tid, reward, *calls) -> TrajectoryData:
-    return TrajectoryData(tid, reward, list(calls))
-
-
-def group(gid, *trajs) -> GroupData:
-    return GroupData(gid, list(trajs))
 
 
 def with_partner(t: TrajectoryData, reward: float = 0.0) -> GroupData:

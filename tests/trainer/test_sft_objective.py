@@ -17,11 +17,11 @@ from gateway.runs.config import RunConfig
 from gateway.store import db
 from gateway.store.runs import record_train_step, steps_after, upsert_run
 from gateway.store.training import group_states
-from tests.gateway.test_gateway_faults import assert_openai_error
 from tests.support.gateway_harness import RunningGateway
-from tests.trainer.backends.test_backends import VOCAB, make, row
-from tests.trainer.test_samples import call, group, traj
-from tests.trainer.worker.test_trainer_loop import PATTERN, _made, make_trainer, seed_groups
+from tests.support.openai_calls import assert_openai_error
+from tests.support.tiny_models import PATTERN, VOCAB, build_tiny_llama, make, row
+from tests.support.trainer_runs import made, make_trainer, seed_groups
+from tests.support.training_data import call, group, traj
 from trainer.loss import LossConfig, StepTotals, chunked_token_logprobs, chunked_token_scores, policy_loss, sft_loss
 from trainer.samples import Row, SftSelection, build_samples, select_trajectories
 from trainer.step import train_step
@@ -242,8 +242,6 @@ def test_sft_steps_lower_the_cross_entropy_and_report_it(tiny_model: str) -> Non
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tests.trainer.backends.test_backends import build_tiny_llama
-
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-sft")))
 
 
@@ -267,8 +265,8 @@ def test_the_worker_trains_sft_on_the_selected_trajectories(db_url: str, tmp_pat
         states = group_states(engine, "loop")
     finally:
         engine.dispose()
-        while _made:
-            _made.pop().close()
+        while made:
+            made.pop().close()
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:
         m = step["metrics"]

@@ -27,20 +27,11 @@ from gateway.proxy import token_in
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 from tests.support.fake_upstream import FIXTURES, FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
-from tests.support.messages_agent import COUNT_TOKENS, HISTORY, RUN, STOP_CALL, TOOL, tool_loop, tool_uses
+from tests.support.messages_agent import COUNT_TOKENS, FIRST, HISTORY, RUN, STOP_CALL, TOOL, tool_loop, tool_uses
 from tests.support.pgcluster import free_port
 from tests.support.stored import stored_calls
 
 CHAT = "/v1/chat/completions"
-# The loop's first turn (train mode sends neutral sampling, which replay does not match on).
-FIRST: dict[str, Any] = {
-    "model": RUN,
-    "system": TOOL_SYSTEM,
-    "tools": [TOOL],
-    "max_tokens": 48,
-    "messages": HISTORY,
-    "metadata": {"user_id": "agent-7"},
-}
 
 
 def exchanges(name: str) -> list[dict[str, Any]]:

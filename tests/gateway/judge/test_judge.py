@@ -24,7 +24,7 @@ from gateway.store import db
 from gateway.store.judging import judgeable_groups, load_group
 from gateway.store.rewards import RewardItem, close_group, store_rewards
 from gateway.store.runs import upsert_run
-from tests.support.fake_judge import FakeJudge, chat_completion, judge_fixture, scores_answer
+from tests.support.fake_judge import FakeJudge, chat_completion, judge_block, judge_fixture, scores_answer
 from tests.support.gateway_harness import RunningGateway, running_gateway
 from tests.support.judge_group import GROUP, IDS, RUN, write_group
 from tests.support.openai_calls import assert_openai_error
@@ -48,12 +48,6 @@ def gateway_settings(gateway_settings: dict[str, object], fake_judge: FakeJudge)
     """The operator allows the fake judge (and a dead port) as judge endpoints, and these tests' key variables."""
     return {**gateway_settings, "judge_api_bases": f"{fake_judge.base_url},{UNREACHABLE}",
             "judge_key_envs": "JUDGE_KEY,MY_JUDGE_KEY"}  # fmt: skip
-
-
-def judge_block(fake: FakeJudge, **overrides: Any) -> dict[str, Any]:
-    """The built-in client, so these tests behave the same with or without litellm installed."""
-    return {"model": "hosted_vllm/smollm2", "api_base": fake.base_url, "client": "builtin", "backoff_s": 0.0,
-            **overrides}  # fmt: skip
 
 
 def configure(gw: RunningGateway, fake: FakeJudge, **overrides: Any) -> None:

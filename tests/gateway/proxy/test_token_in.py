@@ -27,7 +27,7 @@ from scripts.record_fixtures import TOOL_EXAMPLE, WEATHER_QUESTION, WEATHER_RESU
 from tests.support.fake_upstream import FIXTURES, FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
 from tests.support.stored import stored_calls
-from tests.support.token_in_agent import RUN, tool_loop
+from tests.support.token_in_agent import RUN, client_for, start_token_in, tool_loop
 
 RECORDED = json.loads((FIXTURES / "token_in_tool_loop.json").read_text())["exchanges"]
 RENDER, DERENDER = "/v1/chat/completions/render", "/v1/chat/completions/derender"
@@ -41,17 +41,6 @@ def renders() -> list[tuple[dict[str, Any], dict[str, Any]]]:
         full, prefix = (first, second) if "add_generation_prompt" not in first["request"] else (second, first)
         pairs.append((full["response"], prefix["response"]))
     return pairs
-
-
-def start_token_in(gateway: RunningGateway) -> None:
-    body = {"name": RUN, "config": {"token_mode": "token_in"}}
-    response = httpx.post(gateway.url + "/v1/runs", json=body, timeout=30)
-    assert response.status_code in (200, 201), response.text
-
-
-def client_for(gateway: RunningGateway, trajectory: str) -> openai.OpenAI:
-    # eval mode: the client's greedy sampling reaches vLLM, as when the exchanges were recorded
-    return openai.OpenAI(base_url=f"{gateway.url}/eval/t/{trajectory}/v1", api_key="x", max_retries=0)
 
 
 @pytest.fixture

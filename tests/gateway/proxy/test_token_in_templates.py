@@ -19,11 +19,10 @@ import pytest
 
 from gateway.proxy import chat_templates, token_in
 from gateway.store.lineage import EXTENDS
-from tests.gateway.proxy.test_token_in import client_for, start_token_in
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.gateway_harness import running_gateway
 from tests.support.stored import stored_calls
-from tests.support.token_in_agent import RUN, tool_loop
+from tests.support.token_in_agent import RUN, client_for, start_token_in, tool_loop
 
 QUALIFICATION = json.loads((Path(__file__).parents[2] / "fixtures" / "token_in_qualification.json").read_text())
 REGISTRY = json.loads(chat_templates.REGISTRY.read_text())

@@ -4,55 +4,24 @@ full prompt back exactly, on both backends. The tool conversation is the one rec
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy import Engine, func, select, text
 
 from gateway.store import db
 from gateway.store import records as store_records
 from gateway.store.call_record import CallRecord
 from gateway.store.export import iter_trajectories
 from gateway.store.lineage import Predecessor, classify
-from gateway.store.models import Call, Trajectory
+from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
 from gateway.store.records import LineageCache, write_calls
 from gateway.store.runs import run_view
 from gateway.store.training import load_groups
 from tests.support.factories import make_record
+from tests.support.lineage_writes import BATCHINGS, conversation, set_reward, write_batched
 from tests.support.stored import insert_old_calls
-
-FIXTURES = Path(__file__).parents[2] / "fixtures" / "vllm"
-TURNS = ("conversation_turn1", "conversation_turn2_tool_call", "conversation_turn2_tool_result", "conversation_turn3")
-
-
-def _fixture(name: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((FIXTURES / f"{name}.json").read_text())
-    return data
-
-
-def _turn_record(name: str, seq: int, trajectory_id: str = "traj-1", **overrides: Any) -> CallRecord:
-    """A call as the gateway records it from one recorded exchange."""
-    fixture = _fixture(name)
-    response = fixture["response"]
-    choice = response["choices"][0]
-    fields = {
-        "seq": seq,
-        "request": fixture["request"],
-        "response": {"choices": [{"index": 0, "message": choice["message"], "finish_reason": choice["finish_reason"]}]},
-        "prompt_token_ids": response["prompt_token_ids"],
-        "completion_token_ids": choice["token_ids"],
-        "completion_logprobs": [entry["logprob"] for entry in choice["logprobs"]["content"]],
-        "finish_reason": choice["finish_reason"],
-        **overrides,
-    }
-    return make_record(trajectory_id, **fields)
-
-
-def _conversation(trajectory_id: str = "traj-1") -> list[CallRecord]:
-    return [_turn_record(name, seq, trajectory_id) for seq, name in enumerate(TURNS, start=1)]
 
 
 def _predecessor(record: CallRecord, tool_call: bool = False) -> Predecessor:
@@ -63,14 +32,14 @@ def _predecessor(record: CallRecord, tool_call: bool = False) -> Predecessor:
 
 
 def test_a_plain_chat_turn_extends_its_predecessor() -> None:
-    turn1, turn2 = _conversation()[:2]
+    turn1, turn2 = conversation()[:2]
     lineage = classify(turn2.prompt_token_ids, _predecessor(turn1))
     before = len(turn1.prompt_token_ids or []) + len(turn1.completion_token_ids or [])
     assert (lineage.reason, lineage.divergence, lineage.parent_seq, lineage.prefix_len) == ("extends", None, 1, before)
 
 
 def test_the_turn_after_a_tool_call_diverges_where_the_template_dropped_it() -> None:
-    _, tool_call, tool_result, _ = _conversation()
+    _, tool_call, tool_result, _ = conversation()
     lineage = classify(tool_result.prompt_token_ids, _predecessor(tool_call, tool_call=True))
     # SmolLM2's template renders the assistant's tool-call message without the call: the ids part at the first
     # completion token, which is where the model's `<tool_call>` began.
@@ -82,7 +51,7 @@ def test_the_turn_after_a_tool_call_diverges_where_the_template_dropped_it() -> 
 
 
 def test_an_edited_history_reports_the_first_changed_token() -> None:
-    turn1, turn2 = _conversation()[:2]
+    turn1, turn2 = conversation()[:2]
     edited = list(turn2.prompt_token_ids or [])
     edited[40] += 1
     lineage = classify(edited, _predecessor(turn1))
@@ -90,7 +59,7 @@ def test_an_edited_history_reports_the_first_changed_token() -> None:
 
 
 def test_a_truncated_history_is_told_from_an_edit() -> None:
-    turn1, turn2 = _conversation()[:2]
+    turn1, turn2 = conversation()[:2]
     prompt = turn1.prompt_token_ids or []
     cut = prompt[:10] + prompt[50:]  # the agent dropped old messages
     lineage = classify(cut, _predecessor(turn1))
@@ -98,7 +67,7 @@ def test_a_truncated_history_is_told_from_an_edit() -> None:
 
 
 def test_first_call_retry_and_missing_ids() -> None:
-    turn1, turn2 = _conversation()[:2]
+    turn1, turn2 = conversation()[:2]
     assert classify(turn1.prompt_token_ids, None).reason == "first_call"
     assert classify(turn1.prompt_token_ids, _predecessor(turn1)).reason == "retry"
     assert classify(None, _predecessor(turn1)).reason == "no_ids"
@@ -127,11 +96,6 @@ def _stored(engine: Engine, trajectory_id: str) -> list[Any]:
         ).all()
 
 
-def _reward(engine: Engine, trajectory_id: str, reward: float = 1.0) -> None:
-    with engine.begin() as conn:
-        conn.execute(update(Trajectory).where(Trajectory.trajectory_id == trajectory_id).values(reward=reward))
-
-
 def _every_read(engine: Engine, trajectory_id: str) -> dict[str, list[list[int] | None]]:
     view = trajectory_view(engine, trajectory_id, include_tokens=True)
     assert view is not None
@@ -145,24 +109,10 @@ def _every_read(engine: Engine, trajectory_id: str) -> dict[str, list[list[int] 
     }
 
 
-BATCHINGS = ["one_batch", "a_batch_per_call", "a_batch_per_call_cold"]
-
-
-def _write_batched(engine: Engine, calls: list[CallRecord], batching: str) -> None:
-    """Write the calls as the writer may: all in one batch, one per batch with the writer's predecessor cache, or one
-    per batch with none (another gateway process, or a restart, wrote the predecessor: the store must rebuild it)."""
-    if batching == "one_batch":
-        write_calls(engine, calls)
-        return
-    cache = None if batching.endswith("cold") else LineageCache()
-    for call in calls:
-        write_calls(engine, [call], cache)
-
-
 @pytest.mark.parametrize("batching", BATCHINGS)
 def test_linear_storage_round_trips_exactly(engine: Engine, batching: str) -> None:
-    calls = _conversation()
-    _write_batched(engine, calls, batching)
+    calls = conversation()
+    write_batched(engine, calls, batching)
 
     rows = _stored(engine, "traj-1")
     # The tool result's prompt does not extend the tool call (SmolLM2's template drops the call from the history), but
@@ -175,7 +125,7 @@ def test_linear_storage_round_trips_exactly(engine: Engine, batching: str) -> No
     assert [r.prefix_len for r in rows] == [0, 105, 122, 175]
     assert [r.prompt_bytes // 4 for r in rows] == [90, 122 - 105, 160 - 122, 192 - 175]
 
-    _reward(engine, "traj-1")
+    set_reward(engine, "traj-1")
     full = [c.prompt_token_ids for c in calls]
     assert _every_read(engine, "traj-1") == {"read_api": full, "export": full, "trainer": full}
     view = trajectory_view(engine, "traj-1")
@@ -185,7 +135,7 @@ def test_linear_storage_round_trips_exactly(engine: Engine, batching: str) -> No
 
 
 def test_the_run_view_counts_reasons_over_the_runs_calls(engine: Engine) -> None:
-    write_calls(engine, _conversation("traj-1") + _conversation("traj-2")[:2])
+    write_calls(engine, conversation("traj-1") + conversation("traj-2")[:2])
     view = run_view(engine, "run-a")
     assert view is not None
     assert view["merge"] == {
@@ -196,20 +146,20 @@ def test_the_run_view_counts_reasons_over_the_runs_calls(engine: Engine) -> None
 
 
 def test_choices_of_an_n2_call_share_the_predecessor_of_choice_0(engine: Engine) -> None:
-    turn1, turn2 = _conversation()[:2]
+    turn1, turn2 = conversation()[:2]
     second_choice = make_record(
         "traj-1", seq=turn2.seq, choice_index=1, prompt_token_ids=turn2.prompt_token_ids, completion_token_ids=[7, 8]
     )
     write_calls(engine, [turn1, turn2, second_choice])
     rows = _stored(engine, "traj-1")
     assert [(r.merge_reason, r.parent_seq) for r in rows] == [("first_call", None), ("extends", 1), ("extends", 1)]
-    _reward(engine, "traj-1")
+    set_reward(engine, "traj-1")
     full = [turn1.prompt_token_ids, turn2.prompt_token_ids, turn2.prompt_token_ids]
     assert _every_read(engine, "traj-1") == {"read_api": full, "export": full, "trainer": full}
 
 
 def test_a_retry_that_replaces_a_parent_gives_its_children_their_full_prompt(engine: Engine) -> None:
-    turn1, turn2 = _conversation()[:2]
+    turn1, turn2 = conversation()[:2]
     write_calls(engine, [turn1])
     write_calls(engine, [turn2])
     # A late, newer attempt of turn 1 with another completion: turn 2 was derived from the old one.
@@ -223,18 +173,18 @@ def test_a_retry_that_replaces_a_parent_gives_its_children_their_full_prompt(eng
     write_calls(engine, [retried])
     rows = _stored(engine, "traj-1")
     assert (rows[1].parent_seq, rows[1].prefix_len, rows[1].prompt_bytes // 4) == (None, 0, 122)
-    _reward(engine, "traj-1")
+    set_reward(engine, "traj-1")
     full = [turn1.prompt_token_ids, turn2.prompt_token_ids]
     assert _every_read(engine, "traj-1") == {"read_api": full, "export": full, "trainer": full}
 
 
 def test_a_stale_attempt_is_not_taken_as_a_predecessor(engine: Engine) -> None:
-    turn1, turn2 = _conversation()[:2]
+    turn1, turn2 = conversation()[:2]
     write_calls(engine, [turn1])
     stale = make_record("traj-1", seq=turn1.seq, completion_token_ids=[1, 2], created_at=turn1.created_at - 5)
     write_calls(engine, [stale, turn2])
     assert [r.merge_reason for r in _stored(engine, "traj-1")] == ["first_call", "extends"]
-    _reward(engine, "traj-1")
+    set_reward(engine, "traj-1")
     assert _every_read(engine, "traj-1")["trainer"] == [turn1.prompt_token_ids, turn2.prompt_token_ids]
 
 
@@ -245,13 +195,13 @@ def test_migration_keeps_old_calls_readable_and_new_calls_compact_against_them(d
     db.upgrade(db_url, "0003")
     engine = db.make_engine(db_url)
     try:
-        turn1, turn2 = _conversation()[:2]
+        turn1, turn2 = conversation()[:2]
         insert_old_calls(engine, [store_records._call_row(turn1, classify(turn1.prompt_token_ids, None))])
         db.upgrade(db_url)
         write_calls(engine, [turn2])
         rows = _stored(engine, "traj-1")
         assert [(r.merge_reason, r.parent_seq, r.prefix_len) for r in rows] == [(None, None, 0), ("extends", 1, 105)]
-        _reward(engine, "traj-1")
+        set_reward(engine, "traj-1")
         full = [turn1.prompt_token_ids, turn2.prompt_token_ids]
         assert _every_read(engine, "traj-1") == {"read_api": full, "export": full, "trainer": full}
 
@@ -299,7 +249,7 @@ def test_a_repeated_token_in_turn_and_a_later_branch_extend_their_named_predeces
     # Then it goes on from the first attempt's answer, not from the repeat's (the previous seq).
     turn3 = _token_in_turn(4, [1, 2, 3, 4, 5, 9, 6, 7, 9], [10], (2, 0))
     calls = [turn1, turn2, again, turn3]
-    _write_batched(engine, calls, batching)
+    write_batched(engine, calls, batching)
 
     rows = _stored(engine, "traj-1")
     assert [r.merge_reason for r in rows] == ["first_call", "extends", "extends", "extends"]
@@ -310,7 +260,7 @@ def test_a_repeated_token_in_turn_and_a_later_branch_extend_their_named_predeces
         (2, 8, 1),
     ]
     assert all(r.divergence is None for r in rows)
-    _reward(engine, "traj-1")
+    set_reward(engine, "traj-1")
     full = [c.prompt_token_ids for c in calls]
     assert _every_read(engine, "traj-1") == {"read_api": full, "export": full, "trainer": full}
 
@@ -324,7 +274,7 @@ def test_a_token_in_turn_that_continues_choice_1_extends_it_and_is_stored_agains
     rows = _stored(engine, "traj-1")
     assert [r.merge_reason for r in rows] == ["first_call", "first_call", "extends"]
     assert (rows[2].parent_seq, rows[2].prefix_len, rows[2].prompt_bytes // 4) == (1, 3, 3)
-    _reward(engine, "traj-1")
+    set_reward(engine, "traj-1")
     full = [turn1.prompt_token_ids, other.prompt_token_ids, turn2.prompt_token_ids]
     assert _every_read(engine, "traj-1") == {"read_api": full, "export": full, "trainer": full}
 

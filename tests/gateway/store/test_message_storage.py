@@ -23,8 +23,8 @@ from gateway.store.lineage import classify
 from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
 from gateway.store.records import LineageCache, write_calls
-from tests.gateway.store.test_lineage import BATCHINGS, _conversation, _write_batched
 from tests.support.factories import make_record
+from tests.support.lineage_writes import BATCHINGS, conversation, write_batched
 from tests.support.stored import insert_old_calls, stored_calls
 
 REFERENCE_GROUP = "reference"
@@ -112,8 +112,8 @@ def _with_messages(record: CallRecord, messages: list[Any], **overrides: Any) ->
 
 @pytest.mark.parametrize("batching", BATCHINGS)
 def test_a_growing_conversation_stores_only_the_new_messages(engine: Engine, batching: str) -> None:
-    calls = _conversation()
-    _write_batched(engine, calls, batching)
+    calls = conversation()
+    write_batched(engine, calls, batching)
     # The tool-result turn breaks the token lineage (the template dropped the call) but its messages still extend.
     assert _layout(engine) == [(None, 0, 4), (1, 4, 2), (2, 6, 2), (3, 8, 2)]
     _assert_exact(engine, calls)
@@ -136,7 +136,7 @@ def test_messages_with_keys_in_an_order_postgres_does_not_keep_still_share_after
 
 @pytest.mark.parametrize("edited_at", [0, 3, 7])
 def test_an_edited_history_stores_the_messages_from_the_first_change(engine: Engine, edited_at: int) -> None:
-    calls = _conversation()
+    calls = conversation()
     messages = copy.deepcopy(calls[3].request["messages"])  # type: ignore[index]
     messages[edited_at]["content"] = "something else entirely"
     calls[3] = _with_messages(calls[3], messages)
@@ -170,7 +170,7 @@ def test_reordered_keys_are_shared_only_where_the_database_forgets_key_order(eng
 
 
 def test_a_truncated_history_shares_what_it_kept_at_the_front(engine: Engine) -> None:
-    calls = _conversation()
+    calls = conversation()
     kept = calls[3].request["messages"]  # type: ignore[index]
     calls[3] = _with_messages(calls[3], [kept[0], *kept[-3:]])  # the agent dropped old turns, kept the system prompt
     write_calls(engine, calls)
@@ -182,7 +182,7 @@ def test_a_truncated_history_shares_what_it_kept_at_the_front(engine: Engine) ->
 
 
 def test_a_retry_sent_as_a_new_call_stores_no_messages(engine: Engine) -> None:
-    turn1 = _conversation()[0]
+    turn1 = conversation()[0]
     again = _with_messages(turn1, turn1.request["messages"], seq=turn1.seq + 1)  # type: ignore[index]
     write_calls(engine, [turn1, again])
     assert _layout(engine) == [(None, 0, 4), (1, 4, 0)]
@@ -190,7 +190,7 @@ def test_a_retry_sent_as_a_new_call_stores_no_messages(engine: Engine) -> None:
 
 
 def test_choices_of_an_n2_call_share_choice_0_of_the_call_before(engine: Engine) -> None:
-    turn1, turn2, turn3 = _conversation()[:3]
+    turn1, turn2, turn3 = conversation()[:3]
     second_choice = _with_messages(turn2, turn2.request["messages"], choice_index=1)  # type: ignore[index]
     write_calls(engine, [turn1, turn2, second_choice])
     write_calls(engine, [turn3])  # no predecessor cache: choice 0 of turn 2 is rebuilt from the database
@@ -199,7 +199,7 @@ def test_choices_of_an_n2_call_share_choice_0_of_the_call_before(engine: Engine)
 
 
 def test_a_call_without_messages_is_stored_whole(engine: Engine) -> None:
-    turn1 = _conversation()[0]
+    turn1 = conversation()[0]
     completions = make_record("traj-1", seq=turn1.seq + 1, endpoint="completions", request={"prompt": "abc"})
     bad = make_record("traj-1", seq=turn1.seq + 2, request={"model": "run-a", "messages": "not a list"})
     after = _with_messages(turn1, turn1.request["messages"], seq=turn1.seq + 3)  # type: ignore[index]
@@ -216,7 +216,7 @@ def test_a_call_without_messages_is_stored_whole(engine: Engine) -> None:
 
 @pytest.mark.parametrize("cold", [False, True])
 def test_a_retry_that_replaces_a_parent_gives_its_children_their_whole_request(engine: Engine, cold: bool) -> None:
-    turn1, turn2, turn3 = _conversation()[:3]
+    turn1, turn2, turn3 = conversation()[:3]
     cache = LineageCache()
     write_calls(engine, [turn1], cache)
     write_calls(engine, [turn2], cache)
@@ -231,7 +231,7 @@ def test_a_retry_that_replaces_a_parent_gives_its_children_their_whole_request(e
 
 
 def test_a_replayed_record_and_a_stale_attempt_change_nothing(engine: Engine) -> None:
-    turn1, turn2 = _conversation()[:2]
+    turn1, turn2 = conversation()[:2]
     write_calls(engine, [turn1, turn2])
     stale = _with_messages(turn1, [{"role": "user", "content": "old"}], created_at=turn1.created_at - 5)
     write_calls(engine, [stale, turn2, turn1])  # a spool replay of rows already written, and an older attempt
@@ -243,7 +243,7 @@ def test_a_replayed_record_and_a_stale_attempt_change_nothing(engine: Engine) ->
 def test_children_written_before_their_parents_still_read_back(engine: Engine, cold: bool) -> None:
     """Spool replay and several writers let a later call reach the database first: it is stored against whatever
     precedes it then (or whole), and every read still rebuilds it."""
-    calls = _conversation()
+    calls = conversation()
     cache = None if cold else LineageCache()
     for index in (2, 0, 3, 1):
         write_calls(engine, [calls[index]], cache)
@@ -259,7 +259,7 @@ def test_old_rows_read_as_before_and_new_calls_compact_against_them(db_url: str)
     db.upgrade(db_url, "0004")
     engine = db.make_engine(db_url)
     try:
-        calls = _conversation()
+        calls = conversation()
         # Whole requests, as revision 0004 stored every call (its id lineage does not matter here).
         insert_old_calls(engine, [store_records._call_row(c, classify(c.prompt_token_ids, None)) for c in calls[:2]])
         db.upgrade(db_url)

@@ -16,7 +16,7 @@ from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
 from gateway.store.records import LineageCache, write_calls
 from gateway.store.training import load_groups
-from tests.gateway.store.test_lineage import _reward
+from tests.support.lineage_writes import set_reward
 from tests.support.trajectory_shapes import SHAPES, SUB_SYSTEM, SUB_SYSTEM_SHARED, shaped
 
 TURNS = (16, 32, 64)
@@ -62,7 +62,7 @@ def test_every_reader_rebuilds_the_prompts_of_every_shape(engine: Engine, shape:
     cache = None if cold else LineageCache()
     for record in trajectory.records:
         write_calls(engine, [record], cache)
-    _reward(engine, "traj-1")
+    set_reward(engine, "traj-1")
     full = [record.prompt_token_ids for record in trajectory.records]
     view = trajectory_view(engine, "traj-1", include_tokens=True)
     assert view is not None

@@ -19,14 +19,14 @@ from gateway.store import db
 from gateway.store.runs import upsert_run
 from gateway.store.training import acquire_run_lease, commit_step, loaded_versions
 from gateway.upstream.replicas import Replicas
-from tests.gateway.proxy.test_token_in import client_for, start_token_in
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.fake_vllm_admin import FakeAdmin
 from tests.support.gateway_harness import RunningGateway, running_gateway
 from tests.support.openai_calls import client_body, sdk
 from tests.support.stored import stored_calls
-from tests.support.token_in_agent import tool_loop
+from tests.support.token_in_agent import client_for, start_token_in, tool_loop
 from tests.support.waiting import wait_until
-from trainer.worker.publish import Publisher, PublishError, Unreachable, VllmReplicas, vllm_admin
+from trainer.worker.publish import Publisher, VllmReplicas, vllm_admin
 
 
 @pytest.fixture
@@ -181,45 +181,6 @@ def test_models_lists_which_replicas_serve_each_name(replicated: RunningGateway,
 
     wait_until(lambda: len(listed()["smollm2"]) == 2, 10, "both replicas probed")
     assert listed() == {"smollm2": [fake.base_url for fake in fakes]}
-
-
-class FakeAdmin:
-    """Stands in for one replica's VllmAdmin: `up` False is an unreachable vLLM, `refuse` one that answers 4xx/5xx."""
-
-    def __init__(self, name: str) -> None:
-        self.base_url = f"http://{name}:8000/v1"
-        self.up = True
-        self.refuse = False
-        self.served: set[str] = set()
-        self.loads = 0
-
-    def _reach(self) -> None:
-        if not self.up:
-            raise Unreachable(f"vLLM unreachable at {self.base_url}: connection refused")
-
-    def load(self, name: str, path: Path | str) -> None:
-        self._reach()
-        self.loads += 1
-        if self.refuse:
-            raise PublishError(f"vLLM refused to load {name} (500)")
-        self.served.add(name)
-
-    def unload(self, name: str) -> None:
-        self._reach()
-        self.served.discard(name)
-
-    def models(self) -> set[str]:
-        self._reach()
-        return set(self.served)
-
-    def check_answers(self, name: str) -> float:
-        self._reach()
-        if name not in self.served:
-            raise PublishError(f"{name} is loaded but does not answer (404)")
-        return 0.01
-
-    def replicas(self) -> list[FakeAdmin]:
-        return [self]
 
 
 @pytest.fixture

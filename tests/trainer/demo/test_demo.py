@@ -19,7 +19,7 @@ import pytest
 
 from gateway.cli import build_parser
 from gateway.store import db
-from tests.examples.test_tool_agent import scripted  # noqa: F401 - a fixture
+from tests.support.scripted_server import text_reply
 from tests.support.waiting import OutputLines
 from trainer.demo.cpu_demo import (
     PORT_TAKEN,
@@ -256,8 +256,6 @@ def test_an_interrupt_while_a_process_starts_waits_until_its_stop_is_registered(
 
 def test_trivia_episode_is_one_call_scored_by_the_reward(scripted: Any) -> None:
     """The trivia agent's episode through harness.py: the question with the instruction, the reply scored."""
-    from tests.examples.test_tool_agent import text_reply
-
     server = scripted([text_reply("Paris.")])
     outcome = agent.answer(server.client(), "demo", ("What is the capital of France?", ("paris",)))
     assert (outcome.reward, outcome.correct, outcome.text, outcome.policy_version) == (1.0, True, "Paris.", 3)

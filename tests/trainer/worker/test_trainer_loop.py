@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,86 +27,16 @@ from gateway.store.training import (
     loaded_versions,
 )
 from tests.support.factories import make_record
-from tests.trainer.backends.test_backends import VOCAB, build_tiny_llama
+from tests.support.tiny_models import build_tiny_llama
+from tests.support.trainer_runs import adapter, made, make_trainer, seed_groups
 from trainer.worker import loop
 from trainer.worker.loop import Trainer, TrainerOptions
 from trainer.worker.publish import Publisher, PublishError
-
-PATTERN = 7
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_llama(tmp_path_factory.mktemp("tiny")))
-
-
-def own_logprobs(model_dir: str, prompt: list[int], completion: list[int]) -> list[float]:
-    """What a sampler serving these weights would have recorded (raw logprobs, no temperature)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
-    targets = ids[0, 1:]
-    values = logprobs[torch.arange(len(targets)), targets]
-    return values[len(prompt) - 1 :].tolist()
-
-
-def seed_groups(url: str, tiny: str, groups: int, size: int = 4, seed: int = 0) -> None:
-    """Rewarded groups whose completions that repeat PATTERN earn 1, others 0, with the model's own logprobs."""
-    rng = random.Random(seed)
-    records, rewards = [], []
-    for g in range(groups):
-        for t in range(size):
-            prompt = [rng.randrange(VOCAB) for _ in range(6)]
-            good = t % 2 == 0
-            completion = [PATTERN] * 5 if good else [rng.randrange(VOCAB) for _ in range(5)]
-            trajectory = f"g{g}-t{t}"
-            records.append(
-                make_record(
-                    trajectory,
-                    seq=1,
-                    run="loop",
-                    group_id=f"g{g}",
-                    group_size=size,
-                    prompt_token_ids=prompt,
-                    completion_token_ids=completion,
-                    completion_logprobs=own_logprobs(tiny, prompt, completion),
-                )
-            )
-            rewards.append(RewardItem(trajectory, 1.0 if good else 0.0))
-    engine = db.make_engine(url)
-    try:
-        write_calls(engine, records)
-        store_rewards(engine, rewards)
-    finally:
-        engine.dispose()
-
-
-def adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    (path,) = checkpoint.rglob("adapter_model.safetensors")
-    return load_file(path)
-
-
-_made: list[Trainer] = []
-
-
-def make_trainer(
-    url: str, tmp_path: Path, tiny: str, echo: Callable[[str], None] = lambda line: None, **options: object
-) -> Trainer:
-    settings = load_settings(_env_file=None, database_url=url, checkpoint_dir=tmp_path / "ckpt")
-    trainer = Trainer(
-        settings,
-        TrainerOptions(
-            run="loop", backend="hf", device="cpu", base_weights=tiny, poll_s=0.05, publish=False, **options
-        ),
-        echo=echo,
-    )
-    _made.append(trainer)
-    return trainer
 
 
 def prepare(url: str, tiny: str) -> str:
@@ -125,8 +54,8 @@ def prepare(url: str, tiny: str) -> str:
 @pytest.fixture
 def seeded(db_url: str, tiny: str) -> Iterator[str]:
     yield prepare(db_url, tiny)
-    while _made:  # every trainer the test made gives its run up, as `trajgate train` does on exit
-        _made.pop().close()
+    while made:  # every trainer the test made gives its run up, as `trajgate train` does on exit
+        made.pop().close()
 
 
 def test_two_steps_commit_groups_and_metrics(seeded: str, tmp_path: Path, tiny: str) -> None:
