@@ -198,13 +198,14 @@ def _pin(cpus: list[int]) -> None:
 def _train(settings: Settings, args: argparse.Namespace) -> int:
     # Imported here: only the trainer process pays for torch; `trajgate serve` never imports it.
     from trainer.distributed import DataParallel, Topology, follow
-    from trainer.worker.loop import Trainer, TrainerOptions
+    from trainer.worker.loop import Runs, Trainer, TrainerError, TrainerOptions
 
     _setup_logging(args.log_level)
     if args.cpus:
         _pin(args.cpus)
+    runs: list[str] | None = None if args.all_runs else ([args.run] if args.run else _run_list(args.runs))
     options = TrainerOptions(
-        run=args.run,
+        run=runs[0] if runs else "",
         backend=args.backend,
         device=args.device,
         dtype=args.dtype,
@@ -228,11 +229,16 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
     if topology is None and args.fsdp:
         raise ValueError("--fsdp shards the model across the ranks of a torchrun job: launch with torchrun")
     if topology is None:
-        trainer = Trainer(settings, options)  # errors (TrainerError, a waiting trainer's Ctrl-C): see main()
+        many = Runs(settings, options, runs)  # errors (TrainerError, a waiting trainer's Ctrl-C): see main()
         try:
-            return _train_until_stopped(trainer, args)
+            return _train_until_stopped(many, args)
         finally:
-            trainer.close()  # gives the run up, so a waiting trainer takes over at once
+            many.close()  # gives the runs up, so a waiting trainer takes over at once
+    if runs is None or len(runs) > 1:
+        raise TrainerError(
+            "several runs in one trainer do not run under torchrun yet: start one torchrun job per run "
+            "(trajgate train --run NAME)"
+        )
     # Under torchrun: rank 0 is the trainer above, the other ranks follow it (trainer.distributed).
     data_parallel = DataParallel.start(topology, args.device, args.dist_timeout_s, fsdp=args.fsdp)
     try:
@@ -240,14 +246,21 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
             return follow(data_parallel)
         trainer = Trainer(settings, options, data_parallel=data_parallel)
         try:
-            return _train_until_stopped(trainer, args)
+            return _train_until_stopped(Runs(settings, options, runs, engine=trainer.engine, attached=[trainer]), args)
         finally:
             trainer.close()
     finally:
         data_parallel.close()  # rank 0 tells the followers to stop (unless a rank died)
 
 
-def _train_until_stopped(trainer: Any, args: argparse.Namespace) -> int:
+def _run_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError(f"--runs {text!r} names no run: give a comma-separated list such as a,b,c")
+    return names
+
+
+def _train_until_stopped(runs: Any, args: argparse.Namespace) -> int:
     import signal
     import threading
 
@@ -259,9 +272,10 @@ def _train_until_stopped(trainer: Any, args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    done = trainer.run(stop)
-    print(f"trajgate train: {done} step(s) done; run {args.run!r} is at step {trainer.step}")
-    if not stop.is_set() and not trainer.finish_publishing(stop, args.publish_timeout_s):
+    done = runs.run(stop)
+    at = ", ".join(f"run {name!r} is at step {step}" for name, step in runs.steps().items()) or "no run trained"
+    print(f"trajgate train: {done} step(s) done; {at}")
+    if not stop.is_set() and not runs.finish_publishing(stop, args.publish_timeout_s):
         return 1
     return 0
 
@@ -387,9 +401,25 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train run RUN: wait for `groups_per_step` ready groups, claim them under a lease, take one "
         "GRPO-family step on the LoRA adapter, checkpoint under TRAJGATE_CHECKPOINT_DIR/RUN/STEP and commit. "
         "Restarting resumes from the last committed step. Ctrl-C / SIGTERM stop after the current step. "
-        "Under `torchrun --nproc_per_node N -m gateway.cli train ...` it trains data-parallel on N ranks.",
+        "Under `torchrun --nproc_per_node N -m gateway.cli train ...` it trains data-parallel on N ranks (one run). "
+        "With --runs a,b,c or --all-runs one process trains several runs on one copy of the base weights (hf "
+        "backend): each run keeps its own adapter, optimizer, lease, checkpoints and settings; among the runs with "
+        "groups_per_step ready groups, the one whose last step is oldest goes next (docs/training.md).",
     )
-    train.add_argument("--run", required=True, help="the run to train (the `model` name agents call)")
+    which = train.add_mutually_exclusive_group(required=True)
+    which.add_argument("--run", help="the run to train (the `model` name agents call)")
+    which.add_argument(
+        "--runs",
+        metavar="A,B,C",
+        help="train these runs in one process, the base weights loaded once; --steps counts per run, and a run "
+        "another trainer holds is waited for while the others train",
+    )
+    which.add_argument(
+        "--all-runs",
+        action="store_true",
+        help="train every run of the database in one process, picking up runs created later; a run this trainer "
+        "cannot train (other base weights, an invalid config) is skipped with the reason",
+    )
     train.add_argument("--backend", default="auto", choices=["auto", "hf", "unsloth"], help="auto: unsloth on CUDA")
     train.add_argument("--base-weights", help="weights to train (default: the run's base_weights or TRAJGATE_BASE_WEIGHTS)")
     train.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")

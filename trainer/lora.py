@@ -34,11 +34,16 @@ def resolve_target_modules(model: nn.Module, targets: str | Sequence[str]) -> li
     """
     get_output_embeddings = getattr(model, "get_output_embeddings", None)
     output = get_output_embeddings() if callable(get_output_embeddings) else None
-    linear = {
-        name.rsplit(".", 1)[-1]
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module is not output
-    }
+    linear = set()
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module is output:
+            continue
+        parts = name.split(".")
+        # A model that already carries an adapter (several runs on one base): peft wraps each target as
+        # `q_proj.base_layer` beside `q_proj.lora_A.<adapter>`; the target is `q_proj`, the LoRA matrices are none.
+        if any(part.startswith("lora_") for part in parts):
+            continue
+        linear.add(parts[parts.index("base_layer") - 1] if "base_layer" in parts else parts[-1])
     if targets == ALL_LINEAR:
         if not linear:
             raise ValueError("the model has no linear layers to attach LoRA to")

@@ -213,6 +213,11 @@ class TrainerBackend(ABC):
         from the checkpoint. A checkpoint of a different LoRA shape is refused.
         """
 
+    def close(self) -> None:
+        """Give back what this backend holds in a model it shares with other runs' backends (several runs in
+        one trainer, ``HFBackend``'s ``share_base``); a backend with a model of its own holds nothing more."""
+        return None
+
     @abstractmethod
     def flops_per_token(self) -> float:
         """Model FLOPs per token of one training step, for MFU.

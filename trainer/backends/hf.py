@@ -8,8 +8,10 @@ before them to patch them, and the unsloth backend builds on this one.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -23,7 +25,7 @@ from trainer.loss import chunked_token_logprobs, chunked_token_scores, input_tok
 from trainer.step import make_optimizer
 
 if TYPE_CHECKING:
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import PreTrainedModel
 
@@ -33,6 +35,10 @@ STATE_FILE = "trainer_state.json"
 STATE_FORMAT = 1
 # Below this a shared prefix saves less than the second decoder call costs.
 MIN_SHARED_PREFIX = 16
+
+# peft's name for the adapter of a model built with one; the others get ``_ADAPTER_NAMES``'.
+DEFAULT_ADAPTER = "default"
+_ADAPTER_NAMES = (f"run{n}" for n in itertools.count(1))
 
 # Config attributes that transform logits after the LM-head matmul, with their neutral value. The
 # chunked logprob path computes plain ``hidden @ Wᵀ``; for these models it would silently disagree
@@ -97,6 +103,12 @@ class HFBackend(TrainerBackend):
     the CPU and only each rank's shard moves to its device. Every rank must then run the decoder
     equally often (each layer all-gathers its weights), so prefix sharing, which runs it twice for
     some micro-batches, is off.
+
+    ``share_base``: another run's backend whose model this one trains its own adapter on (several runs
+    in one trainer, docs/training.md): the base weights are loaded once and every run adds a named
+    adapter to the same ``PeftModel``; each backend switches the model to its adapter before it computes
+    or saves anything, and keeps its own optimizer. Checkpoints name the adapter's parameters as a
+    single-adapter model does, so a run moves freely between a trainer of its own and a shared one.
     """
 
     model: PeftModel  # the base class says nn.Module; save_pretrained and get_base_model are peft's
@@ -119,6 +131,7 @@ class HFBackend(TrainerBackend):
         logprob_dtype: str | None = "float32",
         share_prefix: bool = True,
         fsdp_mesh: DeviceMesh | None = None,
+        share_base: HFBackend | None = None,
     ) -> None:
         super().__init__(
             base_weights,
@@ -138,7 +151,13 @@ class HFBackend(TrainerBackend):
         # The LoRA A matrices are initialised from the global RNG (and dropout draws from it):
         # seeding here makes two backends built alike start identical.
         torch.manual_seed(seed)
-        self.model, self.target_modules = self._load_model()
+        if share_base is None:
+            self.adapter = DEFAULT_ADAPTER
+            self.model, self.target_modules = self._load_model()
+        else:
+            self.adapter = next(_ADAPTER_NAMES)
+            self.model, self.target_modules = self._add_adapter(share_base)
+        self._activate()  # peft marks only the active adapter trainable
         base = cast("PreTrainedModel", self.model.get_base_model())
         lm_head = base.get_output_embeddings()
         check_logprob_support(base.config, lm_head)
@@ -147,7 +166,7 @@ class HFBackend(TrainerBackend):
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         if not named:
             raise RuntimeError("the LoRA adapter has no trainable parameters")
-        self._param_names = [n for n, _ in named]
+        self._param_names = [n.replace(f".{self.adapter}.", f".{DEFAULT_ADAPTER}.") for n, _ in named]
         self.trainable = [p for _, p in named]
         self.optimizer = make_optimizer(self.trainable, learning_rate, weight_decay)
         self._flops_per_token = _linear_flops_per_token(self.model)
@@ -156,7 +175,7 @@ class HFBackend(TrainerBackend):
 
     def _load_model(self) -> tuple[PeftModel, list[str]]:
         """Base weights from a local directory (no hub at run time), LoRA attached; on ``self.device``."""
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(self.base_weights, dtype=self.dtype, local_files_only=True)
@@ -172,7 +191,17 @@ class HFBackend(TrainerBackend):
             else:
                 base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         targets = resolve_target_modules(base, self.lora.targets)
-        config = LoraConfig(
+        # autocast_adapter_dtype (default): LoRA weights stay fp32 under a bf16 base, so AdamW
+        # updates fp32 master weights.
+        model = get_peft_model(base, self._lora_config(targets))
+        if self.fsdp_mesh is not None:
+            self._shard(model, self.fsdp_mesh)
+        return model, targets
+
+    def _lora_config(self, targets: list[str]) -> LoraConfig:
+        from peft import LoraConfig
+
+        return LoraConfig(
             r=self.lora.rank,
             lora_alpha=self.lora.alpha,
             target_modules=targets,
@@ -180,12 +209,29 @@ class HFBackend(TrainerBackend):
             bias="none",
             task_type="CAUSAL_LM",
         )
-        # autocast_adapter_dtype (default): LoRA weights stay fp32 under a bf16 base, so AdamW
-        # updates fp32 master weights.
-        model = get_peft_model(base, config)
-        if self.fsdp_mesh is not None:
-            self._shard(model, self.fsdp_mesh)
-        return model, targets
+
+    def _add_adapter(self, share: HFBackend) -> tuple[PeftModel, list[str]]:
+        """This run's adapter on ``share``'s model (``share_base``): the base weights stay the ones loaded."""
+        if type(share) is not HFBackend or self.fsdp_mesh is not None or share.fsdp_mesh is not None:
+            raise ValueError("several runs share one base model only with the hf backend, without FSDP")
+        ours = (self.base_weights, self.device, self.dtype, self.gradient_checkpointing)
+        theirs = (share.base_weights, share.device, share.dtype, share.gradient_checkpointing)
+        if ours != theirs:
+            raise ValueError(f"cannot share a base model loaded as {theirs} with an adapter for {ours}")
+        targets = resolve_target_modules(share.model.get_base_model(), self.lora.targets)
+        share.model.add_adapter(self.adapter, self._lora_config(targets))
+        return share.model, targets
+
+    def _activate(self) -> None:
+        """Point the (possibly shared) model at this backend's adapter."""
+        if self.model.active_adapter != self.adapter:
+            self.model.set_adapter(self.adapter)
+
+    def close(self) -> None:
+        """Take this adapter off a model that other runs' adapters share (a run this trainer gave up); a model
+        with only this adapter goes with the backend."""
+        if len(self.model.peft_config) > 1:
+            self.model.delete_adapter(self.adapter)
 
     def _shard(self, model: PeftModel, mesh: DeviceMesh) -> None:
         """FSDP2 over the decoder layers' frozen weights (see the class docstring); their shards move to
@@ -249,6 +295,7 @@ class HFBackend(TrainerBackend):
         logprobs never reach the loss, so this skips most of the LM head — the largest matmul per
         token in small models with big vocabularies — in the forward and in its recomputation.
         """
+        self._activate()
         input_ids = batch["input_ids"]
         hidden = self._final_hidden(input_ids, batch["attention_mask"])
         weight = self._lm_head_weight
@@ -281,7 +328,13 @@ class HFBackend(TrainerBackend):
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(str(directory), safe_serialization=True)
+        self._activate()
+        self.model.save_pretrained(str(directory), safe_serialization=True, selected_adapters=[self.adapter])
+        if self.adapter != DEFAULT_ADAPTER:  # peft writes any other adapter one level down; vLLM wants it here
+            nested = directory / self.adapter
+            for path in nested.iterdir():
+                path.replace(directory / path.name)
+            shutil.rmtree(nested)
         torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_FILE)
         torch.save(_rng_state(), directory / RNG_FILE)
         state = {
@@ -317,8 +370,10 @@ class HFBackend(TrainerBackend):
             raise ValueError(f"{directory}: trainable parameters differ from this model's; wrong base weights?")
 
         weights = load_file(str(directory / ADAPTER_WEIGHTS), device=str(self.device))
-        result: Any = set_peft_model_state_dict(self.model, weights)  # torch's _IncompatibleKeys
-        missing = [k for k in result.missing_keys if "lora_" in k]
+        self._activate()
+        # torch's _IncompatibleKeys
+        result: Any = set_peft_model_state_dict(self.model, weights, adapter_name=self.adapter)
+        missing = [k for k in result.missing_keys if "lora_" in k and f".{self.adapter}." in k]
         if result.unexpected_keys or missing:
             raise ValueError(
                 f"{directory}: adapter weights do not match the model "

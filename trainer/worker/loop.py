@@ -14,8 +14,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from gateway.runs.names import check_run_name
 from gateway.runs.settings import Settings
 from gateway.store import db
 from gateway.store.admission import due_groups
+from gateway.store.runs import list_runs
 from gateway.store.training import (
     LeaseLost,
     ReadyListener,
@@ -66,6 +67,18 @@ log = logging.getLogger("trajgate.trainer")
 
 class TrainerError(RuntimeError):
     """Something the user must fix before training can start; the message says what."""
+
+
+class RunMissing(TrainerError):
+    """The run does not exist (yet): a trainer told to wait for it tries again later."""
+
+
+class RunBusy(TrainerError):
+    """Another trainer holds the run's lease: a trainer told to wait for it tries again later."""
+
+
+class RunLost(TrainerError):
+    """Another trainer took the run over (this one stalled past its lease): the run is no longer this trainer's."""
 
 
 @dataclass
@@ -231,11 +244,14 @@ class Trainer:
         engine: Engine | None = None,
         echo: Callable[[str], None] = print,
         data_parallel: DataParallel | None = None,
+        share_base: TrainerBackend | None = None,
     ) -> None:
         """``data_parallel``: this is rank 0 of a torchrun job (``trainer.distributed``); the other ranks
-        build the same replica, train their share of every step and are kept equal to this one."""
+        build the same replica, train their share of every step and are kept equal to this one.
+        ``share_base``: another run's backend whose base model this run's adapter goes on (``Runs``)."""
         self.settings = settings
         self.data_parallel = data_parallel
+        self.share_base = share_base
         self.options = options
         self.engine = engine or db.make_engine(settings.database_url)
         self.echo = echo
@@ -256,16 +272,20 @@ class Trainer:
         # Seconds spent waiting for ready groups since the last committed step: the step's `wait_seconds`, from which
         # the run's read API gives the trainer's idle share (gateway admission trades it against agents' waiting).
         self.idle_s = 0.0
+        self._announced = False  # said that this run waits for ready groups, since its last step
         self.lease = self._take_run()
         try:
             if data_parallel is not None:
                 data_parallel.setup(self._replica_spec())  # the followers load their weights meanwhile
             self.backend: TrainerBackend = self._load_backend()
-            self.step = self._resume()
-            if data_parallel is not None:
-                data_parallel.sync(self.backend)
-            self.listener = ReadyListener(self.engine, self.spec.name)
-            self.publisher = self._publisher() if options.publish else None
+            try:
+                self.step = self._resume()
+                if data_parallel is not None:
+                    data_parallel.sync(self.backend)
+                self.publisher = self._publisher() if options.publish else None
+            except BaseException:
+                self.backend.close()  # off the shared base model: another run's trainer may go on using it
+                raise
         except BaseException:
             self.lease.stop()
             self.reporter.close()
@@ -284,7 +304,7 @@ class Trainer:
                 if current.holder == holder:
                     return RunLeaseKeeper(self.engine, name, holder, lease_s)
             if not self.options.wait_for_lease:
-                raise TrainerError(
+                raise RunBusy(
                     f"run {name!r} is being trained by {current.holder} until {_local_time(current.lease_until)} "
                     "(renewed while it runs): stop that trainer first, or start this one without --exit-if-busy "
                     "to wait and take over"
@@ -298,9 +318,10 @@ class Trainer:
             time.sleep(self.options.poll_s)
 
     def close(self) -> None:
-        """Give the run up (the next trainer starts at once), close the database listener and the trackers."""
+        """Give the run up (the next trainer starts at once), take its adapter off a shared base model, close
+        the trackers."""
         self.lease.stop()
-        self.listener.close()
+        self.backend.close()
         self.reporter.close()
 
     def __enter__(self) -> Trainer:
@@ -314,7 +335,7 @@ class Trainer:
         the run's checkpoints and steps are the other trainer's."""
         current = run_lease(self.engine, self.spec.name)
         if self.lease.lost.is_set() or current is None or current.holder != self.lease.holder:
-            raise TrainerError(
+            raise RunLost(
                 f"run {self.spec.name!r} was taken over by {current.holder if current else 'another trainer'} "
                 f"(this trainer stalled past its {self.options.run_lease_s:g}s lease); stopping at step {self.step}"
             )
@@ -328,7 +349,7 @@ class Trainer:
                 time.sleep(max(self.options.poll_s, 1.0))
                 spec = get_run(self.engine, self.options.run)
         if spec is None:
-            raise TrainerError(
+            raise RunMissing(
                 f"run {self.options.run!r} does not exist yet: create it with POST /v1/runs, or send a call with "
                 f"model={self.options.run!r} through the gateway"
             )
@@ -357,6 +378,19 @@ class Trainer:
         }
 
     def _load_backend(self) -> TrainerBackend:
+        if self.share_base is not None:
+            args = self._backend_args()
+            if args["base_weights"] != self.share_base.base_weights:
+                raise TrainerError(
+                    f"run {self.spec.name!r} trains {args['base_weights']} but this trainer's base model is "
+                    f"{self.share_base.base_weights}: train it in a trainer of its own"
+                )
+            try:
+                return make_backend(
+                    "hf", device=self.options.device, share_base=self.share_base, **args
+                )
+            except ValueError as exc:
+                raise TrainerError(f"run {self.spec.name!r}: {exc}") from None
         if self.data_parallel is not None:
             return self.data_parallel.build_backend(self._replica_spec())
         return make_backend(self.options.backend, device=self.options.device, **self._backend_args())
@@ -395,31 +429,28 @@ class Trainer:
         self.echo(f"resumed run {self.spec.name!r} at step {committed} from {latest[1]}")
         return committed
 
-    def wait_for_groups(self, stop: threading.Event) -> bool:
-        """Block until enough groups are ready (True) or `stop` is set (False); woken early by Postgres NOTIFY.
+    def poll_ready(self) -> bool:
+        """Whether a step can start now (``Runs`` waits, woken by Postgres NOTIFY, while no run's can); raises
+        RunLost if the run was taken over. Also retries a pending publication and returns expired claims.
 
         With gateway admission on, the admitted groups this step is the last to train fresh (gateway/store/
         admission.py `due_groups`) are claimed first; while some still play, wait for them unless enough are ready
         to fill the step, so that a slow group is not overtaken by newer ones and dropped as stale.
         """
-        announced = False
-        while not stop.is_set():
-            self._check_lease()
-            if self.publisher is not None:
-                self.publisher.reconcile()
-            release_expired_claims(self.engine, self.spec.name)
-            ready = count_ready_groups(self.engine, self.spec.name)
-            due = due_groups(self.engine, self.spec.name)
-            if ready >= self.config.groups_per_step and (due.playing == 0 or due.ready >= self.config.groups_per_step):
-                return True
-            if not announced:
-                late = f"; {due.playing} admitted group(s) due this step still playing" if due.playing else ""
-                self.echo(
-                    f"waiting for {self.config.groups_per_step} ready groups of run {self.spec.name!r} ({ready} now"
-                    f"{late})"
-                )
-                announced = True
-            self.listener.wait(self.options.poll_s, stop)
+        self._check_lease()
+        if self.publisher is not None:
+            self.publisher.reconcile()
+        release_expired_claims(self.engine, self.spec.name)
+        ready = count_ready_groups(self.engine, self.spec.name)
+        due = due_groups(self.engine, self.spec.name)
+        if ready >= self.config.groups_per_step and (due.playing == 0 or due.ready >= self.config.groups_per_step):
+            return True
+        if not self._announced:
+            late = f"; {due.playing} admitted group(s) due this step still playing" if due.playing else ""
+            self.echo(
+                f"waiting for {self.config.groups_per_step} ready groups of run {self.spec.name!r} ({ready} now{late})"
+            )
+            self._announced = True
         return False
 
     def train_one_step(self) -> dict[str, Any] | None:
@@ -462,6 +493,7 @@ class Trainer:
         committed_at = time.perf_counter()
         self.step = step
         self.idle_s = 0.0
+        self._announced = False
         self.echo(format_step(step, metrics))
         samples = [group.trajectories[0].trajectory_id for group in loaded if group.group_id in used and group.trajectories]
         self.reporter.report(step, metrics, samples)
@@ -542,7 +574,9 @@ class Trainer:
         self.echo(f"{why}; rolling back to step {self.step}")
         discard_after(self.checkpoints, self.spec.name, self.step)
         if self.step == 0:
-            self.backend = self._load_backend()
+            untrained = self._load_backend()  # a fresh adapter (on the shared base model, beside the old one)
+            self.backend.close()
+            self.backend = untrained
         else:
             latest = latest_checkpoint(self.checkpoints, self.spec.name)
             assert latest is not None and latest[0] == self.step
@@ -569,14 +603,185 @@ class Trainer:
         return True
 
     def run(self, stop: threading.Event | None = None) -> int:
-        """Train until `stop` is set or `max_steps` steps are done; returns the steps done."""
+        """Train this run until `stop` is set or `max_steps` steps are done; returns the steps done. The loop is
+        ``Runs``'s with this one run in it."""
+        return Runs(
+            self.settings, self.options, [self.spec.name], engine=self.engine, echo=self.echo, attached=[self]
+        ).run(stop)
+
+
+class Runs:
+    """One trainer process training several runs (docs/training.md, "Several runs in one trainer"); one run is
+    the case of a list of one, so there is one loop.
+
+    The first run attached loads the base weights; every other run's backend puts its own adapter on that model
+    (``share_base``), so the base is in memory once. Each run keeps its own ``Trainer``: adapter, optimizer,
+    lease, checkpoints, step counter, objective settings and publisher.
+
+    The fair rule: among the runs whose next step is ready (``groups_per_step`` ready groups), the one whose last
+    turn is oldest goes next; a run that never had a turn goes first, in the order the runs were attached. A turn
+    counts whether or not its step commits. So a run with data waits for at most one step of each other run, and
+    a run without data is passed over, never waited on.
+
+    ``runs``: the names to train, or None for every run in the database, new ones included as they appear
+    (``--all-runs``). A run that is missing (with ``wait_for_run``) or held by another trainer (with
+    ``wait_for_lease``) is retried every round while the others train; one taken over by another trainer is
+    dropped and the others go on (with ``--all-runs`` it is taken back once it is free). ``max_steps`` is per run.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        options: TrainerOptions,
+        runs: Sequence[str] | None,
+        *,
+        engine: Engine | None = None,
+        echo: Callable[[str], None] = print,
+        attached: Sequence[Trainer] = (),
+    ) -> None:
+        self.settings, self.options, self.echo = settings, options, echo
+        self.engine = engine or db.make_engine(settings.database_url)
+        self.wanted = None if runs is None else list(dict.fromkeys(runs))
+        if self.wanted is not None and not self.wanted:
+            raise TrainerError("no run to train: name at least one")
+        self.many = self.wanted is None or len(self.wanted) > 1
+        if self.many and options.backend == "unsloth":
+            raise TrainerError("several runs in one trainer share one base model with the hf backend: use --backend hf")
+        self.trainers: dict[str, Trainer] = {t.spec.name: t for t in attached}
+        self._base: TrainerBackend | None = attached[0].backend if attached else None
+        self.done: dict[str, int] = {}
+        self._turns: dict[str, int] = {}
+        self._turn = 0
+        self._names: list[str] = []  # the runs of the last round
+        self._said: dict[str, str] = {}  # what the trainer last said about a run it cannot train yet
+        self._skipped: set[str] = set()  # with --all-runs: runs this trainer cannot train, and said why
+
+    def steps(self) -> dict[str, int]:
+        """Each run's last committed step."""
+        return {name: trainer.step for name, trainer in self.trainers.items()}
+
+    def _finished(self, name: str) -> bool:
+        return self.options.max_steps is not None and self.done.get(name, 0) >= self.options.max_steps
+
+    def _say_once(self, name: str, line: str) -> None:
+        if self._said.get(name) != line:
+            self.echo(line)
+            self._said[name] = line
+
+    def _attach(self) -> None:
+        """Start training the runs not trained yet that can be: they exist, and no other trainer holds them."""
+        self._names = self.wanted if self.wanted is not None else [run["name"] for run in list_runs(self.engine)]
+        for name in self._names:
+            if name in self.trainers or name in self._skipped or self._finished(name):
+                continue
+            current = run_lease(self.engine, name)
+            if current is not None and current.lease_until >= datetime.now(UTC):
+                # Checked before building a trainer, which opens the run's trackers.
+                busy = RunBusy(
+                    f"run {name!r} is being trained by {current.holder} until {_local_time(current.lease_until)} "
+                    "(renewed while it runs): stop that trainer first, or start this one without --exit-if-busy "
+                    "to wait and take over"
+                )
+                if not self.options.wait_for_lease and self.wanted is not None:
+                    raise busy
+                self._say_once(name, f"run {name!r} is being trained by {current.holder} until "
+                               f"{_local_time(current.lease_until)}; waiting")
+                continue
+            try:
+                self._start(name)
+            except RunMissing:
+                if not self.options.wait_for_run:
+                    raise
+                self._say_once(name, f"waiting for run {name!r} to be created (POST /v1/runs or a first call)")
+            except RunBusy:  # taken between the look and the try: next round
+                continue
+            except TrainerError as exc:
+                if self.wanted is not None:
+                    raise
+                self.echo(f"{exc}; not training it")
+                self._skipped.add(name)
+
+    def _start(self, name: str) -> None:
+        options = replace(
+            self.options,
+            run=name,
+            wait_for_run=False,
+            wait_for_lease=False,
+            # One base model for all: the hf backend, whose adapters can share it.
+            backend="hf" if self.many else self.options.backend,
+            tracker_name=None if self.many else self.options.tracker_name,
+        )
+        echo = self.echo if not self.many else (lambda line: self.echo(f"[{name}] {line}"))
+        trainer = Trainer(self.settings, options, engine=self.engine, echo=echo, share_base=self._base)
+        self.trainers[name] = trainer
+        self._said.pop(name, None)
+        if self._base is None:
+            self._base = trainer.backend
+
+    def _drop(self, trainer: Trainer, lost: RunLost) -> None:
+        """A run another trainer took over: the others go on (alone, the trainer stops with the error)."""
+        if not self.many:
+            raise lost
+        name = trainer.spec.name
+        self.echo(f"{lost}; training the other runs on")
+        del self.trainers[name]
+        trainer.close()
+        if self.wanted is not None:
+            self.wanted.remove(name)
+
+    def _ready(self, trainer: Trainer) -> bool:
+        try:
+            return trainer.poll_ready()
+        except RunLost as lost:
+            self._drop(trainer, lost)
+            return False
+
+    def _all_finished(self) -> bool:
+        if self.wanted is not None:
+            return all(self._finished(name) for name in self.wanted)
+        names = [name for name in self._names if name not in self._skipped]
+        return self.options.max_steps is not None and bool(names) and all(self._finished(n) for n in names)
+
+    def run(self, stop: threading.Event | None = None) -> int:
+        """Train until `stop` is set or every run has done `max_steps` steps; returns the steps done, all runs."""
         stop = stop or threading.Event()
-        done = 0
-        while not stop.is_set() and (self.options.max_steps is None or done < self.options.max_steps):
-            waiting = time.perf_counter()
-            if not self.wait_for_groups(stop):
-                break
-            self.idle_s += time.perf_counter() - waiting
-            if self.train_one_step() is not None:
-                done += 1
-        return done
+        listener = ReadyListener(self.engine, "")  # woken by a group of any run becoming ready
+        total = 0
+        try:
+            while not stop.is_set():
+                self._attach()
+                if self._all_finished():
+                    break
+                waiting = time.perf_counter()
+                ready = [t for t in list(self.trainers.values()) if not self._finished(t.spec.name) and self._ready(t)]
+                if not ready:
+                    listener.wait(self.options.poll_s, stop)
+                    for trainer in self.trainers.values():
+                        trainer.idle_s += time.perf_counter() - waiting
+                    continue
+                trainer = min(ready, key=lambda t: self._turns.get(t.spec.name, -1))  # first of equals: attach order
+                name = trainer.spec.name
+                self._turns[name] = self._turn
+                self._turn += 1
+                try:
+                    trained = trainer.train_one_step()
+                except RunLost as lost:
+                    self._drop(trainer, lost)
+                    continue
+                if trained is not None:
+                    self.done[name] = self.done.get(name, 0) + 1
+                    total += 1
+        finally:
+            listener.close()
+        return total
+
+    def finish_publishing(self, stop: threading.Event, timeout_s: float) -> bool:
+        """``Trainer.finish_publishing`` for every run, within one `timeout_s` in all."""
+        deadline = time.monotonic() + timeout_s
+        served = [t.finish_publishing(stop, max(0.0, deadline - time.monotonic())) for t in self.trainers.values()]
+        return all(served)
+
+    def close(self) -> None:
+        """Give every run up (``Trainer.close``)."""
+        while self.trainers:
+            self.trainers.popitem()[1].close()
