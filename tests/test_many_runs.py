@@ -3,7 +3,10 @@ turn between the runs with ready groups, per-run resume and per-run leases."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +44,9 @@ class Scripted:
     """A run's trainer as Runs sees it; `has_data(clock)` scripts the store: whether the run has a step's groups
     ready after `clock` steps of all runs."""
 
-    def __init__(self, name: str, has_data: Callable[[int], bool], log: list[str], stop: threading.Event, last: int) -> None:
+    def __init__(
+        self, name: str, has_data: Callable[[int], bool], log: list[str], stop: threading.Event, last: int
+    ) -> None:
         self.spec = SimpleNamespace(name=name)
         self.backend = object()
         self.step = 0
@@ -59,7 +64,10 @@ class Scripted:
         return {}
 
 
-def turns(sqlite_url: str, scripts: dict[str, Callable[[str, list[str]], Callable[[int], bool]]], steps: int) -> list[str]:
+Script = Callable[[str, list[str]], Callable[[int], bool]]
+
+
+def turns(sqlite_url: str, scripts: dict[str, Script], steps: int) -> list[str]:
     """The order Runs gives the scripted runs their steps, until `steps` are done."""
     log: list[str] = []
     stop = threading.Event()
@@ -180,13 +188,15 @@ def test_two_runs_share_the_base_weights_and_train_apart(two_runs: str, tmp_path
         assert [s["step"] for s in steps_after(runs.engine, run)] == [1, 2]
         assert sorted(group_states(runs.engine, run).values()) == ["trained"] * 4
         assert sorted(p.name for p in (tmp_path / "ckpt" / run).iterdir()) == ["00001", "00002"]
-    assert adapter(tmp_path / "ckpt" / "rb" / "00002")["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape[0] == 8
+    lora_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert adapter(tmp_path / "ckpt" / "rb" / "00002")[lora_a].shape[0] == 8  # rb's own lora_rank
 
     # A run trained beside another is the run trained alone: same adapter after the same steps.
     alone_url = f"sqlite:///{tmp_path / 'alone.db'}"
     db.upgrade(alone_url)
     seed_run(alone_url, tiny, "rb", groups=4)
-    alone = Trainer(settings_for(alone_url, tmp_path / "alone"), options(tiny, run="rb", max_steps=2), echo=lambda _: None)
+    alone_settings = settings_for(alone_url, tmp_path / "alone")
+    alone = Trainer(alone_settings, options(tiny, run="rb", max_steps=2), echo=lambda _: None)
     _made.append(alone)
     assert alone.run() == 2
     shared, own = adapter(tmp_path / "ckpt" / "rb" / "00002"), adapter(tmp_path / "alone" / "ckpt" / "rb" / "00002")
@@ -242,3 +252,20 @@ def test_one_run_taken_over_by_another_trainer_while_the_others_go_on(two_runs: 
     assert successor.run() == 1
     assert [s["step"] for s in steps_after(runs.engine, "ra")] == [1, 2]
     assert [s["step"] for s in steps_after(runs.engine, "rb")] == [1]
+
+
+def test_cli_trains_several_runs_and_refuses_them_under_torchrun(sqlite_url: str, tmp_path: Path, tiny: str) -> None:
+    db.upgrade(sqlite_url)
+    for run in RUNS:
+        seed_run(sqlite_url, tiny, run, groups=2)
+    env = {**os.environ, "TRAJGATE_DATABASE_URL": sqlite_url, "TRAJGATE_CHECKPOINT_DIR": str(tmp_path / "ckpt")}
+    command = [sys.executable, "-m", "gateway.cli", "train", "--runs", "ra,rb", "--base-weights", tiny,
+               "--device", "cpu", "--no-publish", "--steps", "1", "--poll-s", "0.05"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "2 step(s) done; run 'ra' is at step 1, run 'rb' is at step 1" in done.stdout
+    assert "[ra] step    1 |" in done.stdout and "[rb] step    1 |" in done.stdout
+
+    ranked = {**env, "RANK": "0", "WORLD_SIZE": "2"}
+    refused = subprocess.run(command, env=ranked, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "do not run under torchrun yet" in refused.stderr, refused.stderr
