@@ -130,13 +130,14 @@ def seed_run(url: str, tiny: str, run: str, groups: int, size: int = 4, first: i
             rewards.append(RewardItem(trajectory, 1.0 if good else 0.0))
     engine = db.make_engine(url)
     try:
-        write_calls(engine, records)
-        store_rewards(engine, rewards)
-        # Each run its own objective settings: rb another loss and learning rate, and a smaller adapter.
+        # Each run its own objective settings: rb another loss and learning rate, and a smaller adapter. Set before
+        # the calls, which would create the run with the defaults (a trainer may be looking).
         config = {"groups_per_step": 2, "learning_rate": 1e-2, "loss": "grpo"}
         if run == "rb":
             config = {**config, "learning_rate": 5e-3, "loss": "cispo", "lora_rank": 8, "lora_alpha": 16}
-        upsert_run(engine, run, config)
+        upsert_run(engine, run, config, base_model="base-model")
+        write_calls(engine, records)
+        store_rewards(engine, rewards)
     finally:
         engine.dispose()
 
@@ -269,3 +270,33 @@ def test_cli_trains_several_runs_and_refuses_them_under_torchrun(sqlite_url: str
     ranked = {**env, "RANK": "0", "WORLD_SIZE": "2"}
     refused = subprocess.run(command, env=ranked, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "do not run under torchrun yet" in refused.stderr, refused.stderr
+
+
+def test_all_runs_picks_up_a_run_created_later_and_skips_one_it_cannot_train(
+    db_url: str, tmp_path: Path, tiny: str
+) -> None:
+    db.upgrade(db_url)
+    seed_run(db_url, tiny, "ra", groups=2)
+    engine = db.make_engine(db_url)
+    upsert_run(engine, "..", {}, base_model="base")  # made before the gateway refused such names
+    lines: list[str] = []
+    runs = Runs(settings_for(db_url, tmp_path), options(tiny), None, engine=engine, echo=lines.append)
+    stop = threading.Event()
+    worker = threading.Thread(target=runs.run, args=(stop,))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not steps_after(engine, "ra") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        seed_run(db_url, tiny, "rb", groups=2)  # a run created while the trainer runs
+        while not steps_after(engine, "rb") and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        worker.join(60)
+        runs.close()
+    assert [s["step"] for s in steps_after(engine, "ra")] == [1]
+    assert [s["step"] for s in steps_after(engine, "rb")] == [1]
+    skipped = [line for line in lines if "not training it" in line]  # said once, though looked at every round
+    assert len(skipped) == 1 and skipped[0].startswith("run name '..' is not valid: ")
+    engine.dispose()
