@@ -60,7 +60,7 @@ from trainer.distributed import DataParallel, ReplicaSpec
 from trainer.loss import LossConfig
 from trainer.samples import CallData, GroupData, SampleBatch, SftSelection, TrajectoryData, build_samples
 from trainer.worker.publish import Publisher, vllm_admin
-from trainer.worker.trackers import StepReporter, TrackerTarget, open_trackers
+from trainer.worker.trackers import StepReporter, TrackerTarget, check_trackers, open_trackers
 
 log = logging.getLogger("trajgate.trainer")
 
@@ -273,7 +273,11 @@ class Trainer:
         # the run's read API gives the trainer's idle share (gateway admission trades it against agents' waiting).
         self.idle_s = 0.0
         self._announced = False  # said that this run waits for ready groups, since its last step
-        self.lease = self._take_run()
+        try:
+            self.lease = self._take_run()
+        except BaseException:  # a Runs trainer goes on, and tries this run again later
+            self.reporter.close()
+            raise
         try:
             if data_parallel is not None:
                 data_parallel.setup(self._replica_spec())  # the followers load their weights meanwhile
@@ -640,6 +644,7 @@ class Runs:
         attached: Sequence[Trainer] = (),
     ) -> None:
         self.settings, self.options, self.echo = settings, options, echo
+        check_trackers(options.log_to)  # now, not once another trainer lets a run go
         self.engine = engine or db.make_engine(settings.database_url)
         self.wanted = None if runs is None else list(dict.fromkeys(runs))
         if self.wanted is not None and not self.wanted:

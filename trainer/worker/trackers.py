@@ -154,14 +154,19 @@ def _mlflow_key(name: str) -> str:
 _KINDS: dict[str, type] = {"wandb": WandbTracker, "trackio": TrackioTracker, "mlflow": MlflowTracker}
 
 
-def open_trackers(names: Sequence[str], target: TrackerTarget) -> list[Tracker]:
-    """The trackers asked for, each started once (a name given twice counts once)."""
-    trackers: list[Tracker] = []
+def check_trackers(names: Sequence[str]) -> None:
+    """Raise TrackerError for a tracker that is unknown or whose package is missing, opening none: a trainer
+    checks this before it waits for a run another trainer holds, so the error comes in a second, not minutes."""
     for name in dict.fromkeys(names):
         if name not in _KINDS:
             raise TrackerError(f"unknown tracker {name!r}: expected one of {', '.join(TRACKERS)}")
-        trackers.append(_KINDS[name](target))
-    return trackers
+        _import(name, name)
+
+
+def open_trackers(names: Sequence[str], target: TrackerTarget) -> list[Tracker]:
+    """The trackers asked for, each started once (a name given twice counts once)."""
+    check_trackers(names)
+    return [_KINDS[name](target) for name in dict.fromkeys(names)]
 
 
 class StepReporter:
