@@ -23,9 +23,9 @@ from gateway.store.records import write_calls
 from gateway.store.rewards import RewardItem, store_rewards
 from gateway.store.runs import steps_after, upsert_run
 from gateway.store.training import group_states
-from tests.factories import make_record
-from tests.test_backends import VOCAB, build_tiny_llama
-from tests.test_trainer_loop import PATTERN, adapter, own_logprobs
+from tests.support.factories import make_record
+from tests.support.tiny_models import PATTERN, VOCAB, build_tiny_llama
+from tests.support.trainer_runs import adapter, own_logprobs
 from trainer.worker import loop
 from trainer.worker.loop import Runs, Trainer, TrainerOptions
 
