@@ -26,6 +26,7 @@ from gateway.store.training import group_states
 from tests.support.factories import make_record
 from tests.support.tiny_models import PATTERN, VOCAB, build_tiny_llama
 from tests.support.trainer_runs import adapter, own_logprobs
+from trainer.backends import HFBackend, LoraSpec
 from trainer.worker import loop
 from trainer.worker.loop import Runs, Trainer, TrainerOptions
 
@@ -103,6 +104,13 @@ def test_a_run_with_scarce_data_goes_first_whenever_it_has_some(sqlite_url: str)
 
 
 # -- real runs on a tiny model ----------------------------------------------------------------------------------
+
+
+def test_an_adapter_on_a_shared_base_counts_the_flops_of_its_own_model(tiny: str) -> None:
+    first = HFBackend(tiny, LoraSpec(rank=16), 1e-2, device="cpu")
+    second = HFBackend(tiny, LoraSpec(rank=8, targets=["q_proj"]), 1e-2, device="cpu", share_base=first)
+    alone = HFBackend(tiny, LoraSpec(rank=8, targets=["q_proj"]), 1e-2, device="cpu")
+    assert second.flops_per_token() == alone.flops_per_token() < first.flops_per_token()
 
 
 def seed_run(url: str, tiny: str, run: str, groups: int, size: int = 4, first: int = 0) -> None:

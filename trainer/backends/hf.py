@@ -395,13 +395,14 @@ def _linear_flops_per_token(model: nn.Module) -> float:
     """See ``TrainerBackend.flops_per_token``: 4 per frozen linear weight, 6 per trainable one.
 
     Counting ``nn.Linear`` modules counts matmuls: a tied LM head is counted (it is a matmul) even
-    though its weight is the embedding table, whose lookup is free.
+    though its weight is the embedding table, whose lookup is free. A frozen LoRA matrix is another run's
+    adapter on a shared base model (the active adapter's are trainable): it does not run, and is not counted.
     """
     frozen = trainable = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
             if module.weight.requires_grad:
                 trainable += module.weight.numel()
-            else:
+            elif ".lora_" not in name:
                 frozen += module.weight.numel()
     return float(4 * frozen + 6 * trainable)
