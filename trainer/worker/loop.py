@@ -714,7 +714,9 @@ class Runs:
             wait_for_lease=False,
             # One base model for all: the hf backend, whose adapters can share it.
             backend="hf" if self.many else self.options.backend,
-            tracker_name=None if self.many else self.options.tracker_name,
+            # Several runs: a tracker run each, named after it (TRAJGATE_TRACKER_NAME-RUN when one is given).
+            tracker_name=f"{self.options.tracker_name}-{name}" if self.many and self.options.tracker_name
+            else self.options.tracker_name,
         )
         echo = self.echo if not self.many else (lambda line: self.echo(f"[{name}] {line}"))
         trainer = Trainer(self.settings, options, engine=self.engine, echo=echo, share_base=self._base)
