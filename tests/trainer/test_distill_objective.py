@@ -273,6 +273,37 @@ def test_the_worker_distills_after_waiting_for_the_teacher(
     assert "reverse KL" in lines[-1] and "teacher agrees 0.500" in lines[-1]
 
 
+def test_a_worker_stopped_while_its_teacher_is_down_trains_nothing(
+    db_url: str, tmp_path: Path, tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("trainer.teacher.Teacher.backoff_s", 0.01)
+    down = FakeTeacher(outages=10**9)
+    db.upgrade(db_url)
+    seed_groups(db_url, tiny_model, groups=2)
+    engine = db.make_engine(db_url)
+    try:
+        config = {"groups_per_step": 2, "loss": "distill", "teacher": "big", "teacher_base_url": down.base_url}
+        upsert_run(engine, "loop", config)
+        stop = threading.Event()
+        waits: list[str] = []
+
+        def echo(line: str) -> None:
+            if "the step waits" in line:
+                waits.append(line)
+                if len(waits) == 3:
+                    stop.set()  # SIGTERM, as `trajgate train` does
+
+        trainer = make_trainer(db_url, tmp_path, tiny_model, echo=echo)
+        assert trainer.run(stop) == 0
+        assert steps_after(engine, "loop") == [] and len(waits) == 3 and len(down.requests) == 3
+    finally:
+        engine.dispose()
+        down.server.shutdown()
+        down.server.server_close()
+        while _made:
+            _made.pop().close()
+
+
 def test_the_step_line_of_a_distill_run() -> None:
     metrics = {
         "reward_mean": 0.5, "reward_std": 0.5, "groups_used": 2, "groups_dropped": 0, "tokens": 40,

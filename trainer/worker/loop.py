@@ -242,6 +242,9 @@ def format_step(step: int, metrics: dict[str, Any]) -> str:
 
 
 class Trainer:
+    # What `run` was told to stop on: a step waiting for an unreachable teacher gives up when it is set.
+    _stopping: threading.Event | None = None
+
     def __init__(
         self,
         settings: Settings,
@@ -536,7 +539,7 @@ class Trainer:
             return
         store = TeacherStore(run_dir(self.checkpoints, self.spec.name) / "teacher")
         scored = teacher_logprobs_for_step(
-            self.teacher, store, step, [row.input_ids for row in batch.rows], echo=self.echo
+            self.teacher, store, step, [row.input_ids for row in batch.rows], stop=self._stopping, echo=self.echo
         )
         for row, logprobs in zip(batch.rows, scored, strict=True):
             row.teacher_logprobs = logprobs
@@ -604,13 +607,17 @@ class Trainer:
 
     def run(self, stop: threading.Event | None = None) -> int:
         """Train until `stop` is set or `max_steps` steps are done; returns the steps done."""
-        stop = stop or threading.Event()
+        stop = self._stopping = stop or threading.Event()
         done = 0
         while not stop.is_set() and (self.options.max_steps is None or done < self.options.max_steps):
             waiting = time.perf_counter()
             if not self.wait_for_groups(stop):
                 break
             self.idle_s += time.perf_counter() - waiting
-            if self.train_one_step() is not None:
+            try:
+                trained = self.train_one_step()
+            except InterruptedError:  # stopped while the step waited for its teacher: nothing was trained
+                break
+            if trained is not None:
                 done += 1
         return done
