@@ -560,8 +560,8 @@ def record_all(rec: Recorder) -> None:
 def record_teacher(rec: Recorder) -> None:
     """On-policy distillation's teacher request (trainer/teacher.py): the full id sequences of two recorded calls
     (prompt + completion) scored by `prompt_logprobs: 0`, one token generated (vLLM refuses `max_tokens: 0`, recorded
-    too). Two, not more: vLLM 0.32 CPU with --enable-lora kills its engine on a batch of three prompt_logprobs requests
-    (the LoRA logits op's batch mismatch), see trainer/teacher.py."""
+    too). Two prompts answered here, but vLLM 0.32 CPU with --enable-lora kills its engine when prompt_logprobs requests
+    share an engine step (three prompts did, and so may two: the client sends one per request), see trainer/teacher.py."""
     sequences = []
     for name in ("chat", "chat_n2_seeded"):
         answer = json.loads((rec.out_dir / f"{name}.json").read_text())["response"]

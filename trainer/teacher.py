@@ -102,9 +102,10 @@ def parse_prompt_logprobs(answer: dict[str, Any], sequences: Sequence[Sequence[i
 class Teacher:
     """A vLLM that serves the teacher ``model`` at ``base_url`` (``…/v1``).
 
-    ``batch_size`` rows go in one request. The default is 2 because vLLM 0.32 on CPU with ``--enable-lora`` (how
-    trajgate serves a run) kills its engine on a batch of three prompt_logprobs requests (an einsum batch mismatch in
-    the CPU LoRA logits op); two were recorded working (tests/fixtures/vllm/teacher_prompt_logprobs.json).
+    ``batch_size`` rows go in one request. The default is 1 because vLLM 0.32 on CPU with ``--enable-lora`` (how
+    trajgate serves a run) kills its engine whenever a prompt_logprobs request shares an engine step with another
+    request (an einsum batch mismatch in the CPU LoRA logits op): several rows in one request, or a teacher request
+    beside an agent's call. Measured: one row per request, on a vLLM serving nothing else, works.
     ``backoff_s`` doubles up to ``max_backoff_s`` between tries while the teacher is unreachable; ``max_wait_s`` None
     waits until ``stop`` is set (or for ever).
     """
@@ -113,7 +114,7 @@ class Teacher:
     base_url: str
     api_key: str | None = None
     timeout_s: float = 300.0
-    batch_size: int = 2
+    batch_size: int = 1
     backoff_s: float = 1.0
     max_backoff_s: float = 30.0
     max_wait_s: float | None = None
