@@ -268,7 +268,7 @@ def test_the_worker_distills_after_waiting_for_the_teacher(
     assert sum("unreachable" in line and "the step waits" in line for line in lines) == 2
     scored = fake_teacher.requests[2:]
     assert {body["model"] for body in scored} == {"big@3"} and all(b["prompt_logprobs"] == 0 for b in scored)
-    assert sum(len(body["prompt"]) for body in scored) == 8
+    assert [len(body["prompt"]) for body in scored] == [1] * 8  # one row per request (vLLM CPU, trainer/teacher.py)
     assert (tmp_path / "ckpt" / "loop" / "teacher" / "step-00000001.safetensors").exists()
     assert "reverse KL" in lines[-1] and "teacher agrees 0.500" in lines[-1]
 

@@ -124,7 +124,7 @@ def replay() -> Iterator[Replay]:
 
 def test_the_step_waits_while_the_teacher_is_unreachable_then_scores(replay: Replay) -> None:
     said: list[str] = []
-    teacher = Teacher("smollm2", replay.base_url, backoff_s=0.01)
+    teacher = Teacher("smollm2", replay.base_url, batch_size=2, backoff_s=0.01)  # the recorded two-row request
     scored = teacher.score(SEQUENCES, echo=said.append)
     assert scored == parse_prompt_logprobs(RECORDED["response"], SEQUENCES)
     assert len(replay.bodies) == 3 and all(b == RECORDED["request"] for b in replay.bodies)
@@ -145,7 +145,7 @@ def test_a_refusal_is_an_error_not_a_wait() -> None:
     server = Replay(status=400)
     try:
         with pytest.raises(TeacherAnswerError, match="refused the request \\(400\\)"):
-            Teacher("smollm2", server.base_url, backoff_s=0.01).score(SEQUENCES)
+            Teacher("smollm2", server.base_url, batch_size=2, backoff_s=0.01).score(SEQUENCES)
         assert len(server.bodies) == 1
     finally:
         server.close()
@@ -155,7 +155,7 @@ def test_a_retried_step_reuses_the_stored_logprobs_exactly(tmp_path: Path) -> No
     store = TeacherStore(tmp_path / "teacher")
     server = Replay()
     try:
-        first = teacher_logprobs_for_step(Teacher("smollm2", server.base_url), store, 3, SEQUENCES)
+        first = teacher_logprobs_for_step(Teacher("smollm2", server.base_url, batch_size=2), store, 3, SEQUENCES)
         assert first == parse_prompt_logprobs(RECORDED["response"], SEQUENCES) and len(server.bodies) == 1
     finally:
         server.close()
