@@ -538,6 +538,7 @@ def record_all(rec: Recorder) -> None:
     record_tree(rec)
     record_tree_handoff(rec)
     record_ui_token_text(rec)
+    record_teacher(rec)
     rec.record("completions", "POST", "/v1/completions", completion("The capital of France is"))
     rec.record(
         "completions_stream",
@@ -554,6 +555,23 @@ def record_all(rec: Recorder) -> None:
         "/v1/load_lora_adapter",
         {"lora_name": "missing@1", "lora_path": "/nonexistent/trajgate/adapter"},
     )
+
+
+def record_teacher(rec: Recorder) -> None:
+    """On-policy distillation's teacher request (trainer/teacher.py): the full id sequences of two recorded calls
+    (prompt + completion) scored by `prompt_logprobs: 0`, one token generated (vLLM refuses `max_tokens: 0`, recorded
+    too). Two prompts answered here, but vLLM 0.32 CPU with --enable-lora kills its engine when prompt_logprobs requests
+    share an engine step (three prompts did, and so may two: the client sends one per request), see trainer/teacher.py."""
+    sequences = []
+    for name in ("chat", "chat_n2_seeded"):
+        answer = json.loads((rec.out_dir / f"{name}.json").read_text())["response"]
+        sequences.append(answer["prompt_token_ids"] + answer["choices"][0]["token_ids"])
+    body = {
+        "model": MODEL, "prompt": sequences, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0,
+        "return_token_ids": True,
+    }  # fmt: skip
+    rec.record("teacher_prompt_logprobs", "POST", "/v1/completions", body)
+    rec.record("error_teacher_max_tokens_0", "POST", "/v1/completions", {**body, "max_tokens": 0})
 
 
 def _stream_facts(chunks: list[str]) -> str:
@@ -625,7 +643,7 @@ def main() -> None:
         "--only",
         choices=(
             "all", "scale_out", "token_in", "token_in_calls", "responses", "messages", "tree", "tree_handoff",
-            "ui_token_text",
+            "ui_token_text", "teacher",
         ),  # fmt: skip
         default="all",
         help="record every scenario, or only one family (scale_out_*, token_in_*, messages_*, tree_*, tree_handoff_*...)",
@@ -638,6 +656,7 @@ def main() -> None:
         "responses": record_responses,
         "messages": record_messages,
         "tree": record_tree,
+        "teacher": record_teacher,
         "tree_handoff": record_tree_handoff,
         "ui_token_text": record_ui_token_text,
     }.get(args.only, record_all)

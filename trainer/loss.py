@@ -1,5 +1,5 @@
-"""GRPO-family policy objectives, and SFT's cross-entropy, as pure tensor functions (published forms:
-docs/objectives.md).
+"""GRPO-family policy objectives, on-policy distillation's reverse KL, and SFT's cross-entropy, as pure tensor
+functions (published forms: docs/objectives.md).
 
 Every per-token tensor is ``[B, T]`` and aligned to ``input_ids`` as targets (see
 ``trainer.samples``): position ``t`` holds something about token ``input_ids[b, t]`` predicted from
@@ -25,8 +25,9 @@ full-batch loss and gradient, whatever the micro-batching.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-LossKind = Literal["grpo", "cispo", "gspo", "sft"]
+LossKind = Literal["grpo", "cispo", "gspo", "sft", "distill"]
 Aggregation = Literal["token", "sequence", "constant"]
 
 
@@ -50,6 +51,8 @@ class LossConfig:
       ``[1 − gspo_clip_eps, 1 + gspo_clip_eps_high]`` (the paper's 3e-4 / 4e-4: ``s`` is a geometric
       mean of token ratios), times a truncated IS weight for the vLLM gap capped at ``gspo_is_cap``.
     - ``sft``: cross-entropy on the trained tokens (``sft_loss``); no ratio, no advantage, no clip.
+    - ``distill``: on-policy distillation (``distill_loss``): grpo's PPO-clip with the per-token advantage
+      ``log π_teacher − log π_b`` plus ``distill_reward_weight`` times the row's group advantage.
     - ``tis_cap``: truncated importance sampling for ``grpo`` (see ``policy_loss``); ``None`` = off.
     - ``aggregation``/``norm_tokens``: see the module docstring; ``norm_tokens`` is ``constant``'s C.
     """
@@ -65,10 +68,15 @@ class LossConfig:
     tis_cap: float | None = None
     aggregation: Aggregation = "token"
     norm_tokens: int | None = None
+    distill_reward_weight: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("grpo", "cispo", "gspo", "sft"):
-            raise ValueError(f"unknown loss kind {self.kind!r} (expected grpo, cispo, gspo or sft)")
+        if self.kind not in ("grpo", "cispo", "gspo", "sft", "distill"):
+            raise ValueError(f"unknown loss kind {self.kind!r} (expected grpo, cispo, gspo, sft or distill)")
+        if not (math.isfinite(self.distill_reward_weight) and self.distill_reward_weight >= 0):
+            raise ValueError("distill_reward_weight must be finite and >= 0")
+        if self.distill_reward_weight and self.kind != "distill":
+            raise ValueError("distill_reward_weight applies to kind 'distill' only")
         if not (0 <= self.clip_eps < 1 and self.clip_eps_high >= 0):
             raise ValueError("grpo clip range must satisfy 0 <= clip_eps < 1 and clip_eps_high >= 0")
         if not (0 <= self.cispo_min_ratio <= self.cispo_max_ratio):
@@ -265,6 +273,8 @@ def policy_loss(
         totals = StepTotals(tokens=tokens, sequences=1)
     if config.kind == "sft":
         raise ValueError("loss 'sft' is sft_loss: a cross-entropy, not a policy objective")
+    if config.kind == "distill":
+        raise ValueError("loss 'distill' is distill_loss: its advantages come from the teacher's logprobs")
     if old_logprobs is not None and not (config.kind == "gspo" or config.tis_cap is not None):
         raise ValueError("old_logprobs is used only by gspo and by grpo with tis_cap")
 
@@ -377,6 +387,66 @@ def sft_loss(
             "token_accuracy": _masked_mean(hits & on, on),
         }
     return LossOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
+
+
+# A trained token the teacher gives at least this probability is one it agrees with: at p ≥ ½ it is the teacher's
+# most likely token whatever the rest of the distribution.
+TEACHER_AGREEMENT_LOGPROB = math.log(0.5)
+
+
+def distill_advantages(
+    teacher_logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor, loss_mask: Tensor, reward_weight: float
+) -> Tensor:
+    """On-policy distillation's per-token advantage, ``A_t = log π_teacher(t) − log π_b(t) + w · A_i`` on the trained
+    tokens (0 elsewhere), detached: [B, T].
+
+    ``log π_b`` is the student's logprob recorded by vLLM when it sampled the token, not the trainer's current one:
+    ``−A_t`` is then the one-sample estimate of the reverse KL ``KL(π_student ‖ π_teacher)`` at that token under the
+    distribution the token was drawn from, the reward the policy-gradient surrogate's importance ratio corrects for
+    (as in the Tinker cookbook's on-policy distillation, where the sampler's logprobs give the KL penalty). It is also
+    fixed before the step, so every micro-batch and a retried step use the same advantage. ``A_i`` is the row's group
+    advantage (``advantages`` [B] or [B, T]), weighted by ``reward_weight`` (0: pure distillation).
+    """
+    on = loss_mask > 0
+    reward = advantages[:, None] if advantages.dim() == 1 else advantages
+    per_token = teacher_logprobs - behaviour_logprobs + reward_weight * reward.expand_as(teacher_logprobs)
+    return torch.where(on, per_token, torch.zeros_like(per_token)).detach()
+
+
+def distill_loss(
+    logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    totals: StepTotals,
+    config: LossConfig,
+) -> LossOutput:
+    """On-policy distillation on one micro-batch: grpo's PPO-clip surrogate (ratio against vLLM's behaviour logprobs,
+    ``[1 − clip_eps, 1 + clip_eps_high]``) with ``distill_advantages`` as the per-token advantage, aggregated like every
+    objective. At ratio 1 (fresh data) the gradient is ``Σ_t m_t w_t (log π_θ(t) − log π_teacher(t)) ∇log π_θ(t)``:
+    the per-token reverse-KL policy gradient (GKD's on-policy, reverse-KL case).
+
+    Args: as ``policy_loss``; ``teacher_logprobs`` [B, T] aligned like ``behaviour_logprobs``; ``advantages`` the
+    rows' group advantages (used only with ``config.distill_reward_weight`` > 0).
+
+    Metrics: ``policy_loss``'s (ratio, clip, approx_kl), and ``reverse_kl`` (the mean over trained tokens of
+    ``log π_b − log π_teacher``, the estimate of KL(π_student ‖ π_teacher) per token) and ``teacher_agreement`` (the
+    share of trained tokens with ``log π_teacher ≥ log ½``: tokens the teacher would most likely have chosen too).
+    """
+    if config.kind != "distill":
+        raise ValueError(f"distill_loss is the loss of kind 'distill', not {config.kind!r}")
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    teacher, behaviour = teacher_logprobs.to(dtype), behaviour_logprobs.to(dtype)
+    per_token = distill_advantages(teacher, behaviour, advantages.to(dtype), loss_mask, config.distill_reward_weight)
+    out = policy_loss(
+        logprobs, behaviour, per_token, loss_mask, totals, replace(config, kind="grpo", distill_reward_weight=0.0)
+    )
+    on = loss_mask > 0
+    with torch.no_grad():
+        out.metrics["reverse_kl"] = _masked_mean(behaviour - teacher, on)
+        out.metrics["teacher_agreement"] = _masked_mean(teacher >= TEACHER_AGREEMENT_LOGPROB, on)
+    return out
 
 
 def _masked_mean(values: Tensor, on: Tensor) -> Tensor:

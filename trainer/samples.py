@@ -97,6 +97,8 @@ class Row:
     ``loss_mask[t] == 1`` exactly where ``input_ids[t]`` is a completion token of a trainable call;
     ``behaviour_logprobs[t]`` is vLLM's recorded logprob of that token (0.0 wherever the mask is 0).
     ``sequence_id`` names the sequence-level ratio (GSPO) the row's tokens belong to: one per row.
+    ``teacher_logprobs`` (loss ``distill`` only, ``trainer.teacher``): the teacher's logprob of every ``input_ids[t]``
+    given ``input_ids[:t]``, aligned like ``behaviour_logprobs``; None until the teacher scored the row.
     """
 
     input_ids: list[int]
@@ -107,6 +109,7 @@ class Row:
     group_id: str
     policy_versions: tuple[int, ...] = ()
     sequence_id: int = -1
+    teacher_logprobs: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -649,7 +652,8 @@ def collate(rows: Sequence[Row], pad_id: int = 0, *, pad_to_multiple_of: int | N
         ``input_ids`` [B, T] long (``pad_id`` past each row's end), ``attention_mask`` [B, T] long
         (1 on real tokens), ``loss_mask`` [B, T] float32 (1 where ``input_ids[b, t]`` is a trained
         target), ``behaviour_logprobs`` [B, T] float32 (vLLM's logprob of ``input_ids[b, t]``, 0
-        elsewhere), ``advantages`` [B] float32, ``sequence_ids`` [B] long, ``lengths`` [B] long.
+        elsewhere), ``advantages`` [B] float32, ``sequence_ids`` [B] long, ``lengths`` [B] long; and
+        ``teacher_logprobs`` [B, T] float32 when every row has them (0 past each row's end).
         Padding never carries loss, so a padded ``pad_id`` that is a real vocabulary id is harmless.
     """
     if not rows:
@@ -666,7 +670,7 @@ def collate(rows: Sequence[Row], pad_id: int = 0, *, pad_to_multiple_of: int | N
         attention_mask[b, :n] = 1
         loss_mask[b, :n] = torch.tensor(row.loss_mask, dtype=torch.float32)
         behaviour_logprobs[b, :n] = torch.tensor(row.behaviour_logprobs, dtype=torch.float32)
-    return {
+    out = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "loss_mask": loss_mask,
@@ -675,3 +679,12 @@ def collate(rows: Sequence[Row], pad_id: int = 0, *, pad_to_multiple_of: int | N
         "sequence_ids": torch.tensor([row.sequence_id for row in rows], dtype=torch.long),
         "lengths": torch.tensor([len(row) for row in rows], dtype=torch.long),
     }
+    if all(row.teacher_logprobs is not None for row in rows):
+        teacher = torch.zeros((B, T), dtype=torch.float32)
+        for b, row in enumerate(rows):
+            assert row.teacher_logprobs is not None
+            if len(row.teacher_logprobs) != len(row):
+                raise ValueError(f"a row of {len(row)} tokens has {len(row.teacher_logprobs)} teacher logprobs")
+            teacher[b, : len(row)] = torch.tensor(row.teacher_logprobs, dtype=torch.float32)
+        out["teacher_logprobs"] = teacher
+    return out

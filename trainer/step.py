@@ -3,6 +3,7 @@
     rows with a trained token  →  the step's totals (the loss's normalisers)
     for each micro-batch:         collate → logprobs (the backend) → policy_loss → backward
                                   (SFT: collate → logprobs and argmax hits → sft_loss → backward)
+                                  (distill: the same with the rows' teacher logprobs → distill_loss)
     clip the gradient norm  →  one AdamW step  →  the step's metrics
 
 A backend (``trainer.backends``) only loads the model and its adapter, computes per-token logprobs
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from trainer.loss import LossConfig, LossOutput, StepTotals, aggregate_metrics, policy_loss, sft_loss
+from trainer.loss import LossConfig, LossOutput, StepTotals, aggregate_metrics, distill_loss, policy_loss, sft_loss
 from trainer.samples import Row, collate, micro_batches
 
 Progress = Callable[[int, int], None]
@@ -112,6 +113,16 @@ def _micro_batch_loss(
     if loss_config.kind == "sft":
         logprobs, hits = policy.target_scores(batch)
         return sft_loss(logprobs, hits, batch["loss_mask"], totals, loss_config)
+    if loss_config.kind == "distill":
+        return distill_loss(
+            policy.logprobs(batch, trained_only=True),
+            batch["behaviour_logprobs"],
+            batch["teacher_logprobs"],
+            batch["advantages"],
+            batch["loss_mask"],
+            totals,
+            loss_config,
+        )
     return policy_loss(
         policy.logprobs(batch, trained_only=True),
         batch["behaviour_logprobs"],
@@ -144,6 +155,8 @@ def train_step(
     rows = [row for row in rows if row.trainable_tokens > 0]
     if loss_config.kind == "gspo" and any(row.sequence_id < 0 for row in rows):
         raise ValueError("gspo needs every row's sequence_id (build_samples numbers them)")
+    if loss_config.kind == "distill" and any(row.teacher_logprobs is None for row in rows):
+        raise ValueError("distill needs every row's teacher logprobs (trainer.teacher): it never trains without them")
     totals = step_totals(rows, loss_config, data_parallel)
     batches = micro_batches(rows, micro_batch_tokens)
     # Agreed before the first pass: under FSDP every pass is a collective of all ranks.

@@ -95,11 +95,17 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     learning_rate: Finite = Field(2e-5, gt=0, le=1e-2)
-    loss: Literal["grpo", "cispo", "gspo", "sft"] = "cispo"
+    loss: Literal["grpo", "cispo", "gspo", "sft", "distill"] = "cispo"
     # loss "sft" trains the sampled tokens of selected trajectories by cross-entropy (docs/objectives.md §9): those
     # whose reward is at least sft_min_reward, or the sft_best_k best of each group; exactly one of the two.
     sft_min_reward: Finite | None = None
     sft_best_k: int | None = Field(None, ge=1)
+    # loss "distill" is on-policy distillation (docs/objectives.md §10): every sampled token's advantage is
+    # log π_teacher − log π_student, with the teacher a model or adapter a vLLM serves (teacher_base_url, default the
+    # run's own vLLM), plus distill_reward_weight times the group advantage (0: pure distillation).
+    teacher: str | None = Field(None, min_length=1, max_length=256, pattern=r"^\S+$")
+    teacher_base_url: str | None = Field(None, pattern=r"^https?://\S+$", max_length=1024)
+    distill_reward_weight: Finite | None = Field(None, ge=0, le=100)
     advantage: Literal["group", "drgrpo"] = "group"
     drop_zero_variance: bool = True
     clip_eps: Finite = Field(0.2, gt=0, lt=1)
@@ -175,6 +181,18 @@ class RunConfig(BaseModel):
             raise ValueError("loss 'sft' needs exactly one of sft_min_reward or sft_best_k (what to train)")
         if self.loss != "sft" and chosen:
             raise ValueError(f"{chosen[0]} applies to loss 'sft' only")
+        return self
+
+    @model_validator(mode="after")
+    def _distill_needs_teacher(self) -> RunConfig:
+        # Distillation without a teacher has no target; teacher keys on another loss would be silently ignored.
+        if self.loss == "distill" and self.teacher is None:
+            raise ValueError("loss 'distill' needs teacher: the model or adapter name a vLLM serves")
+        if self.loss != "distill":
+            keys = ("teacher", "teacher_base_url", "distill_reward_weight")
+            chosen = [key for key in keys if getattr(self, key) is not None]
+            if chosen:
+                raise ValueError(f"{chosen[0]} applies to loss 'distill' only")
         return self
 
     def stored(self) -> dict[str, Any]:

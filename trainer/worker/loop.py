@@ -59,6 +59,7 @@ from trainer.checkpoint import (
 from trainer.distributed import DataParallel, ReplicaSpec
 from trainer.loss import LossConfig
 from trainer.samples import CallData, GroupData, SampleBatch, SftSelection, TrajectoryData, build_samples
+from trainer.teacher import Teacher, TeacherStore, teacher_logprobs_for_step
 from trainer.worker.publish import Publisher, vllm_admin
 from trainer.worker.trackers import StepReporter, TrackerTarget, check_trackers, open_trackers
 
@@ -122,6 +123,7 @@ def loss_config(config: RunConfig) -> LossConfig:
         tis_cap=config.truncated_is_cap,
         aggregation=config.loss_aggregation,
         norm_tokens=(config.loss_norm_tokens or config.max_seq_len) if constant else None,
+        distill_reward_weight=config.distill_reward_weight or 0.0,
     )
 
 
@@ -131,6 +133,21 @@ def sft_selection(config: RunConfig) -> SftSelection | None:
     if config.loss != "sft":
         return None
     return SftSelection(min_reward=config.sft_min_reward, best_k=config.sft_best_k)
+
+
+def make_teacher(config: RunConfig, settings: Settings) -> Teacher | None:
+    """Loss ``distill``'s teacher: ``teacher`` served at ``teacher_base_url``, by default the run's own (first) vLLM
+    with the gateway's upstream key; None for the other objectives."""
+    if config.loss != "distill":
+        return None
+    assert config.teacher is not None  # RunConfig requires it for distill
+    key = settings.upstream_api_key
+    default = config.teacher_base_url is None
+    return Teacher(
+        model=config.teacher,
+        base_url=config.teacher_base_url or settings.upstream_urls[0],
+        api_key=key.get_secret_value() if key and default else None,
+    )
 
 
 def to_groups(loaded: list[dict[str, Any]]) -> list[GroupData]:
@@ -226,6 +243,8 @@ def format_step(step: int, metrics: dict[str, Any]) -> str:
             f"ratio {metrics['ratio_mean']:.3f} (max {metrics['ratio_max']:.2f})"
             f" | |log r| {metrics['log_ratio_abs_mean']:.4f} | clip {metrics['clip_frac']:.3f}"
         )
+    if "reverse_kl" in metrics:  # loss distill
+        objective += f" | reverse KL {metrics['reverse_kl']:.4f} | teacher agrees {metrics['teacher_agreement']:.3f}"
     return (
         f"step {step:>4} | reward {metrics['reward_mean']:.3f} ± {metrics['reward_std']:.3f}"
         f" | groups {metrics['groups_used']} used / {metrics['groups_dropped']} dropped"
@@ -236,6 +255,9 @@ def format_step(step: int, metrics: dict[str, Any]) -> str:
 
 
 class Trainer:
+    # What the loop was told to stop on (Runs sets it): a step waiting for an unreachable teacher gives up when it is set.
+    stopping: threading.Event | None = None
+
     def __init__(
         self,
         settings: Settings,
@@ -266,6 +288,7 @@ class Trainer:
         except ValueError as exc:
             raise TrainerError(f"run {options.run!r} has an invalid config: {exc}") from None
         self.loss = loss_config(self.config)
+        self.teacher = make_teacher(self.config, settings)
         # Before the lease and the weights: a tracker whose package is missing fails in a second, not minutes.
         target = TrackerTarget(options.tracker_project, options.tracker_name or options.run, self.config.model_dump(mode="json"))
         self.reporter = StepReporter(self.engine, options.run, open_trackers(options.log_to, target))
@@ -475,6 +498,7 @@ class Trainer:
                 self.echo(f"no step: all {len(claimed)} claimed groups were dropped ({reasons})")
                 return None
             step = self.step + 1
+            self._score_by_teacher(batch, step)
             metrics = self._optimise(batch, step)
             used = sorted(set(claimed) - {gid for gid, _ in batch.dropped_groups})
             trained = [t.trajectory_id for group in loaded if group.group_id in used for t in group.trajectories]
@@ -536,12 +560,25 @@ class Trainer:
         return build_samples(
             groups,
             advantage_mode=self.config.advantage,
-            drop_zero_variance=self.config.drop_zero_variance,
+            # distill: a group whose rewards are all equal still has the teacher's signal on every token
+            drop_zero_variance=self.config.drop_zero_variance and self.config.loss != "distill",
             max_seq_len=self.config.max_seq_len,
             current_policy_version=version,
             max_staleness=self.config.max_staleness,
             sft=sft_selection(self.config),
         )
+
+    def _score_by_teacher(self, batch: SampleBatch, step: int) -> None:
+        """Loss ``distill``: the teacher's logprobs of every row, stored with the step before it trains (a retried step
+        reuses them); waits while the teacher is unreachable and raises rather than train on partial logprobs."""
+        if self.teacher is None:
+            return
+        store = TeacherStore(run_dir(self.checkpoints, self.spec.name) / "teacher")
+        scored = teacher_logprobs_for_step(
+            self.teacher, store, step, [row.input_ids for row in batch.rows], stop=self.stopping, echo=self.echo
+        )
+        for row, logprobs in zip(batch.rows, scored, strict=True):
+            row.teacher_logprobs = logprobs
 
     def _optimise(self, batch: SampleBatch, step: int) -> dict[str, Any]:
         from tqdm import tqdm
@@ -770,11 +807,14 @@ class Runs:
                 name = trainer.spec.name
                 self._turns[name] = self._turn
                 self._turn += 1
+                trainer.stopping = stop  # a distill step waiting for its teacher ends when the trainer stops
                 try:
                     trained = trainer.train_one_step()
                 except RunLost as lost:
                     self._drop(trainer, lost)
                     continue
+                except InterruptedError:  # stopped while the step waited for its teacher: nothing was trained
+                    break
                 if trained is not None:
                     self.done[name] = self.done.get(name, 0) + 1
                     total += 1
