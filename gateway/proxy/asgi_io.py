@@ -1,4 +1,4 @@
-"""Small ASGI helpers the streaming paths share (chat relay and token_in)."""
+"""The ASGI side of a model call: the chat client's answer (`ChatAnswer`), and the relay's watch for a hang-up."""
 
 from __future__ import annotations
 
@@ -6,14 +6,80 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+import orjson
 from starlette.types import Receive, Send
 
 from gateway.http import sse
-from gateway.http.errors import UpstreamFailure
+from gateway.http.errors import GatewayError, UpstreamFailure
+from gateway.http.sse import DATA, DONE, END
+from gateway.proxy.exchange import Headers
 from gateway.upstream.client import UpstreamError
 
 log = logging.getLogger("trajgate.proxy")
+
+
+class ChatAnswer:
+    """The chat and completions clients' answer (`gateway.proxy.exchange.Answer`): the chat path's dicts serialised
+    as vLLM's endpoint would send them. It is the one place a chat answer becomes bytes; the edge translators read
+    the same dicts instead.
+
+    `chunk` runs for every event the chat relay relays, so it only appends to the buffer, and the events of one
+    upstream read go out in one `send` (see `Proxy._relay_stream`)."""
+
+    __slots__ = ("_out", "_send")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._out: list[bytes] = []
+
+    async def error(self, error: GatewayError, headers: Headers) -> None:
+        await send_bytes(self._send, error.status, error.body(), [(b"content-type", b"application/json"), *headers])
+
+    async def answer(self, response: dict[str, Any], content_type: bytes, headers: Headers) -> None:
+        await send_bytes(self._send, 200, orjson.dumps(response), [(b"content-type", content_type), *headers])
+
+    async def passthrough(self, status: int, body: bytes, content_type: bytes, headers: Headers) -> None:
+        await send_bytes(self._send, status, body, [(b"content-type", content_type), *headers])
+
+    async def start(self, headers: Headers) -> None:
+        await sse.start_stream(self._send, headers)
+
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        self._out += (DATA, orjson.dumps(chunk), END)
+
+    def error_chunk(self, chunk: dict[str, Any], payload: bytes) -> None:
+        self._out += (DATA, payload, END)
+
+    def done(self) -> None:
+        self._out.append(DONE)
+
+    async def flush(self) -> None:
+        out = self._out
+        if out:
+            body = b"".join(out)
+            out.clear()
+            await self._send({"type": "http.response.body", "body": body, "more_body": True})
+
+    async def broke(self, message: str) -> None:
+        self._out.clear()
+        await self._send({"type": "http.response.body", "body": sse.error_event(message), "more_body": True})
+
+    async def end(self) -> None:
+        await self._send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def send_bytes(send: Send, status: int, body: bytes, headers: Headers) -> None:
+    """A whole answer: status line, headers (with the body's length) and body."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -23,12 +89,17 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 async def relay_until_done(
-    relay: Awaitable[None], receive: Receive, send: Send, done: Callable[[], bool], record: Callable[[str], None]
+    relay: Awaitable[None],
+    receive: Receive,
+    tell: Callable[[str], Awaitable[None]],
+    done: Callable[[], bool],
+    record: Callable[[str], None],
 ) -> str | None:
     """Run a stream relay until it ends or the client hangs up; returns why the stream ended early (for the call's
     record), None when it did not. Cancelling the relay on a hang-up stops reading from vLLM, which lets it abort
-    the generation; every failure other than a client that left is told in-band, so a stream is never cut silently,
-    and `record(error)` runs before the client is told, so the failed call is in the write-ahead log first.
+    the generation; every failure other than a client that left is told in-band (`tell`: the call's
+    `Answer.broke`), so a stream is never cut silently, and `record(error)` runs before the client is told, so the
+    failed call is in the write-ahead log first.
 
     The relay runs in the calling task and only the watch for a hang-up gets a task of its own: a second task and
     `asyncio.wait` around them cost more per stream than relaying a short answer's events.
@@ -73,5 +144,5 @@ async def relay_until_done(
         assert error is not None
         record(error)
         with contextlib.suppress(OSError):
-            await send({"type": "http.response.body", "body": sse.error_event(told), "more_body": True})
+            await tell(told)
     return error
