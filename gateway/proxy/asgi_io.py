@@ -20,19 +20,27 @@ from gateway.upstream.client import UpstreamError
 log = logging.getLogger("trajgate.proxy")
 
 
+_BETWEEN = END + DATA  # what separates two data-only events
+_dumps = orjson.dumps
+
+
 class ChatAnswer:
     """The chat and completions clients' answer (`gateway.proxy.exchange.Answer`): the chat path's dicts serialised
     as vLLM's endpoint would send them. It is the one place a chat answer becomes bytes; the edge translators read
     the same dicts instead.
 
-    `chunk` runs for every event the chat relay relays, so it only appends to the buffer, and the events of one
-    upstream read go out in one `send` (see `Proxy._relay_stream`)."""
+    `chunk` runs for every event the chat relay relays, so it is the held list's own `append` (no Python call per
+    event): the chunks of an upstream read are serialised and framed together when it is flushed (one join), and go
+    out in one `send` (see `Proxy._relay_stream`). Nothing the relay does between a chunk and the flush changes the
+    chunk (recording the call reads it), so the client gets what the chunk was when it was handed over."""
 
-    __slots__ = ("_out", "_send")
+    __slots__ = ("_out", "_pending", "_send", "chunk")
 
     def __init__(self, send: Send) -> None:
         self._send = send
-        self._out: list[bytes] = []
+        self._pending: list[dict[str, Any]] = []  # chunks held, not serialised yet
+        self._out: list[bytes] = []  # what the held events give the client, in order
+        self.chunk: Callable[[dict[str, Any]], None] = self._pending.append
 
     async def error(self, error: GatewayError, headers: Headers) -> None:
         await send_bytes(self._send, error.status, error.body(), [(b"content-type", b"application/json"), *headers])
@@ -46,23 +54,42 @@ class ChatAnswer:
     async def start(self, headers: Headers) -> None:
         await sse.start_stream(self._send, headers)
 
-    def chunk(self, chunk: dict[str, Any]) -> None:
-        self._out += (DATA, orjson.dumps(chunk), END)
+    def _serialise(self) -> list[bytes]:
+        """The held chunks framed into their events, after what was held before them."""
+        out = self._out
+        pending = self._pending
+        if pending:
+            # The events framed at once: `data: <chunk>` joined by the blank line that ends each.
+            out += (DATA, _BETWEEN.join([_dumps(chunk) for chunk in pending]), END)
+            pending.clear()
+        return out
 
     def error_chunk(self, chunk: dict[str, Any], payload: bytes) -> None:
-        self._out += (DATA, payload, END)
+        self._serialise().extend((DATA, payload, END))
 
     def done(self) -> None:
-        self._out.append(DONE)
+        self._serialise().append(DONE)
 
     async def flush(self) -> None:
         out = self._out
+        pending = self._pending
+        if pending:  # (`_serialise` inline, with one bytes object when nothing else is held: this runs per read)
+            if len(pending) == 1:  # vLLM's usual read: one event
+                framed = b"".join((DATA, _dumps(pending[0]), END))
+            else:
+                framed = b"".join((DATA, _BETWEEN.join([_dumps(chunk) for chunk in pending]), END))
+            pending.clear()
+            if not out:
+                await self._send({"type": "http.response.body", "body": framed, "more_body": True})
+                return
+            out.append(framed)
         if out:
             body = b"".join(out)
             out.clear()
             await self._send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def broke(self, message: str) -> None:
+        self._pending.clear()
         self._out.clear()
         await self._send({"type": "http.response.body", "body": sse.error_event(message), "more_body": True})
 

@@ -94,7 +94,7 @@ class Answer(Protocol):
 class Exchange:
     """Everything known about one call while it is in flight; becomes one record per choice.
 
-    Which stage of `Proxy.handle` sets what (receive -> attribute -> admit -> forward -> relay -> record):
+    Which stage of `Proxy.serve` sets what (receive -> attribute -> admit -> forward -> relay -> record):
 
     - receive: `request_id`, `endpoint`, `capture`, `received`, `created_at`, `request`, the client's ASGI
       `receive` (watched for a hang-up) and where its answer goes (`answer`);
