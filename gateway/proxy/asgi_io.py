@@ -75,10 +75,10 @@ class ChatAnswer:
         pending = self._pending
         if pending:  # (`_serialise` inline, with one bytes object when nothing else is held: this runs per read)
             if len(pending) == 1:  # vLLM's usual read: one event
-                framed = b"".join((DATA, _dumps(pending[0]), END))
+                framed = b"".join((DATA, _dumps(pending.pop()), END))
             else:
                 framed = b"".join((DATA, _BETWEEN.join([_dumps(chunk) for chunk in pending]), END))
-            pending.clear()
+                pending.clear()
             if not out:
                 await self._send({"type": "http.response.body", "body": framed, "more_body": True})
                 return
