@@ -4,9 +4,10 @@ vLLM's own /v1/messages returns no token ids or logprobs, and it converts the re
 anyway, so the gateway does that conversion here (mirroring vLLM's, so the model sees the same prompt) and runs the
 call through the ordinary chat path: attribution, retries, sampling, token_in, the record and the trainer all treat
 it as the chat call it is. The record holds the chat request the model saw and vLLM's chat answer, labelled
-`messages`. Only the edges are Anthropic: the body is validated here into Anthropic-shaped 400s, and the
-chat path's answer (a JSON body, an OpenAI-style error, or an SSE chunk stream) is rewritten on its way out into a
-Message, an Anthropic error, or Anthropic's stream events.
+`messages`. Only the edges are Anthropic: the body is validated here into Anthropic-shaped 400s, the chat request goes
+into the proxy's one path as a dict (`Proxy.serve`), and the chat path's answer, handed over as dicts (a chat
+completion, an error, or each chunk of a stream), is rewritten into a Message, an Anthropic error, or Anthropic's
+stream events (`AnthropicAnswer`).
 
 Extended thinking: `thinking` is passed on the way vLLM's endpoint does (`enabled` sets a thinking token budget,
 `disabled` asks the template for reasoning effort "none", `adaptive` pins nothing); whatever reasoning vLLM's
@@ -15,28 +16,27 @@ reasoning parser returns comes back as `thinking` blocks. A model without a reas
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from typing import Annotated, Any, Literal, get_args
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from starlette.types import Message as AsgiMessage
 from starlette.types import Receive, Scope, Send
 
 from gateway.http import sse
 from gateway.http.auth import presented_key
 from gateway.http.errors import GatewayError, UpstreamFailure
 from gateway.proxy.attribution import PathPrefix, check_bound, check_run, split_api_key
+from gateway.proxy.exchange import Caller, Headers
 from gateway.proxy.hot_path import Proxy, named_run
+from gateway.store.models import CHAT
 
 ENDPOINT = "messages"  # the label records and metrics carry
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
 PATHS = (MESSAGES, COUNT_TOKENS)
 PATH_PREFIX = MESSAGES + "/"  # the rest of Anthropic's messages family (batches) is a 404 in its shape here
-CHAT_PATH = "/v1/chat/completions"
 # What the chat request carries beside itself for this API (vLLM ignores unknown fields): the fields it ignored.
 EXTRA = "trajgate_messages"
 
@@ -584,16 +584,11 @@ class StreamTranslator:
         self.finish_reason: str | None = None
         self.matched: Any = None
 
-    def feed(self, payload: bytes) -> list[bytes]:
-        """One SSE `data:` payload from the chat path; returns the events to send (none once the stream failed)."""
+    def feed(self, chunk: dict[str, Any]) -> list[bytes]:
+        """One chunk the chat path answers with (vLLM's error event too); returns the events to send (none once the
+        stream failed). `finish` takes the chat stream's `[DONE]`."""
         if self.failed:
             return []
-        if payload == sse.DONE_PAYLOAD:
-            return self.finish()
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return self.fail("the gateway relayed an event that is not JSON")
         if "error" in chunk and "choices" not in chunk:
             error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
             return self.fail(str(error.get("message") or "upstream error"))
@@ -702,72 +697,93 @@ class StreamTranslator:
         return [_event("error", {"type": "error", "error": {"type": "api_error", "message": message}})]
 
 
-class AnswerTranslator:
-    """The `send` the chat path answers through: rewrites its answer into the Anthropic shape on the way out."""
+class AnthropicAnswer:
+    """The call's `Answer` (gateway/proxy/exchange.py): the chat path's answer, as dicts, rewritten into a Message,
+    an Anthropic error or Anthropic's stream events. A read's chunks are translated when it is flushed, so a read
+    that fails gives the client nothing of its own, as the chat client."""
 
     def __init__(self, send: Send) -> None:
         self._send = send
-        self.stream: StreamTranslator | None = None
-        self.status = 200
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.request_id: str | None = None
-        self.body: list[bytes] = []
-        self.lines = sse.DataLines()
+        self.stream = StreamTranslator()
+        self._pending: list[dict[str, Any] | None] = []  # the chunks of the read not flushed yet; None: [DONE]
 
-    async def __call__(self, message: AsgiMessage) -> None:
-        if message["type"] == "http.response.start":
-            await self._start(message)
-        elif message["type"] == "http.response.body":
-            if self.stream is not None:
-                await self._stream_body(message)
-            else:
-                self.body.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    await self._whole()
-        else:
-            await self._send(message)
+    async def error(self, error: GatewayError, headers: Headers) -> None:
+        await self._whole(error.status, None, error, headers)
 
-    async def _start(self, message: AsgiMessage) -> None:
-        self.status = message["status"]
-        content_type = b""
-        for name, value in message.get("headers") or ():
-            if name == b"content-type":
-                content_type = value
-            elif name != b"content-length":
-                self.headers.append((name, value))
-                if name == b"x-request-id":
-                    self.request_id = value.decode()
-                    self.headers.append((b"request-id", value))  # where the Anthropic SDK looks for it
-        if content_type.startswith(sse.EVENT_STREAM):
-            self.stream = StreamTranslator()
-            await sse.start_stream(self._send, self.headers, self.status, sse.EVENT_STREAM + b"; charset=utf-8")
+    async def answer(self, response: dict[str, Any], content_type: bytes, headers: Headers) -> None:
+        await self._whole(200, response, None, headers)
 
-    async def _stream_body(self, message: AsgiMessage) -> None:
-        assert self.stream is not None
+    async def passthrough(self, status: int, body: bytes, content_type: bytes, headers: Headers) -> None:
+        error = GatewayError(status, error_message(body)) if status != 200 else None
+        await self._whole(status, None, error, headers)
+
+    async def _whole(
+        self, status: int, response: dict[str, Any] | None, error: GatewayError | None, headers: Headers
+    ) -> None:
+        """A Message for a chat completion; an Anthropic error for an error; a 502 for a 200 that is neither."""
+        headers, request_id = _anthropic_headers(headers)
+        body = b""
+        if error is None and response is not None:
+            try:
+                body = orjson.dumps(to_message(response))
+            except (AttributeError, TypeError):
+                response = None
+        if error is None and response is None:
+            error = GatewayError(502, "vLLM sent a body that is not a chat completion", "upstream_error")
+        if error is not None:
+            status, body = error.status, error_body(error, request_id)
+        head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+        await self._send({"type": "http.response.start", "status": status, "headers": head})
+        await self._send({"type": "http.response.body", "body": body})
+
+    async def start(self, headers: Headers) -> None:
+        # The chat stream's `cache-control` stays among the headers after the one `start_stream` puts first.
+        shown = [(b"cache-control", b"no-cache"), *_anthropic_headers(headers)[0]]
+        await sse.start_stream(self._send, shown, 200, sse.EVENT_STREAM + b"; charset=utf-8")
+
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        self._pending.append(chunk)
+
+    def error_chunk(self, chunk: dict[str, Any], payload: bytes) -> None:
+        self._pending.append(chunk)  # the translator tells it as Anthropic's error event
+
+    def done(self) -> None:
+        self._pending.append(None)
+
+    async def flush(self) -> None:
         out: list[bytes] = []
-        for payload in self.lines.feed(message.get("body", b"")):
-            out += self.stream.feed(payload)
-        more = message.get("more_body", False)
-        if not more and self.stream.started and not (self.stream.finished or self.stream.failed):
-            out += self.stream.fail("the stream ended before the answer was complete")
+        for chunk in self._pending:
+            out += self.stream.finish() if chunk is None else self.stream.feed(chunk)
+        self._pending.clear()
+        await self._body(out, more=True)
+
+    async def broke(self, message: str) -> None:
+        self._pending.clear()
+        await self._body(self.stream.fail(message), more=True)
+
+    async def end(self) -> None:
+        stream = self.stream
+        out = []
+        if stream.started and not (stream.finished or stream.failed):
+            out = stream.fail("the stream ended before the answer was complete")
+        await self._body(out, more=False)
+
+    async def _body(self, out: list[bytes], more: bool) -> None:
         if out or not more:
             await self._send({"type": "http.response.body", "body": b"".join(out), "more_body": more})
 
-    async def _whole(self) -> None:
-        raw = b"".join(self.body)
-        status = self.status
-        if status == 200:
-            try:
-                response = orjson.loads(raw)
-                body = orjson.dumps(to_message(response))
-            except (orjson.JSONDecodeError, AttributeError, TypeError):
-                error = GatewayError(502, "vLLM sent a body that is not a chat completion", "upstream_error")
-                status, body = 502, error_body(error, self.request_id)
-        else:
-            body = error_body(GatewayError(status, error_message(raw)), self.request_id)
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *self.headers]
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-        await self._send({"type": "http.response.body", "body": body})
+
+def _anthropic_headers(headers: Headers) -> tuple[Headers, str | None]:
+    """The chat path's answer headers with the request id also where the Anthropic SDK looks for it
+    (`request-id`), and that id."""
+    shown: Headers = []
+    request_id = None
+    for name, value in headers:
+        shown.append((name, value))
+        if name == b"x-request-id":
+            request_id = value.decode()
+            shown.append((b"request-id", value))
+    return shown, request_id
 
 
 # -- the endpoints -----------------------------------------------------------------------------------------------
@@ -830,7 +846,8 @@ class MessagesApi:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             # The key first, as Anthropic checks it: an unauthenticated caller learns nothing about its body.
-            runs = self.proxy.auth.check_agent(split_api_key(presented_key(headers))[0])
+            key, key_group, key_trajectory = split_api_key(presented_key(headers))
+            runs = self.proxy.auth.check_agent(key)
             data = _parse(await self.proxy.read_body(receive, headers))
             if runs is not None:  # a bound key's run, before vLLM is asked anything (the chat path asks again)
                 check_bound(named_run(headers, data), runs)
@@ -846,21 +863,24 @@ class MessagesApi:
             ignored = ignored_fields(data)
             if ignored:
                 chat[EXTRA] = {"ignored": ignored}
-            payload = _serialise(chat)
+            size = _chat_size(chat)
         except (GatewayError, UpstreamFailure) as exc:
             error = exc.error if isinstance(exc, UpstreamFailure) else exc
             self.proxy.metrics.count_request(ENDPOINT, error.status)
             await _send_error(send, error)
             return
-        chat_scope, chat_receive = _chat_scope(scope, len(payload)), _chat_receive(payload, receive)
-        await self.proxy.handle(chat_scope, chat_receive, AnswerTranslator(send), _chat_prefix(prefix))
+        caller = Caller(
+            self.proxy.new_request_id(), ENDPOINT, CHAT, time.perf_counter(), time.time(), headers, prefix,
+            key_group, key_trajectory, runs, size,
+        )  # fmt: skip
+        await self.proxy.serve(chat, caller, receive, AnthropicAnswer(send))
 
     async def _count_tokens(self, request: CountTokensRequest, merge_inline_system: bool) -> int:
         """The prompt's exact length as vLLM renders it (its scale-out render endpoint, which token_in uses too)."""
         route = self.proxy.router.resolve(check_run(request.model), await self.proxy.base_model())
         chat = to_chat(request, merge_inline_system)
         chat["model"] = route.served_name
-        _serialise(chat)  # the depth check
+        _chat_size(chat)  # the depth check
         return len(await self.proxy.token_in.render(chat))
 
 
@@ -874,37 +894,14 @@ def _parse(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _serialise(chat: dict[str, Any]) -> bytes:
+def _chat_size(chat: dict[str, Any]) -> int:
+    """The chat request's size as JSON, which the chat path holds to the body limit (it is what is recorded); a 400
+    in Anthropic's shape for one it could neither forward nor record: orjson writes at most 254 levels of nesting
+    (the proxy would refuse it in OpenAI's words)."""
     try:
-        return orjson.dumps(chat)
-    except orjson.JSONEncodeError:  # orjson writes at most 254 levels of nesting
+        return len(orjson.dumps(chat))
+    except orjson.JSONEncodeError:
         raise GatewayError(400, "request body is nested too deeply") from None
-
-
-def _chat_scope(scope: Scope, length: int) -> Scope:
-    """The scope the chat path sees: its own path, the translated body's length, the API's label for the record."""
-    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-    headers.append((b"content-length", str(length).encode()))
-    path = {"path": CHAT_PATH, "raw_path": CHAT_PATH.encode()}
-    return {**scope, **path, "headers": headers, "trajgate.endpoint": ENDPOINT}
-
-
-def _chat_prefix(prefix: PathPrefix | None) -> PathPrefix | None:
-    return dataclasses.replace(prefix, rest=CHAT_PATH) if prefix is not None else None
-
-
-def _chat_receive(body: bytes, receive: Receive) -> Receive:
-    """Yields the chat body once, then the client's own messages (a stream watches them for a hang-up)."""
-    sent = False
-
-    async def chat_receive() -> AsgiMessage:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return chat_receive
 
 
 async def _send_bytes(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:

@@ -1,8 +1,8 @@
 """The OpenAI Responses API (`POST /v1/responses`, `GET /v1/responses/{id}`), translated at the edge to the chat path.
 
 vLLM's own `/v1/responses` returns no token ids or per-token logprobs, and it converts a Responses request to chat
-messages internally anyway; so the gateway does that conversion itself and sends the call through the proxy's chat
-path (`Proxy.handle` with a chat scope, body and a `send` that converts back). Attribution, retries, the token_in
+messages internally anyway; so the gateway does that conversion itself and sends the chat request through the proxy's one path (`Proxy.serve`),
+which answers in dicts that `_Answer` turns into a Response object or Responses events. Attribution, retries, the token_in
 mode, records and the trainer then work as for any chat call; only the record's endpoint label says `responses`.
 
 - The response id is the gateway's request id (`req-<hex>` -> `resp_<hex>`), so a recorded answer can be found again;
@@ -49,21 +49,22 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from gateway.http import sse
 from gateway.http.auth import presented_key
 from gateway.http.deps import agent_runs, gateway_state, json_response, require_agent
 from gateway.http.errors import GatewayError
 from gateway.proxy import capture
+from gateway.proxy.asgi_io import send_bytes
 from gateway.proxy.attribution import PathPrefix, split_api_key
+from gateway.proxy.exchange import Caller, Headers
 from gateway.proxy.hot_path import Proxy, parse_json
 from gateway.store.exchanges import RecordedExchange, recorded_exchange
 from gateway.store.models import CHAT
 
 ENDPOINT = "responses"  # the record's endpoint label
 PATH = "/v1/responses"
-CHAT_PATH = "/v1/chat/completions"
 EXTRA = "trajgate_responses"  # what the chat request carries for this API (see the module's docstring)
 OWNER = "owner"  # the key of EXTRA naming the tenant; capture.prepare_upstream leaves it out of what vLLM gets
 RESPONSE_ID_RE = re.compile(r"^resp_([0-9a-f]{32})$")
@@ -665,7 +666,7 @@ class ResponsesAPI:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             # The key first: an unauthenticated caller learns nothing about its body.
-            key = split_api_key(presented_key(headers))[0]
+            key, key_group, key_trajectory = split_api_key(presented_key(headers))
             runs = self.proxy.auth.check_agent(key)
             owner = self.proxy.auth.tenant(key)
             body = await self.proxy.read_body(receive, headers)  # the same body limit as every model call
@@ -676,34 +677,19 @@ class ResponsesAPI:
             chat = chat_request(request, previous)
             if owner is not None:
                 chat[EXTRA][OWNER] = owner
-            chat_body = _serialise(chat)
+            size = _chat_size(chat)
         except GatewayError as exc:
             self.proxy.metrics.count_request(ENDPOINT, exc.status)
             await _send_json(send, exc.status, exc.body())
             return
-        chat_headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
-        chat_headers.append((b"content-length", str(len(chat_body)).encode()))
-        chat_scope = {
-            **scope,
-            "path": CHAT_PATH,
-            "raw_path": CHAT_PATH.encode(),
-            "headers": chat_headers,
-            "trajgate.endpoint": ENDPOINT,
-            # The response id is this request id: 128 random bits, where other calls' ids are a counter.
-            "trajgate.request_id": "req-" + secrets.token_hex(16),
-        }
-        chat_prefix = dataclasses.replace(prefix, rest=CHAT_PATH) if prefix else None
-        sent = False
-
-        async def chat_receive() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": chat_body, "more_body": False}
-            return await receive()
-
-        answer = _Answer(self, chat, request.get("previous_response_id"), send)
-        await self.proxy.handle(chat_scope, chat_receive, answer, chat_prefix)
+        # The response id is the request id: 128 random bits, where other calls' ids are a counter.
+        hex_id = secrets.token_hex(16)
+        caller = Caller(
+            "req-" + hex_id, ENDPOINT, CHAT, time.perf_counter(), time.time(), headers, prefix, key_group,
+            key_trajectory, runs, size,
+        )  # fmt: skip
+        answer = _Answer(self, chat, "resp_" + hex_id, request.get("previous_response_id"), send)
+        await self.proxy.serve(chat, caller, receive, answer)
 
     async def _previous(self, response_id: Any, owner: str | None, runs: frozenset[str] | None) -> list[dict[str, Any]]:
         if not isinstance(response_id, str):
@@ -726,10 +712,13 @@ def _from_record(response_id: str, exchange: RecordedExchange) -> _Kept | None:
     return _Kept(continuation(chat, response), response, owner_of(chat), exchange.run)
 
 
-def _serialise(chat: dict[str, Any]) -> bytes:
+def _chat_size(chat: dict[str, Any]) -> int:
+    """The chat request's size as JSON, which the chat path holds to the body limit (it is what is recorded; a
+    continuation carries the whole conversation); a 400 for one it could neither forward nor record: what a parsed
+    body can fail on is nesting depth (orjson writes at most 254 levels)."""
     try:
-        return orjson.dumps(chat)
-    except orjson.JSONEncodeError:  # what a parsed body can fail on is nesting depth
+        return len(orjson.dumps(chat))
+    except orjson.JSONEncodeError:
         raise GatewayError(400, "request body is nested too deeply to forward", code="invalid_json") from None
 
 
@@ -740,58 +729,57 @@ async def _send_json(send: Send, status: int, body: bytes) -> None:
 
 
 class _Answer:
-    """The `send` the proxy answers through: a chat answer becomes a Response object, a chat stream Responses
-    events; an error body (already OpenAI-shaped, as Responses errors are) passes through."""
+    """The call's `Answer` (gateway/proxy/exchange.py): a chat answer becomes a Response object, a chat stream
+    Responses events (`_EventStream`); an error (already OpenAI-shaped, as Responses errors are) passes through."""
 
-    def __init__(self, api: ResponsesAPI, chat: dict[str, Any], previous_id: str | None, send: Send) -> None:
+    def __init__(
+        self, api: ResponsesAPI, chat: dict[str, Any], response_id: str, previous_id: str | None, send: Send
+    ) -> None:
         self.api = api
         self.chat = chat
+        self.response_id = response_id
         self.previous_id = previous_id
         self.send = send
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.response_id = ""
-        self.body: list[bytes] = []
-        self.stream: _EventStream | None = None
+        self.stream = _EventStream(api, chat, response_id, previous_id, send)
 
-    async def __call__(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            self.headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"content-length"]
-            request_id = next((v.decode() for k, v in self.headers if k.lower() == b"x-request-id"), "")
-            self.response_id = "resp_" + request_id.removeprefix("req-")
-            content_type = next((v for k, v in self.headers if k.lower() == b"content-type"), b"")
-            if self.status == 200 and content_type.startswith(sse.EVENT_STREAM):
-                self.stream = _EventStream(self.api, self.chat, self.response_id, self.previous_id, self.send)
-                await self.send(message)
-            return
-        if message["type"] != "http.response.body":
-            await self.send(message)
-            return
-        if self.stream is not None:
-            await self.stream.feed(message.get("body", b""), message.get("more_body", False))
-            return
-        self.body.append(message.get("body", b""))
-        if message.get("more_body", False):
-            return
-        raw = b"".join(self.body)
-        if self.status == 200:
-            try:
-                answer = orjson.loads(raw)
-            except orjson.JSONDecodeError:  # recorded as such by the proxy; the client sees what vLLM sent
-                answer = None
-            if isinstance(answer, dict):
-                response = response_object(self.response_id, self.chat, answer, previous_response_id=self.previous_id)
-                self.api.remember(self.chat, response)
-                raw = orjson.dumps(response)
-        headers = [*self.headers, (b"content-length", str(len(raw)).encode())]
-        await self.send({"type": "http.response.start", "status": self.status, "headers": headers})
-        await self.send({"type": "http.response.body", "body": raw})
+    async def error(self, error: GatewayError, headers: Headers) -> None:
+        await send_bytes(self.send, error.status, error.body(), [(b"content-type", b"application/json"), *headers])
+
+    async def answer(self, response: dict[str, Any], content_type: bytes, headers: Headers) -> None:
+        shown = response_object(self.response_id, self.chat, response, previous_response_id=self.previous_id)
+        self.api.remember(self.chat, shown)
+        await send_bytes(self.send, 200, orjson.dumps(shown), [(b"content-type", content_type), *headers])
+
+    async def passthrough(self, status: int, body: bytes, content_type: bytes, headers: Headers) -> None:
+        # (a 200 that is not JSON too: recorded as such by the proxy, the client sees what vLLM sent)
+        await send_bytes(self.send, status, body, [(b"content-type", content_type), *headers])
+
+    async def start(self, headers: Headers) -> None:
+        await sse.start_stream(self.send, headers)
+
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        self.stream.chunk(chunk)
+
+    def error_chunk(self, chunk: dict[str, Any], payload: bytes) -> None:
+        self.stream.chunk(chunk)  # told as a failed response
+
+    def done(self) -> None:
+        self.stream.done()
+
+    async def flush(self) -> None:
+        await self.stream.flush()
+
+    async def broke(self, message: str) -> None:
+        await self.stream.broke(message)
+
+    async def end(self) -> None:
+        await self.stream.end()
 
 
 class _EventStream:
-    """Chat SSE chunks in, Responses SSE events out, one output item at a time as the model writes it; the final
-    Response (in `response.completed`) is built from the assembled chat answer, as `GET` rebuilds it."""
+    """Chat chunks in, Responses SSE events out, one output item at a time as the model writes it; the final
+    Response (in `response.completed`) is built from the assembled chat answer, as `GET` rebuilds it. A read's
+    chunks are translated when it is flushed, so a read that fails gives the client nothing of its own."""
 
     def __init__(
         self, api: ResponsesAPI, chat: dict[str, Any], response_id: str, previous_id: str | None, send: Send
@@ -806,17 +794,40 @@ class _EventStream:
         self.sequence = 0
         self.started = False
         self.finished = False
-        self.lines = sse.DataLines()
+        self._pending: list[dict[str, Any] | None] = []  # the chunks of the read not flushed yet; None: [DONE]
         self.output_index = -1
         self.open: dict[str, Any] | None = None  # the output item being written
         self.tool_items: dict[int, dict[str, Any]] = {}
 
-    async def feed(self, data: bytes, more: bool) -> None:
+    def chunk(self, chunk: dict[str, Any]) -> None:
+        """One chunk of the chat stream (vLLM's error event too), translated at the next `flush`."""
+        self._pending.append(chunk)
+
+    def done(self) -> None:
+        """The chat stream's `[DONE]`."""
+        self._pending.append(None)
+
+    async def flush(self) -> None:
         out: list[bytes] = []
-        for payload in self.lines.feed(data):
-            self._on_data(payload, out)
-        if not more and not self.finished and self.started:
+        for chunk in self._pending:
+            self._on_chunk(chunk, out)
+        self._pending.clear()
+        await self._body(out, more=True)
+
+    async def broke(self, message: str) -> None:
+        self._pending.clear()
+        out: list[bytes] = []
+        if not self.finished:
+            self._failed(message, out)
+        await self._body(out, more=True)
+
+    async def end(self) -> None:
+        out: list[bytes] = []
+        if not self.finished and self.started:
             self._failed("the stream ended before the model finished", out)
+        await self._body(out, more=False)
+
+    async def _body(self, out: list[bytes], more: bool) -> None:
         if out or not more:
             await self.send({"type": "http.response.body", "body": b"".join(out), "more_body": more})
 
@@ -833,13 +844,12 @@ class _EventStream:
         self._event("response.created", out, response=shell)
         self._event("response.in_progress", out, response=shell)
 
-    def _on_data(self, payload: bytes, out: list[bytes]) -> None:
+    def _on_chunk(self, chunk: dict[str, Any] | None, out: list[bytes]) -> None:
         if self.finished:
             return
-        if payload == sse.DONE_PAYLOAD:
+        if chunk is None:
             self._complete(out)
             return
-        chunk = orjson.loads(payload)
         if not self.started:
             self._start(chunk.get("created"), out)
         if "error" in chunk and "choices" not in chunk:

@@ -4,8 +4,9 @@ The chat relay, token_in, the Messages and Responses translators and the runs AP
 framer and one line reader keep them from drifting apart (a stray `\\r`, a line split across two reads, a comment).
 It sits in the HTTP plumbing so that the proxy, the edge translators and the endpoints may all import it.
 
-The chat relay frames its events inline from `DATA` and `END` (one tuple added to the write buffer per event, no
-call): it relays thousands of events a second, and `frame` is for everyone else.
+The chat client's answer (`gateway.proxy.asgi_io.ChatAnswer`) frames the events of a read together from `DATA` and
+`END` (one join, no Python call per event): the chat relay relays thousands of events a second, and `frame` is for
+everyone else.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The hot path: receive -> attribute -> forward -> stream back -> enqueue the record.
 
 Written as a raw ASGI handler (no framework routing or validation on the way) because it sits in front of
-every model call; everything it records goes to the writer's queue and it never awaits the database.
+every model call; everything it records goes to the writer's queue and it never awaits the database. `serve` is the
+one path every model call takes once its request is parsed, the APIs translated at the edge included; it answers
+through the call's `Answer` (gateway/proxy/exchange.py), in dicts, so only the chat client's answer is serialised.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from gateway.http import sse
 from gateway.http.auth import Auth, presented_key
 from gateway.http.errors import GatewayError
 from gateway.http.metrics import GatewayMetrics
-from gateway.http.sse import DATA, DONE, DONE_PAYLOAD, END
+from gateway.http.sse import DONE_PAYLOAD
 from gateway.proxy import capture, sampling
 from gateway.proxy.admit import Admission, Refused
-from gateway.proxy.asgi_io import relay_until_done
+from gateway.proxy.asgi_io import ChatAnswer, relay_until_done, send_bytes
 from gateway.proxy.attribution import PathPrefix, attribute, check_bound, check_run, split_api_key
-from gateway.proxy.exchange import Exchange
+from gateway.proxy.exchange import Answer, Caller, Exchange
 from gateway.proxy.routing import PolicyRouter
 from gateway.proxy.token_in import TokenIn
 from gateway.proxy.turns import SeqClock
@@ -37,6 +39,7 @@ from gateway.upstream.failures import exchange_error
 from gateway.upstream.replicas import Replica, Replicas, fetch_models
 
 ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+PATHS = {endpoint: path for path, endpoint in ENDPOINTS.items()}
 
 
 class Proxy:
@@ -62,7 +65,6 @@ class Proxy:
         self.writer = writer
         self.metrics = metrics
         self.seq_clock = SeqClock()
-        # Request ids: 64 random bits per process and a counter, as unique as a uuid4 and without a system call.
         self._id_base = os.urandom(8).hex()
         self._ids = itertools.count()
         self.upstream_headers = {"content-type": "application/json"}
@@ -111,49 +113,67 @@ class Proxy:
             raise GatewayError(502, "vLLM /models did not answer 200", "upstream_error")
         return models
 
+    def new_request_id(self) -> str:
+        """A new request id: 64 random bits per process and a counter, as unique as a uuid4 and without a system
+        call."""
+        return f"req-{self._id_base}{next(self._ids):016x}"
+
     async def handle(self, scope: Scope, receive: Receive, send: Send, prefix: PathPrefix | None) -> None:
+        """The chat and completions endpoints: read and authenticate the request, then serve it (`serve`) with the
+        chat client's own answer (`ChatAnswer`)."""
         received = time.perf_counter()
         created_at = time.time()
-        # (the Responses API brings an unguessable id of its own: it is the response's id, which fetches the answer)
-        request_id = scope.get("trajgate.request_id") or f"req-{self._id_base}{next(self._ids):016x}"
-        path = prefix.rest if prefix else scope["path"]
-        endpoint = ENDPOINTS[path]
-        # An API translated at the edge (gateway/edge/api_messages.py) reaches here as a chat call under its own label.
-        label = scope.get("trajgate.endpoint", endpoint)
+        request_id = self.new_request_id()
+        endpoint = ENDPOINTS[prefix.rest if prefix else scope["path"]]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        answer = ChatAnswer(send)
         try:
             key, key_group, key_trajectory = split_api_key(presented_key(headers))
             runs = self.auth.check_agent(key)  # before the body: an unauthenticated caller learns nothing about it
             body = await self.read_body(receive, headers)
             request = parse_json(body)
-            attribution = attribute(headers, prefix, key_group, key_trajectory)
+        except GatewayError as exc:
+            await self._refuse(endpoint, request_id, exc, answer)
+            return
+        caller = Caller(
+            request_id, endpoint, endpoint, received, created_at, headers, prefix, key_group, key_trajectory, runs,
+            len(body),
+        )  # fmt: skip
+        await self.serve(request, caller, receive, answer)
+
+    async def serve(self, request: dict[str, Any], caller: Caller, receive: Receive, answer: Answer) -> None:
+        """One model call, from a parsed request on: attribute -> admit -> forward -> relay -> record, answered
+        through `answer`. The chat endpoints come here from `handle`; the APIs translated at the edge
+        (gateway/edge/) with the chat request they built, their caller as they read it, and their own `Answer`."""
+        headers = caller.headers
+        try:
+            if caller.body_bytes > self.max_body_bytes:  # an edge's chat request, grown past the client's body
+                raise _too_large(self.max_body_bytes)
+            attribution = attribute(headers, caller.prefix, caller.key_group, caller.key_trajectory)
             retry_count, idempotency_key = _retry_headers(headers)
-            run = check_bound(named_run(headers, request), runs)
+            run = check_bound(named_run(headers, request), caller.runs)
             route = self.router.resolve(run, await self.base_model())
             if self.admission.applies(route, attribution):  # a group's version, admitted first if new here
                 route = await self.admission.route(route, attribution, receive)
             plan = sampling.plan(request, attribution.mode, route.sampling, route.on_policy_sampling)
             upstream_body, asks = capture.prepare_upstream(
-                request, endpoint, route.served_name, overrides=plan.upstream
+                request, caller.capture, route.served_name, overrides=plan.upstream
             )
             upstream_payload = _serialise(upstream_body)
         except GatewayError as exc:
-            self.metrics.count_request(label, exc.status)
-            error_headers = [(b"x-request-id", request_id.encode())]
-            if isinstance(exc, Refused):
-                error_headers.append((b"retry-after", str(exc.retry_after_s).encode()))
-            await send_json(send, exc.status, exc.body(), error_headers)
+            await self._refuse(caller.endpoint, caller.request_id, exc, answer)
             return
 
+        request_id = caller.request_id
         call = Exchange(
             request_id=request_id,
-            endpoint=label,
-            capture=endpoint,
-            received=received,
-            created_at=created_at,
+            endpoint=caller.endpoint,
+            capture=caller.capture,
+            received=caller.received,
+            created_at=caller.created_at,
             request=request,
             receive=receive,
-            send=send,
+            answer=answer,
             attribution=attribution,
             seq=self.seq_clock.next(),
             retry_count=retry_count,
@@ -171,12 +191,20 @@ class Proxy:
         )
         call.lease = self.replicas.lease(attribution.trajectory_id, route.served_name)
         try:
-            if endpoint == CHAT and route.token_mode == "token_in":
+            if caller.capture == CHAT and route.token_mode == "token_in":
                 await self.token_in.handle(call, upstream_body)
             else:
-                await self._forward(call, path, upstream_payload)
+                await self._forward(call, PATHS[caller.capture], upstream_payload)
         finally:
             call.lease.release()
+
+    async def _refuse(self, endpoint: str, request_id: str, error: GatewayError, answer: Answer) -> None:
+        """Answer a call refused before it was forwarded (nothing is recorded: nothing was generated)."""
+        self.metrics.count_request(endpoint, error.status)
+        headers = [(b"x-request-id", request_id.encode())]
+        if isinstance(error, Refused):
+            headers.append((b"retry-after", str(error.retry_after_s).encode()))
+        await answer.error(error, headers)
 
     async def _forward(self, call: Exchange, path: str, payload: bytes) -> None:
         """Chat and completions calls: vLLM's own endpoint, answered as it arrives."""
@@ -249,7 +277,6 @@ class Proxy:
         call.finished = time.perf_counter()
         call.status = upstream.status
         content_type = upstream.headers.get("content-type", "application/json").encode()
-        response: dict[str, Any] | None = None
         if upstream.status == 200:
             try:
                 response = orjson.loads(raw)
@@ -258,17 +285,24 @@ class Proxy:
             else:
                 self.submit(call, response)
                 capture.strip_for_client(response, call.asks)
-                raw = orjson.dumps(response)
+                await self.send_answer(call, response, content_type)
+                return
         else:
             # Postgres text cannot hold a NUL; an upstream error body is for people to read, so U+FFFD will do.
             call.error = raw[:4000].decode("utf-8", "replace").replace("\x00", "\ufffd")
-        if response is None:
-            self.submit(call, None)
-        await self.send_answer(call, upstream.status, raw, content_type)
+        self.submit(call, None)
+        await call.answer.passthrough(upstream.status, raw, content_type, call.headers)
+        self._answered(call, upstream.status)
 
-    async def send_answer(self, call: Exchange, status: int, body: bytes, content_type: bytes) -> None:
-        """Send a whole (non-stream) answer and count it, with the latency the gateway added around vLLM's time."""
-        await _send_bytes(call.send, status, body, [(b"content-type", content_type), *call.headers])
+    async def send_answer(
+        self, call: Exchange, response: dict[str, Any], content_type: bytes = b"application/json"
+    ) -> None:
+        """Send a whole (non-stream) answer, already recorded and stripped for the client, and count it."""
+        await call.answer.answer(response, content_type, call.headers)
+        self._answered(call, 200)
+
+    def _answered(self, call: Exchange, status: int) -> None:
+        """Count a whole answer just sent, with the latency the gateway added around vLLM's time."""
         done = time.perf_counter()
         self.metrics.count_request(call.endpoint, status)
         self.metrics.observe_upstream(call.endpoint, call.replica_label, call.finished - call.upstream_started)
@@ -283,7 +317,8 @@ class Proxy:
         reads `data: [DONE]`, and a client that leaves early still leaves a partial call worth recording.
         """
         call.status = 200
-        send = call.send  # bound once: `flush` sends on every upstream read
+        answer = call.answer
+        emit = answer.chunk  # bound once: it runs for every event
         assembler = capture.StreamAssembler(call.capture, strip=call.asks)  # also strips each chunk for the client
         state = {"done": False, "recorded": False}
 
@@ -300,14 +335,14 @@ class Proxy:
             call.error = error
             record()
 
-        await sse.start_stream(send, call.headers)
+        await answer.start(call.headers)
 
-        def relay_event(payload: bytes, out: list[bytes]) -> None:
-            """Feed one event's data to the record and append what the client gets for it to `out`."""
+        def relay_event(payload: bytes) -> None:
+            """Feed one event's data to the record and hand what the client gets for it to the answer."""
             if payload == DONE_PAYLOAD:
                 state["done"] = True
                 record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
-                out.append(DONE)
+                answer.done()
                 return
             if call.first_chunk is None:
                 call.first_chunk = time.perf_counter()
@@ -316,33 +351,28 @@ class Proxy:
             except orjson.JSONDecodeError:
                 call.error = "upstream sent an SSE event that is not JSON"
                 return
-            if "error" in chunk and "choices" not in chunk:
+            if "choices" not in chunk and "error" in chunk:  # (a chunk has choices: one lookup for it)
                 call.error = orjson.dumps(chunk["error"]).decode()
+                answer.error_chunk(chunk, payload)
             else:
                 assembler.feed(chunk)
-                payload = orjson.dumps(chunk)
-            out += (DATA, payload, END)
-
-        async def flush(out: list[bytes]) -> None:
-            if out:
-                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
-                out.clear()
+                emit(chunk)
 
         async def pump() -> None:
             lines = sse.DataLines()
-            out: list[bytes] = []  # what this read gives the client
+            flush = answer.flush
             async for data in upstream.iter_chunks():
                 for payload in lines.feed(data):
-                    relay_event(payload, out)
-                await flush(out)
+                    relay_event(payload)
+                await flush()
             last = lines.end()
             if last is not None:
-                relay_event(last, out)
-                await flush(out)
+                relay_event(last)
+                await flush()
             state["done"] = True
 
         try:
-            error = await relay_until_done(pump(), call.receive, send, lambda: state["done"], fail)
+            error = await relay_until_done(pump(), call.receive, answer.broke, lambda: state["done"], fail)
             if error is not None:
                 call.error = error
         finally:
@@ -354,7 +384,7 @@ class Proxy:
                 self.metrics.observe_upstream(
                     call.endpoint, call.replica_label, call.first_chunk - call.upstream_started
                 )
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await answer.end()
 
     async def fail(self, call: Exchange, error: GatewayError) -> None:
         """Record the call as failed and answer the client with the error."""
@@ -363,7 +393,7 @@ class Proxy:
         call.error = error.message
         self.submit(call, None)
         self.metrics.count_request(call.endpoint, error.status)
-        await send_json(call.send, error.status, error.body(), call.headers)
+        await call.answer.error(error, call.headers)
 
     def submit(self, call: Exchange, response: dict[str, Any] | None) -> None:
         """One record per choice (n > 1 gives several rows of the same turn); one error record if none."""
@@ -514,16 +544,5 @@ def _int_header(value: str | None) -> int:
         return 0
 
 
-async def _send_bytes(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [*headers, (b"content-length", str(len(body)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
 async def send_json(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    await _send_bytes(send, status, body, [(b"content-type", b"application/json"), *headers])
+    await send_bytes(send, status, body, [(b"content-type", b"application/json"), *headers])

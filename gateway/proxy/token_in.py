@@ -516,7 +516,7 @@ class TokenIn:
         response = self._answer(call, plan.prompt, generated, derendered, chat_request)
         self._record(call, plan.prompt, generated.get("choices") or [], response, keys)
         capture.strip_for_client(response, call.asks)
-        await self.outcome.send_answer(call, 200, orjson.dumps(response), b"application/json")
+        await self.outcome.send_answer(call, response)
 
     def _answer(
         self,
@@ -605,11 +605,11 @@ class TokenIn:
                 await self.outcome.fail(call, error)
                 return
             relay = StreamRelay(self, call, upstream, chat_request, prompt, keys)
-            await sse.start_stream(call.send, call.headers)
+            await call.answer.start(call.headers)
             call.status = 200
             try:
                 ended_early = await relay_until_done(
-                    relay.run(), call.receive, call.send, lambda: relay.done, relay.fail
+                    relay.run(), call.receive, call.answer.broke, lambda: relay.done, relay.fail
                 )
                 if ended_early is not None:
                     call.error = ended_early
@@ -619,7 +619,7 @@ class TokenIn:
                 relay.record()
                 self.metrics.count_request(call.endpoint, 200)
             with contextlib.suppress(OSError):
-                await call.send({"type": "http.response.body", "body": b"", "more_body": False})
+                await call.answer.end()
         finally:
             upstream.release()
 
@@ -643,7 +643,7 @@ class StreamRelay:
         self.chat_request = {**chat_request, "stream": True}
         self.asks = call.asks
         self.prompt = prompt
-        self.send = call.send
+        self.answer = call.answer
         self.pending: list[dict[str, Any]] = []
         self.arrived = asyncio.Event()
         self.reading = True
@@ -679,7 +679,8 @@ class StreamRelay:
         self.done = True
         self.call.finished = time.perf_counter()
         self.record()  # before the client sees [DONE]: it may hang up, and a flush must find the record
-        await self.send({"type": "http.response.body", "body": sse.DONE, "more_body": True})
+        self.answer.done()
+        await self.answer.flush()
 
     async def _read(self) -> None:
         lines = sse.DataLines()
@@ -768,7 +769,8 @@ class StreamRelay:
 
     async def _send_chunk(self, chunk: dict[str, Any]) -> None:
         capture.strip_for_client(chunk, self.asks)
-        await self.send({"type": "http.response.body", "body": sse.frame(orjson.dumps(chunk)), "more_body": True})
+        self.answer.chunk(chunk)
+        await self.answer.flush()
 
     def fail(self, error: str) -> None:
         """The stream broke: record why, before the client is told."""

@@ -1,7 +1,7 @@
 """Drive the real `Proxy._relay_stream` in-process: no sockets, no aiohttp, no database.
 
 Only the ends are stubbed — the upstream response (`iter_chunks()` and `close()`, the part of
-gateway.upstream.client's response the relay reads), the ASGI `send`/`receive`, and the writer (records are kept in a list) — so what comes
+gateway.upstream.client's response the relay reads), the ASGI `send` (behind the chat client's `ChatAnswer`) and `receive`, and the writer (records are kept in a list) — so what comes
 out is exactly what a client would receive and what would be written. Shared by the relay's equivalence tests
 (tests/gateway/proxy/test_stream_relay.py) and its CPU benchmark (bench/sse_relay.py).
 """
@@ -17,6 +17,7 @@ from starlette.types import Send
 
 from gateway.http.metrics import GatewayMetrics
 from gateway.proxy import capture
+from gateway.proxy.asgi_io import ChatAnswer
 from gateway.proxy.attribution import Attribution
 from gateway.proxy.exchange import Exchange
 from gateway.proxy.hot_path import Proxy
@@ -74,7 +75,7 @@ def new_call(endpoint: str, asks: capture.ClientAsks, send: Send) -> Exchange:
         created_at=time.time(),
         request={"model": "my-agent", "stream": True},
         receive=_never,
-        send=send,
+        answer=ChatAnswer(send),
         attribution=Attribution("t-relay", "g-relay", None, "train", False),
         seq=1,
         retry_count=0,

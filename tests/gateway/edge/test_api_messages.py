@@ -403,7 +403,7 @@ def test_stream_translator_closes_each_block_and_reports_the_stop() -> None:
         },
         {"id": "chatcmpl-1", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 7}},
     ]
-    events = [e for chunk in chunks for e in translator.feed(json.dumps(chunk).encode())] + translator.feed(b"[DONE]")
+    events = [e for chunk in chunks for e in translator.feed(chunk)] + translator.finish()
     parsed = [(e.split(b"\n")[0].decode(), json.loads(e.split(b"\n")[1][6:])) for e in events]
     assert [name.removeprefix("event: ") for name, _ in parsed] == [
         "message_start", "ping",
@@ -478,7 +478,7 @@ def test_tool_arguments_that_are_not_an_object_are_answered_as_vllm_streams_them
             "choices": [{"index": 0, "delta": {"tool_calls": [{**call, "index": 0}]}, "finish_reason": "tool_calls"}],
         },
     ]
-    events = [e for chunk in chunks for e in translator.feed(json.dumps(chunk).encode())] + translator.feed(b"[DONE]")
+    events = [e for chunk in chunks for e in translator.feed(chunk)] + translator.finish()
     parsed = [json.loads(e.split(b"\n")[1][6:]) for e in events]
     streamed = "".join(e["delta"]["partial_json"] for e in parsed if e["type"] == "content_block_delta")
     assert json.loads(streamed) == message["content"][0]["input"]
@@ -681,6 +681,20 @@ def test_bad_requests_get_anthropic_errors(gateway: RunningGateway) -> None:
     assert _error(httpx.get(url))[:2] == (405, "invalid_request_error")
     huge = b'{"model": "a", "pad": "' + b"x" * (gateway.app.state.settings.max_body_bytes + 1) + b'"}'
     assert _error(httpx.post(url, content=huge))[:2] == (413, "request_too_large")
+
+
+def test_a_chat_request_grown_past_the_body_limit_is_a_413(gateway_settings: dict[str, object]) -> None:
+    """The chat request is what the chat path forwards and records, so it is held to the body limit too: tool uses
+    grow in translation (their input becomes escaped JSON arguments), and a body within the limit whose chat request
+    is not gets the 413 the chat path answers, in Anthropic's shape and with the call's request id."""
+    calls = [{"type": "tool_use", "id": f"t{i}", "name": "f", "input": {"k": "v"}} for i in range(40)]
+    body = {"model": RUN, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"},
+                                                        {"role": "assistant", "content": calls}]}  # fmt: skip
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    with running_gateway(**{**gateway_settings, "max_body_bytes": len(raw) + 64}) as gw:
+        response = httpx.post(gw.url + "/v1/messages", content=raw, headers={"content-type": "application/json"})
+    assert _error(response)[:2] == (413, "request_too_large")
+    assert response.json()["request_id"] == response.headers["request-id"] == response.headers["x-request-id"]
 
 
 def test_upstream_failures_get_anthropic_errors(

@@ -223,8 +223,11 @@ async def test_a_streamed_custom_tool_call_sends_its_input_as_vllm_does() -> Non
             pass
 
     stream = api_responses._EventStream(Kept(), chat, "resp_" + "ab" * 16, None, send)  # type: ignore[arg-type]
-    sse = b"".join(b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks) + b"data: [DONE]\n\n"
-    await stream.feed(sse, False)
+    for chunk in chunks:
+        stream.chunk(chunk)
+    stream.done()
+    await stream.flush()
+    await stream.end()
     events = [json.loads(block.split(b"data: ", 1)[1]) for block in b"".join(sent).split(b"\n\n") if block]
     kinds = [event["type"] for event in events]
     assert "response.function_call_arguments.delta" not in kinds

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.proxy.asgi_io import relay_until_done
+from gateway.proxy.asgi_io import ChatAnswer, relay_until_done
 
 
 class Client:
@@ -36,6 +36,10 @@ class Client:
     async def send(self, message: dict[str, Any]) -> None:
         self.sent.append(message)
 
+    def tell(self, message: str) -> Any:
+        """An in-band failure, told as the chat client is told one."""
+        return ChatAnswer(self.send).broke(message)
+
 
 async def test_finished_relay_returns_no_error_and_stops_watching() -> None:
     client = Client()
@@ -44,7 +48,7 @@ async def test_finished_relay_returns_no_error_and_stops_watching() -> None:
     async def relay() -> None:
         await asyncio.sleep(0)
 
-    error = await relay_until_done(relay(), client.receive, client.send, lambda: True, recorded.append)
+    error = await relay_until_done(relay(), client.receive, client.tell, lambda: True, recorded.append)
     client.leave()  # after the end: must not cancel the caller, which goes on to finish the response
     await asyncio.sleep(0.01)
     assert error is None and recorded == [] and client.sent == []
@@ -62,7 +66,7 @@ async def test_hangup_cancels_the_relay_and_the_caller_goes_on() -> None:
             raise
 
     leaving = client.leave_soon()
-    error = await relay_until_done(relay(), client.receive, client.send, lambda: False, lambda _: None)
+    error = await relay_until_done(relay(), client.receive, client.tell, lambda: False, lambda _: None)
     await leaving
     assert cancelled.is_set()
     assert error == "client disconnected mid-stream"
@@ -78,7 +82,7 @@ async def test_hangup_after_done_is_no_error() -> None:
         await asyncio.sleep(30)
 
     leaving = client.leave_soon()
-    error = await relay_until_done(relay(), client.receive, client.send, lambda: True, lambda _: None)
+    error = await relay_until_done(relay(), client.receive, client.tell, lambda: True, lambda _: None)
     await leaving
     assert error is None
 
@@ -92,7 +96,7 @@ async def test_a_shutdown_still_cancels_the_caller() -> None:
         await asyncio.sleep(30)
 
     async def handler() -> str | None:
-        return await relay_until_done(relay(), client.receive, client.send, lambda: False, lambda _: None)
+        return await relay_until_done(relay(), client.receive, client.tell, lambda: False, lambda _: None)
 
     task = asyncio.ensure_future(handler())
     await started.wait()
@@ -111,7 +115,8 @@ async def test_a_failing_receive_counts_as_a_hangup() -> None:
     async def relay() -> None:
         await asyncio.sleep(30)
 
-    error = await asyncio.wait_for(relay_until_done(relay(), broken_receive, send, lambda: False, lambda _: None), 5)
+    tell = ChatAnswer(send).broke
+    error = await asyncio.wait_for(relay_until_done(relay(), broken_receive, tell, lambda: False, lambda _: None), 5)
     assert error == "client disconnected mid-stream"
 
 
@@ -126,7 +131,8 @@ async def test_a_failed_relay_is_recorded_then_told_in_band() -> None:
         order.append("told")
         client.sent.append(message)
 
-    error = await relay_until_done(relay(), client.receive, send, lambda: False, lambda e: order.append("recorded"))
+    tell = ChatAnswer(send).broke
+    error = await relay_until_done(relay(), client.receive, tell, lambda: False, lambda e: order.append("recorded"))
     assert error == "stream relay failed: ValueError: bad event"
     assert order == ["recorded", "told"]
     assert b"could not relay" in client.sent[0]["body"]
