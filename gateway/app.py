@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import asdict
-from typing import Any
 
 from fastapi import FastAPI
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import Receive, Scope, Send
 
 from gateway.api import judge_api, read_api, rewards_api, runs_api
 from gateway.api.service import install_error_handlers, router
@@ -175,7 +175,7 @@ class Gateway:
             await asyncio.sleep(ROUTE_REFRESH_S)
             await self._refresh_routes()
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             prefix = split_path(scope["path"])
             path = prefix.rest if prefix else scope["path"]

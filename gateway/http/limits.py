@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.http.errors import error_body
@@ -42,7 +43,7 @@ class HttpLimits:
     max_connections: int
 
 
-async def _over_capacity(scope: dict[str, Any], receive: Any, send: Any) -> None:
+async def _over_capacity(scope: Scope, receive: Receive, send: Send) -> None:
     body = error_body(
         "the gateway has too many open connections; retry shortly", "server_error", "too_many_connections"
     )

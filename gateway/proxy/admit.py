@@ -34,6 +34,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import Receive
 
 from gateway.http.errors import GatewayError
 from gateway.http.metrics import GatewayMetrics
@@ -92,7 +93,7 @@ class Admission:
             and self.engine is not None
         )
 
-    async def route(self, route: Route, attribution: Attribution, receive: Any) -> Route:
+    async def route(self, route: Route, attribution: Attribution, receive: Receive) -> Route:
         """The route to serve a call `applies` holds for: its group's first call on this process is admitted first
         (Refused as `admit` says); every call is served by a version its group's bound allows, after reloading the
         route table if the group was admitted on a version this process has not loaded yet."""
@@ -108,7 +109,7 @@ class Admission:
             route = await self._catch_up(route, admitted)
         return route.for_group(admitted)
 
-    async def admit(self, route: Route, attribution: Attribution, receive: Any) -> int | None:
+    async def admit(self, route: Route, attribution: Attribution, receive: Receive) -> int | None:
         """Wait until the call's group is admitted and return the version it was admitted on (None: unknown);
         raise Refused when the run says reject and there is no room, or the wait timed out. A client that hangs up
         while waiting gives up its place."""
