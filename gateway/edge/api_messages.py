@@ -31,6 +31,7 @@ from gateway.proxy.attribution import PathPrefix, check_bound, check_run, split_
 from gateway.proxy.exchange import Caller, Headers
 from gateway.proxy.hot_path import Proxy, named_run
 from gateway.store.models import CHAT
+from gateway.upstream.failures import body_message
 
 ENDPOINT = "messages"  # the label records and metrics carry
 MESSAGES = "/v1/messages"
@@ -473,23 +474,6 @@ def error_body(error: GatewayError, request_id: str | None = None) -> bytes:
     return orjson.dumps(body)
 
 
-def error_message(raw: bytes) -> str:
-    """The message of an error body from the chat path: the gateway's own (OpenAI-shaped) or vLLM's, passed on."""
-    text = raw[:4000].decode("utf-8", "replace")
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return text or "upstream error"
-    if isinstance(data, dict):
-        error = data.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-        for key in ("message", "detail"):
-            if data.get(key):
-                return str(data[key]) if isinstance(data[key], str) else orjson.dumps(data[key]).decode()
-    return text
-
-
 def stop_reason(
     finish_reason: str | None, matched: Any, tool_used: bool, tool_complete: bool
 ) -> tuple[str, str | None]:
@@ -714,7 +698,7 @@ class AnthropicAnswer:
         await self._whole(200, response, None, headers)
 
     async def passthrough(self, status: int, body: bytes, content_type: bytes, headers: Headers) -> None:
-        error = GatewayError(status, error_message(body)) if status != 200 else None
+        error = GatewayError(status, body_message(body)) if status != 200 else None
         await self._whole(status, None, error, headers)
 
     async def _whole(

@@ -32,22 +32,40 @@ def upstream_error(path: str, status: int, raw: bytes) -> GatewayError:
     mode does; server errors become a 502."""
     if status == 403:
         return GatewayError(502, f"vLLM refused {path} (403): {SCALE_OUT_HINT}", "upstream_error", "scale_out_disabled")
-    message = raw[:2000].decode("utf-8", "replace").replace("\x00", "\ufffd")
+    message = body_message(raw)
     error_type = "upstream_error"
     code: str | int | None = None
     param: str | None = None
     with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
         error = orjson.loads(raw).get("error")
         if isinstance(error, dict):
-            message = str(error.get("message") or message)
             error_type = str(error.get("type") or error_type)
             code = error.get("code") if isinstance(error.get("code"), (str, int)) else None
             param = error.get("param") if isinstance(error.get("param"), str) else None
-        elif isinstance(error, str):
-            message = error
     if 400 <= status < 500:
         return GatewayError(status, message, error_type, code, param)
     return GatewayError(502, f"vLLM answered {status} on {path}: {message}", "upstream_error", "upstream_error")
+
+
+def body_message(raw: bytes) -> str:
+    """The message of an error body vLLM (or the gateway's chat path) answered, the one way every API reads it:
+    OpenAI's `error.message` (or an `error` string), else a top-level `message` or FastAPI's `detail`, else the text
+    itself (the first 4,000 bytes, NULs replaced so that Postgres can store it)."""
+    text = raw[:4000].decode("utf-8", "replace").replace("\x00", "\ufffd")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return text or "upstream error"
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str) and error:
+            return error
+        for key in ("message", "detail"):
+            if data.get(key):
+                return str(data[key]) if isinstance(data[key], str) else orjson.dumps(data[key]).decode()
+    return text
 
 
 def not_json(path: str) -> GatewayError:

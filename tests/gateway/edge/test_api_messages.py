@@ -24,6 +24,7 @@ from gateway.edge import api_messages
 from gateway.edge.api_messages import MessagesRequest, StreamTranslator, to_chat
 from gateway.http.errors import GatewayError
 from gateway.proxy import token_in
+from gateway.upstream.failures import body_message
 from scripts.record_fixtures import TOOL_SYSTEM, WEATHER_RESULT
 from tests.support.fake_upstream import FIXTURES, FakeUpstream
 from tests.support.gateway_harness import RunningGateway, running_gateway
@@ -449,8 +450,9 @@ def test_answer_blocks_thinking_and_a_cut_tool_call() -> None:
     assert message["stop_reason"] == "max_tokens" and "stop_sequence" not in message  # vLLM leaves out nulls
     assert api_messages.stop_reason("stop", "END", False, False) == ("stop_sequence", "END")
     assert api_messages.stop_reason("stop", 2, False, False) == ("end_turn", None)  # a stop token id is no sequence
-    assert api_messages.error_message(b'{"detail": "Forbidden"}') == "Forbidden"
-    assert api_messages.error_message(b"upstream said no") == "upstream said no"
+    assert body_message(b'{"detail": "Forbidden"}') == "Forbidden"
+    assert body_message(b"upstream said no") == "upstream said no"
+    assert body_message(b'{"error": {"message": "bad n"}}') == body_message(b'{"error": "bad n"}') == "bad n"
 
 
 @pytest.mark.parametrize("arguments", ['"infinity"', "[144, 5]", "2"], ids=["string", "array", "number"])
