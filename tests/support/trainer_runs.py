@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,6 +15,7 @@ from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.records import write_calls
 from gateway.store.rewards import RewardItem, store_rewards
+from gateway.store.runs import upsert_run
 from tests.support.factories import make_record
 from tests.support.tiny_models import PATTERN, VOCAB
 from trainer.worker.loop import Trainer, TrainerOptions
@@ -32,22 +34,34 @@ def own_logprobs(model_dir: str, prompt: list[int], completion: list[int]) -> li
     return values[len(prompt) - 1 :].tolist()
 
 
-def seed_groups(url: str, tiny: str, groups: int, size: int = 4, seed: int = 0) -> None:
-    """Rewarded groups whose completions that repeat PATTERN earn 1, others 0, with the model's own logprobs."""
+def seed_groups(
+    url: str,
+    tiny: str,
+    groups: int,
+    size: int = 4,
+    seed: int | str = 0,
+    *,
+    run: str = "loop",
+    prefix: str = "",
+    first: int = 0,
+    config: dict[str, Any] | None = None,
+) -> None:
+    """Rewarded groups whose completions that repeat PATTERN earn 1, others 0, with the model's own logprobs; ids
+    start with `prefix` (several runs in one database), and `config`, when given, creates the run first."""
     rng = random.Random(seed)
     records, rewards = [], []
-    for g in range(groups):
+    for g in range(first, first + groups):
         for t in range(size):
             prompt = [rng.randrange(VOCAB) for _ in range(6)]
             good = t % 2 == 0
             completion = [PATTERN] * 5 if good else [rng.randrange(VOCAB) for _ in range(5)]
-            trajectory = f"g{g}-t{t}"
+            trajectory = f"{prefix}g{g}-t{t}"
             records.append(
                 make_record(
                     trajectory,
                     seq=1,
-                    run="loop",
-                    group_id=f"g{g}",
+                    run=run,
+                    group_id=f"{prefix}g{g}",
                     group_size=size,
                     prompt_token_ids=prompt,
                     completion_token_ids=completion,
@@ -57,6 +71,8 @@ def seed_groups(url: str, tiny: str, groups: int, size: int = 4, seed: int = 0) 
             rewards.append(RewardItem(trajectory, 1.0 if good else 0.0))
     engine = db.make_engine(url)
     try:
+        if config is not None:
+            upsert_run(engine, run, config, base_model="base-model")
         write_calls(engine, records)
         store_rewards(engine, rewards)
     finally:

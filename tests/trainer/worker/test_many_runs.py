@@ -4,7 +4,6 @@ turn between the runs with ready groups, per-run resume and per-run leases."""
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -19,13 +18,10 @@ import torch
 
 from gateway.runs.settings import Settings, load_settings
 from gateway.store import db
-from gateway.store.records import write_calls
-from gateway.store.rewards import RewardItem, store_rewards
 from gateway.store.runs import steps_after, upsert_run
 from gateway.store.training import group_states
-from tests.support.factories import make_record
-from tests.support.tiny_models import PATTERN, VOCAB, build_tiny_llama
-from tests.support.trainer_runs import adapter, own_logprobs
+from tests.support.tiny_models import build_tiny_llama
+from tests.support.trainer_runs import adapter, seed_groups
 from trainer.backends import HFBackend, LoraSpec
 from trainer.worker import loop
 from trainer.worker.loop import Runs, Trainer, TrainerOptions
@@ -114,40 +110,13 @@ def test_an_adapter_on_a_shared_base_counts_the_flops_of_its_own_model(tiny: str
 
 
 def seed_run(url: str, tiny: str, run: str, groups: int, size: int = 4, first: int = 0) -> None:
-    """Rewarded groups of `run` (PATTERN-repeating completions earn 1) with the model's own logprobs."""
-    rng = random.Random(f"{run}-{first}")
-    records, rewards = [], []
-    for g in range(first, first + groups):
-        for t in range(size):
-            prompt = [rng.randrange(VOCAB) for _ in range(6)]
-            good = t % 2 == 0
-            completion = [PATTERN] * 5 if good else [rng.randrange(VOCAB) for _ in range(5)]
-            trajectory = f"{run}-g{g}-t{t}"
-            records.append(
-                make_record(
-                    trajectory,
-                    seq=1,
-                    run=run,
-                    group_id=f"{run}-g{g}",
-                    group_size=size,
-                    prompt_token_ids=prompt,
-                    completion_token_ids=completion,
-                    completion_logprobs=own_logprobs(tiny, prompt, completion),
-                )
-            )
-            rewards.append(RewardItem(trajectory, 1.0 if good else 0.0))
-    engine = db.make_engine(url)
-    try:
-        # Each run its own objective settings: rb another loss and learning rate, and a smaller adapter. Set before
-        # the calls, which would create the run with the defaults (a trainer may be looking).
-        config = {"groups_per_step": 2, "learning_rate": 1e-2, "loss": "grpo"}
-        if run == "rb":
-            config = {**config, "learning_rate": 5e-3, "loss": "cispo", "lora_rank": 8, "lora_alpha": 16}
-        upsert_run(engine, run, config, base_model="base-model")
-        write_calls(engine, records)
-        store_rewards(engine, rewards)
-    finally:
-        engine.dispose()
+    """Rewarded groups of `run` (PATTERN-repeating completions earn 1) with the model's own logprobs. Each run its
+    own objective settings: rb another loss and learning rate, and a smaller adapter, set before the calls, which
+    would create the run with the defaults (a trainer may be looking)."""
+    config: dict[str, Any] = {"groups_per_step": 2, "learning_rate": 1e-2, "loss": "grpo"}
+    if run == "rb":
+        config = {**config, "learning_rate": 5e-3, "loss": "cispo", "lora_rank": 8, "lora_alpha": 16}
+    seed_groups(url, tiny, groups, size, f"{run}-{first}", run=run, prefix=f"{run}-", first=first, config=config)
 
 
 def settings_for(url: str, tmp_path: Path) -> Settings:
