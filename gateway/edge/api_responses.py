@@ -735,27 +735,25 @@ class _Answer:
     def __init__(
         self, api: ResponsesAPI, chat: dict[str, Any], response_id: str, previous_id: str | None, send: Send
     ) -> None:
-        self.api = api
-        self.chat = chat
-        self.response_id = response_id
-        self.previous_id = previous_id
-        self.send = send
+        # The request's facts live once, in the stream; a whole answer reads them from there too.
         self.stream = _EventStream(api, chat, response_id, previous_id, send)
 
     async def error(self, error: GatewayError, headers: Headers) -> None:
-        await send_bytes(self.send, error.status, error.body(), [(b"content-type", b"application/json"), *headers])
+        headers = [(b"content-type", b"application/json"), *headers]
+        await send_bytes(self.stream.send, error.status, error.body(), headers)
 
     async def answer(self, response: dict[str, Any], content_type: bytes, headers: Headers) -> None:
-        shown = response_object(self.response_id, self.chat, response, previous_response_id=self.previous_id)
-        self.api.remember(self.chat, shown)
-        await send_bytes(self.send, 200, orjson.dumps(shown), [(b"content-type", content_type), *headers])
+        s = self.stream
+        shown = response_object(s.response_id, s.chat, response, previous_response_id=s.previous_id)
+        s.api.remember(s.chat, shown)
+        await send_bytes(s.send, 200, orjson.dumps(shown), [(b"content-type", content_type), *headers])
 
     async def passthrough(self, status: int, body: bytes, content_type: bytes, headers: Headers) -> None:
         # (a 200 that is not JSON too: recorded as such by the proxy, the client sees what vLLM sent)
-        await send_bytes(self.send, status, body, [(b"content-type", content_type), *headers])
+        await send_bytes(self.stream.send, status, body, [(b"content-type", content_type), *headers])
 
     async def start(self, headers: Headers) -> None:
-        await sse.start_stream(self.send, headers)
+        await sse.start_stream(self.stream.send, headers)
 
     def chunk(self, chunk: dict[str, Any]) -> None:
         self.stream.chunk(chunk)
