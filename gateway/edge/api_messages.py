@@ -721,9 +721,7 @@ class AnthropicAnswer:
         await self._send({"type": "http.response.body", "body": body})
 
     async def start(self, headers: Headers) -> None:
-        # The chat stream's `cache-control` stays among the headers after the one `start_stream` puts first.
-        shown = [(b"cache-control", b"no-cache"), *_anthropic_headers(headers)[0]]
-        await sse.start_stream(self._send, shown, 200, sse.EVENT_STREAM + b"; charset=utf-8")
+        await sse.start_stream(self._send, _anthropic_headers(headers)[0], 200, sse.EVENT_STREAM + b"; charset=utf-8")
 
     def chunk(self, chunk: dict[str, Any]) -> None:
         self._pending.append(chunk)

@@ -751,3 +751,13 @@ def test_paths_are_routed_under_prefixes(gateway: RunningGateway) -> None:
     response = httpx.post(gateway.url + "/eval/t/x/v1/messages/count_tokens", json={"model": RUN})
     assert _error(response)[:2] == (400, "invalid_request_error")  # reached count_tokens: `messages` is missing
     assert _error(httpx.post(gateway.url + "/t/x/v1/messages/batches", json={}))[:2] == (404, "not_found_error")
+
+
+def test_a_stream_says_its_headers_once(gateway: RunningGateway) -> None:
+    """HTTP lets a proxy or client join repeated headers (`no-cache, no-cache`) or take either: each is sent once."""
+    with httpx.stream("POST", gateway.url + "/v1/messages", json={**FIRST, "stream": True}, timeout=30) as response:
+        response.read()
+    assert response.status_code == 200
+    names = [name.lower() for name, _ in response.headers.multi_items()]
+    assert response.headers.get_list("cache-control") == ["no-cache"]
+    assert sorted(names) == sorted(set(names)), names
