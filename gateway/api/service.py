@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.http.auth import presented_key
 from gateway.http.deps import GatewayState, agent_runs, gateway_state
 from gateway.http.errors import GatewayError
 from gateway.store.records import ping
@@ -58,8 +59,12 @@ async def _answers(gw: GatewayState, replica: Replica) -> bool:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    # The process's own figures are open, as scrapers expect; the per-run series name every run, so with an admin
+    # key set only a scrape that sends it gets them (a tenant must not learn other tenants' runs from this page).
     # In a worker thread: the per-run gauges read the database (at most once a second), never on the event loop.
-    body = await asyncio.to_thread(gateway_state(request).metrics.render)
+    gw = gateway_state(request)
+    with_runs = gw.auth.is_admin(presented_key(dict(request.headers)))
+    body = await asyncio.to_thread(gw.metrics.render, with_runs)
     return Response(body, media_type="text/plain; version=0.0.4")
 
 

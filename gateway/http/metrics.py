@@ -160,6 +160,7 @@ class _RunCollector(Collector):
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.run_registry = CollectorRegistry()
         self.requests = Counter(
             "trajgate_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=self.registry
         )
@@ -276,8 +277,10 @@ class GatewayMetrics:
         self.registry.register(_WriterCollector(stats))
 
     def watch_runs(self, read: Callable[[], list[RunGauges]], ttl_s: float = 1.0) -> None:
-        """Per-run gauges from `read` (gateway.store.run_activity.run_gauges), at most once per `ttl_s`."""
-        self.registry.register(_RunCollector(read, ttl_s))
+        """Per-run gauges from `read` (gateway.store.run_activity.run_gauges), at most once per `ttl_s`. They name
+        every run, so they live in a registry of their own that `render` adds only for a reader allowed to see runs."""
+        self.run_registry.register(_RunCollector(read, ttl_s))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, with_runs: bool = True) -> bytes:
+        page = generate_latest(self.registry)
+        return page + generate_latest(self.run_registry) if with_runs else page

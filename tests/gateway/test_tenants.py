@@ -340,3 +340,16 @@ def test_reads_export_and_the_ui_are_the_admin_keys_and_show_every_run(
         assert f'"trajectory_id":"{trajectory}"' in export.replace(" ", "")
     page = httpx.get(f"{tenants.url}/ui", headers=ADMIN_ONLY, timeout=30).text
     assert ">run-a<" in page and ">run-b<" in page
+
+
+def test_metrics_name_runs_only_to_the_admin_key(tenants: RunningGateway, upstream: FakeUpstream) -> None:
+    """/metrics stays open for the process's own figures (scrapers expect that), but its per-run series name every
+    run: with an admin key set, only a scrape that sends it gets them."""
+    assert chat(tenants, upstream, KEY_A, "run-a", "t-metrics-a").status_code == 200
+    tenants.flush()
+    for headers in ({}, bearer(KEY_A), bearer(KEY_FREE), bearer("wrong")):
+        page = httpx.get(tenants.url + "/metrics", headers=headers, timeout=30)
+        assert page.status_code == 200 and "trajgate_requests_total" in page.text
+        assert "trajgate_run_" not in page.text and "run-a" not in page.text, headers
+    page = httpx.get(tenants.url + "/metrics", headers=ADMIN_ONLY, timeout=30).text
+    assert 'trajgate_run_step{run="run-a"}' in page
