@@ -27,7 +27,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.http import sse
 from gateway.http.auth import presented_key
 from gateway.http.errors import GatewayError, UpstreamFailure
-from gateway.proxy.attribution import PathPrefix, check_bound, check_run, split_api_key
+from gateway.proxy.attribution import PathPrefix, check_bound, split_api_key
 from gateway.proxy.exchange import Caller, Headers
 from gateway.proxy.hot_path import Proxy, named_run
 from gateway.store.models import CHAT
@@ -778,7 +778,7 @@ class MessagesApi:
         self.proxy = proxy
         self._merges_inline_system: dict[str, bool] = {}  # by served model: its template wants one system prompt
 
-    async def _merge_inline_system(self, request: CountTokensRequest) -> bool:
+    async def _merge_inline_system(self, run: str, request: CountTokensRequest) -> bool:
         """Whether this request's system messages past the first must join the system prompt: vLLM's endpoint
         renders [system, user, system, user] with the model's template, and with the template it uses when tools are
         given (a model may have another), and merges if either refuses. Asked of vLLM's render endpoint once per
@@ -786,7 +786,7 @@ class MessagesApi:
         answer says nothing yet (asked again next time)."""
         if not any(message.role == "system" for message in request.messages):
             return False
-        served = self.proxy.router.resolve(check_run(request.model), await self.proxy.base_model()).served_name
+        served = self.proxy.router.resolve(run, await self.proxy.base_model()).served_name
         if served not in self._merges_inline_system:
             probe = [{"role": role, "content": "t"} for role in ("system", "user", "system", "user")]
             try:
@@ -831,17 +831,18 @@ class MessagesApi:
             key, key_group, key_trajectory = split_api_key(presented_key(headers))
             runs = self.proxy.auth.check_agent(key)
             data = _parse(await self.proxy.read_body(receive, headers))
+            run = named_run(headers, data)  # X-Run, else `model`, as the chat path names it
             if runs is not None:  # a bound key's run, before vLLM is asked anything (the chat path asks again)
-                check_bound(named_run(headers, data), runs)
+                check_bound(run, runs)
             if path == COUNT_TOKENS:
                 counted = parse_request(data, CountTokensRequest)
-                count = await self._count_tokens(counted, await self._merge_inline_system(counted))
+                count = await self._count_tokens(run, counted, await self._merge_inline_system(run, counted))
                 # vLLM's answer: nothing is edited out of the context here, so the original count is the count.
                 body = orjson.dumps({"input_tokens": count, "context_management": {"original_input_tokens": count}})
                 await _send_bytes(send, 200, body, [(b"content-type", b"application/json")])
                 return
             request = parse_request(data, MessagesRequest)
-            chat = to_chat(request, await self._merge_inline_system(request))
+            chat = to_chat(request, await self._merge_inline_system(run, request))
             ignored = ignored_fields(data)
             if ignored:
                 chat[EXTRA] = {"ignored": ignored}
@@ -857,9 +858,10 @@ class MessagesApi:
         )  # fmt: skip
         await self.proxy.serve(chat, caller, receive, AnthropicAnswer(send))
 
-    async def _count_tokens(self, request: CountTokensRequest, merge_inline_system: bool) -> int:
-        """The prompt's exact length as vLLM renders it (its scale-out render endpoint, which token_in uses too)."""
-        route = self.proxy.router.resolve(check_run(request.model), await self.proxy.base_model())
+    async def _count_tokens(self, run: str, request: CountTokensRequest, merge_inline_system: bool) -> int:
+        """The prompt's exact length as vLLM renders it (its scale-out render endpoint, which token_in uses too)
+        for the model serving `run`."""
+        route = self.proxy.router.resolve(run, await self.proxy.base_model())
         chat = to_chat(request, merge_inline_system)
         chat["model"] = route.served_name
         _chat_size(chat)  # the depth check

@@ -327,7 +327,7 @@ def test_inline_system_messages_join_the_system_prompt_where_the_template_wants_
         api = api_messages.MessagesApi(proxy)
         answers[:] = statuses
         rendered.clear()
-        return [await api._merge_inline_system(request) for _ in range(calls)]
+        return [await api._merge_inline_system("agent", request) for _ in range(calls)]
 
     assert asyncio.run(decisions([400])) == [True] and not answers
     assert [m["role"] for m in rendered[0]["messages"]] == ["system", "user", "system", "user"]
@@ -761,3 +761,15 @@ def test_a_stream_says_its_headers_once(gateway: RunningGateway) -> None:
     names = [name.lower() for name, _ in response.headers.multi_items()]
     assert response.headers.get_list("cache-control") == ["no-cache"]
     assert sorted(names) == sorted(set(names)), names
+
+
+def test_count_tokens_names_its_run_as_messages_does(gateway: RunningGateway) -> None:
+    """An agent whose `model` is not a run name (a CLI sending its own model id) names the run with X-Run; counting
+    its tokens takes the same header, not a 400 for the model id."""
+    render = next(e for e in exchanges("messages_chat_tool_loop") if e["path"].endswith("/render"))
+    odd = {**COUNT_TOKENS, "model": "claude model, not a run name!"}
+    refused = httpx.post(gateway.url + "/v1/messages/count_tokens", json=odd, timeout=30)
+    assert _error(refused)[:2] == (400, "invalid_request_error")
+    counted = httpx.post(gateway.url + "/v1/messages/count_tokens", json=odd, headers={"x-run": RUN}, timeout=30)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] == len(render["response"]["token_ids"])
