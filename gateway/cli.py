@@ -198,7 +198,7 @@ def _pin(cpus: list[int]) -> None:
 def _train(settings: Settings, args: argparse.Namespace) -> int:
     # Imported here: only the trainer process pays for torch; `trajgate serve` never imports it.
     from trainer.distributed import DataParallel, Topology, follow
-    from trainer.worker.loop import Runs, Trainer, TrainerError, TrainerOptions
+    from trainer.worker.loop import Runs, TrainerError, TrainerOptions
 
     _setup_logging(args.log_level)
     if args.cpus:
@@ -234,21 +234,18 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
             return _train_until_stopped(many, args)
         finally:
             many.close()  # gives the runs up, so a waiting trainer takes over at once
-    if runs is None or len(runs) > 1:
-        raise TrainerError(
-            "several runs in one trainer do not run under torchrun yet: start one torchrun job per run "
-            "(trajgate train --run NAME)"
-        )
-    # Under torchrun: rank 0 is the trainer above, the other ranks follow it (trainer.distributed).
+    if args.fsdp and (runs is None or len(runs) > 1):
+        raise TrainerError("--fsdp shards one run's base model: train several runs data-parallel without it")
+    # Under torchrun: rank 0 is the trainer above, the other ranks follow it (trainer.distributed), a replica per run.
     data_parallel = DataParallel.start(topology, args.device, args.dist_timeout_s, fsdp=args.fsdp)
     try:
         if data_parallel.rank != 0:
             return follow(data_parallel)
-        trainer = Trainer(settings, options, data_parallel=data_parallel)
+        many = Runs(settings, options, runs, data_parallel=data_parallel)
         try:
-            return _train_until_stopped(Runs(settings, options, runs, engine=trainer.engine, attached=[trainer]), args)
+            return _train_until_stopped(many, args)
         finally:
-            trainer.close()
+            many.close()
     finally:
         data_parallel.close()  # rank 0 tells the followers to stop (unless a rank died)
 
@@ -401,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train run RUN: wait for `groups_per_step` ready groups, claim them under a lease, take one "
         "GRPO-family step on the LoRA adapter, checkpoint under TRAJGATE_CHECKPOINT_DIR/RUN/STEP and commit. "
         "Restarting resumes from the last committed step. Ctrl-C / SIGTERM stop after the current step. "
-        "Under `torchrun --nproc_per_node N -m gateway.cli train ...` it trains data-parallel on N ranks (one run). "
+        "Under `torchrun --nproc_per_node N -m gateway.cli train ...` it trains data-parallel on N ranks (several runs too, each with a replica on every rank). "
         "With --runs a,b,c or --all-runs one process trains several runs on one copy of the base weights (hf "
         "backend): each run keeps its own adapter, optimizer, lease, checkpoints and settings; among the runs with "
         "groups_per_step ready groups, the one whose last step is oldest goes next (docs/training.md).",

@@ -7,7 +7,12 @@ of the adapter and its optimizer and do what rank 0 tells them over a command ch
     setup  build the replica (backend, LoRA shape, learning rate, loss, micro-batch budget)
     sync   take rank 0's adapter, optimizer moments and step count (after a resume or a rollback)
     step   train this rank's share of the step's rows (``shard_rows``) in ``trainer.step.train_step``
+    close  drop the replica (rank 0 gave the run up)
     stop   exit
+
+Every command but ``stop`` names its run: a job training several runs (``trajgate train --runs``) keeps one replica
+per run on every rank, each run's adapter on the one base model the rank loaded first (``ReplicaSpec.shares_base``),
+as rank 0 does. Rank 0 talks for a run through ``for_run``, a handle on the same job that tags its commands.
 
 Within a step (``trainer.step.train_step``) the ranks all-reduce the step's totals first, so every rank
 normalises its loss by the whole step's trained tokens and sequences; each rank's gradient is then exactly its
@@ -36,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -108,14 +113,17 @@ class ReplicaSpec:
     backend_args: dict[str, Any]
     loss: LossConfig
     micro_batch_tokens: int
+    # The run's adapter goes on the base model of the first replica this rank built (several runs in one job).
+    shares_base: bool = False
 
 
 @dataclass
 class Command:
     """One message from rank 0 to a follower (the module docstring lists them)."""
 
-    kind: Literal["setup", "sync", "step", "stop"]
+    kind: Literal["setup", "sync", "step", "close", "stop"]
     payload: Any = None
+    run: str = ""
 
 
 def _cpu(value: Any) -> Any:
@@ -127,6 +135,13 @@ def _cpu(value: Any) -> Any:
     if isinstance(value, list):
         return [_cpu(v) for v in value]
     return value
+
+
+@dataclass
+class _Health:
+    """Whether every collective so far succeeded; one per job, shared by its per-run handles (``for_run``)."""
+
+    ok: bool = True
 
 
 @dataclass
@@ -146,7 +161,16 @@ class DataParallel:
     objects: Any
     control: Any
     mesh: DeviceMesh | None = None
-    healthy: bool = field(default=True)
+    run: str = ""  # the run this handle's commands are for (``for_run``)
+    health: _Health = field(default_factory=_Health)
+
+    @property
+    def healthy(self) -> bool:
+        return self.health.ok
+
+    def for_run(self, run: str) -> DataParallel:
+        """A handle on the same job whose commands are for ``run`` (several runs in one job)."""
+        return replace(self, run=run)
 
     @property
     def fsdp(self) -> bool:
@@ -231,13 +255,16 @@ class DataParallel:
         self._checked(dist.all_gather_object, out, value, group=self.objects)
         return out
 
-    def build_backend(self, spec: ReplicaSpec) -> TrainerBackend:
-        """This rank's replica: on its own device, its share of the base weights under FSDP."""
+    def build_backend(self, spec: ReplicaSpec, share_base: TrainerBackend | None = None) -> TrainerBackend:
+        """This rank's replica: on its own device, its share of the base weights under FSDP; with ``share_base``,
+        an adapter of its own on that replica's base model."""
         if self.fsdp and spec.backend != "hf":
             raise ValueError(f"--fsdp shards the hf backend's model; the {spec.backend!r} backend is not supported")
         options = dict(spec.backend_args)
         if self.fsdp:
             options["fsdp_mesh"] = self.mesh
+        if share_base is not None:
+            options["share_base"] = share_base
         return make_backend(
             spec.backend,  # type: ignore[arg-type]  # resolved by rank 0: "hf" or "unsloth"
             device=str(self.device),
@@ -248,18 +275,24 @@ class DataParallel:
 
     def setup(self, spec: ReplicaSpec) -> None:
         """Rank 0: have the followers build their replicas (``follow``)."""
-        self._send([Command("setup", spec)] * self.world_size)
+        self._send([Command("setup", spec, self.run)] * self.world_size)
 
     def step(self, rows: Sequence[Row]) -> list[Row]:
         """Rank 0: hand each follower its share of the step's rows; returns rank 0's own share."""
         shards = shard_rows(rows, self.world_size)
-        self._send([Command("step", shard) for shard in shards])
+        self._send([Command("step", shard, self.run) for shard in shards])
         return shards[0]
 
     def sync(self, backend: TrainerBackend) -> None:
         """Rank 0: make every follower's replica equal to ``backend`` (after a resume or a rollback)."""
-        self._send([Command("sync")] * self.world_size)
+        self._send([Command("sync", None, self.run)] * self.world_size)
         self.share_state(backend)
+
+    def release(self) -> None:
+        """Rank 0: the followers drop this run's replica (the run was given up). Skipped once a collective failed,
+        as ``stop`` is."""
+        if self.healthy and self.rank == 0:
+            self._send([Command("close", None, self.run)] * self.world_size)
 
     def share_state(self, backend: TrainerBackend) -> None:
         """Every rank, after ``sync``: rank 0's adapter weights, optimizer moments and step count to all (a DDP
@@ -313,28 +346,43 @@ class DataParallel:
         try:
             return collective(*args, **kwargs)
         except BaseException:
-            self.healthy = False
+            self.health.ok = False
             raise
 
 
 def follow(data_parallel: DataParallel) -> int:
-    """A follower's life: build the replica rank 0 describes, keep it equal to rank 0's, train each step's
-    share, until rank 0 says stop. Returns the process's exit status."""
-    backend: TrainerBackend | None = None
-    spec: ReplicaSpec | None = None
-    while True:
-        command = data_parallel.receive()
-        if command.kind == "stop":
-            return 0
-        if command.kind == "setup":
-            spec = command.payload
-            backend = data_parallel.build_backend(spec)
-            continue
-        if backend is None or spec is None:
-            raise RuntimeError(f"rank {data_parallel.rank} got {command.kind!r} before setup")
-        if command.kind == "sync":
-            data_parallel.share_state(backend)
-        elif command.kind == "step":
-            backend.train_step(command.payload, spec.loss, spec.micro_batch_tokens, data_parallel=data_parallel)
-        else:
-            raise RuntimeError(f"rank {data_parallel.rank} got an unknown command {command.kind!r}")
+    """A follower's life: build the replicas rank 0 describes (one per run), keep each equal to rank 0's, train
+    each step's share, until rank 0 says stop. Returns the process's exit status."""
+    replicas: dict[str, tuple[TrainerBackend, ReplicaSpec]] = {}
+    base: TrainerBackend | None = None  # the first replica built: the one whose base model the others share
+    try:
+        while True:
+            command = data_parallel.receive()
+            if command.kind == "stop":
+                return 0
+            if command.kind == "setup":
+                spec: ReplicaSpec = command.payload
+                if spec.shares_base and base is None:
+                    raise RuntimeError(f"rank {data_parallel.rank}: run {command.run!r} shares a base never built")
+                old = replicas.pop(command.run, None)
+                backend = data_parallel.build_backend(spec, base if spec.shares_base else None)
+                if old is not None:
+                    old[0].close()
+                replicas[command.run] = (backend, spec)
+                base = base or backend
+                continue
+            if command.run not in replicas:
+                why = f"rank {data_parallel.rank} got {command.kind!r} for run {command.run!r} before its setup"
+                raise RuntimeError(why)
+            backend, spec = replicas[command.run]
+            if command.kind == "sync":
+                data_parallel.share_state(backend)
+            elif command.kind == "step":
+                backend.train_step(command.payload, spec.loss, spec.micro_batch_tokens, data_parallel=data_parallel)
+            elif command.kind == "close":
+                replicas.pop(command.run)[0].close()
+            else:
+                raise RuntimeError(f"rank {data_parallel.rank} got an unknown command {command.kind!r}")
+    finally:
+        for backend, _ in replicas.values():
+            backend.close()

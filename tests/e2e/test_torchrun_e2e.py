@@ -1,7 +1,7 @@
 """`torchrun --nproc_per_node 2 -m gateway.cli -- train` with gloo on the tiny random Llama, against the same
 groups trained in one process: the same gradients (step metrics) and adapters, resuming from a one-process
 checkpoint and resumed from a two-rank one, with the model whole on each rank (DDP) or its base weights sharded
-(`--fsdp`); and a rank killed mid-step commits nothing.
+(`--fsdp`); two runs in one job as in one process (`--runs`); and a rank killed mid-step commits nothing.
 
 In the e2e tier (no vLLM here) because a torchrun launch loads torch and transformers in three processes: about
 20 s on an idle 2-core machine, over a minute on a busy one. The fast tier checks the same arithmetic with two
@@ -26,7 +26,7 @@ from gateway.store.runs import steps_after, upsert_run
 from gateway.store.training import group_states
 from tests.support.tiny_models import build_tiny_llama
 from tests.support.trainer_runs import adapter, seed_groups
-from trainer.worker.loop import Trainer, TrainerOptions
+from trainer.worker.loop import Runs, Trainer, TrainerOptions
 
 GROUPS, PER_STEP = 8, 2
 # The adapters after steps 2-4 (step 1 is the same process on both sides). The gradients agree to ~1e-7
@@ -66,14 +66,15 @@ def trainer(url: str, directory: Path, tiny: str, steps: int) -> Trainer:
 
 
 def torchrun(
-    url: str, checkpoints: Path, tiny: str, *args: str, module: str = "gateway.cli", **env: str
+    url: str, checkpoints: Path, tiny: str, *args: str, module: str = "gateway.cli", runs: str = "--run=loop",
+    **env: str,
 ) -> subprocess.CompletedProcess[str]:
     """Two gloo ranks on the CPU training run 'loop' (``--standalone``: a free port, so parallel jobs don't
     collide). `--` keeps torchrun's parser off `--run` (its
     `--run-path` would claim it as an abbreviation)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", module, "--",
-        "train", "--run", "loop", "--backend", "hf", "--device", "cpu", "--base-weights", tiny,
+        "train", runs, "--backend", "hf", "--device", "cpu", "--base-weights", tiny,
         "--no-publish", "--poll-s", "0.05", *args,
     ]  # fmt: skip
     environment = {
@@ -86,10 +87,10 @@ def torchrun(
     return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
 
 
-def steps(url: str) -> list[dict]:
+def steps(url: str, run: str = "loop") -> list[dict]:
     engine = db.make_engine(url)
     try:
-        return steps_after(engine, "loop")
+        return steps_after(engine, run)
     finally:
         engine.dispose()
 
@@ -142,6 +143,58 @@ def test_two_ranks_train_the_single_process_steps_and_resume_at_any_world_size(
         for key in b:
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=ADAPTER_ATOL)
     assert states(url) == ["trained"] * GROUPS
+
+
+def same_steps(got: list[dict], want: list[dict], groups_used: int) -> None:
+    """Step by step, the metrics a wrong gradient or normaliser would move."""
+    assert [s["step"] for s in got] == [s["step"] for s in want]
+    for mine, theirs in zip(got, want, strict=True):
+        for key in ("grad_norm", "loss", "tokens", "ratio_mean", "ratio_max", "clip_frac", "input_tokens"):
+            assert mine["metrics"][key] == pytest.approx(theirs["metrics"][key], rel=METRIC_REL, abs=1e-7), key
+        assert mine["metrics"]["groups_used"] == theirs["metrics"]["groups_used"] == groups_used
+
+
+def two_runs(path: Path, tiny: str) -> str:
+    """A SQLite database with runs 'ra' (GRPO, lr 1e-2) and 'rb' (CISPO, lr 5e-3, other groups): two runs that
+    differ in data and objective, so a step given the other run's replica or settings shows."""
+    url = f"sqlite:///{path}"
+    db.upgrade(url)
+    seed_groups(url, tiny, groups=4, run="ra", prefix="a-", seed=1,
+                config={"groups_per_step": PER_STEP, "learning_rate": 1e-2, "loss": "grpo"})
+    seed_groups(url, tiny, groups=4, run="rb", prefix="b-", seed=2,
+                config={"groups_per_step": PER_STEP, "learning_rate": 5e-3, "loss": "cispo"})  # fmt: skip
+    return url
+
+
+def test_two_runs_in_one_job_train_as_in_one_process(tmp_path: Path, tiny: str) -> None:
+    """`--runs ra,rb` under torchrun: every rank keeps a replica per run on its one base model, and each run's steps
+    and adapters equal those of the same two runs trained in one process (trainer.worker.loop.Runs)."""
+    reference = two_runs(tmp_path / "reference.db", tiny)
+    settings = load_settings(_env_file=None, database_url=reference, checkpoint_dir=tmp_path / "alone" / "ckpt")
+    options = TrainerOptions(
+        run="", backend="hf", device="cpu", base_weights=tiny, poll_s=0.05, publish=False, max_steps=2
+    )
+    alone = Runs(settings, options, ["ra", "rb"], echo=lambda line: None)
+    try:
+        assert alone.run() == 4
+    finally:
+        alone.close()
+
+    url = two_runs(tmp_path / "ranks.db", tiny)
+    checkpoints = tmp_path / "ranks" / "ckpt"
+    done = torchrun(url, checkpoints, tiny, "--steps", "2", runs="--runs=ra,rb")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "run 'ra' is at step 2, run 'rb' is at step 2" in done.stdout, done.stdout[-2000:]
+    for run in ("ra", "rb"):
+        same_steps(steps(url, run), steps(reference, run), PER_STEP)
+        for step in (1, 2):
+            a = adapter(checkpoints / run / f"{step:05d}")
+            b = adapter(tmp_path / "alone" / "ckpt" / run / f"{step:05d}")
+            assert a.keys() == b.keys()
+            for key in b:
+                torch.testing.assert_close(a[key], b[key], rtol=0, atol=ADAPTER_ATOL)
+    # the runs really differ: a replica mixed up between them would not pass the comparison above
+    assert steps(url, "ra")[0]["metrics"]["grad_norm"] != pytest.approx(steps(url, "rb")[0]["metrics"]["grad_norm"])
 
 
 def test_a_rank_that_dies_mid_step_leaves_nothing_committed(tmp_path: Path, tiny: str) -> None:

@@ -349,6 +349,8 @@ class Trainer:
         the trackers."""
         self.lease.stop()
         self.backend.close()
+        if self.data_parallel is not None:
+            self.data_parallel.release()  # the other ranks drop this run's replica too
         self.reporter.close()
 
     def __enter__(self) -> Trainer:
@@ -426,7 +428,9 @@ class Trainer:
         """What every rank builds: rank 0 resolves ``auto`` so that all ranks run the same backend."""
         assert self.data_parallel is not None
         backend = resolve_backend_name(self.options.backend, str(self.data_parallel.device))
-        return ReplicaSpec(backend, self._backend_args(), self.loss, self.config.micro_batch_tokens)
+        return ReplicaSpec(
+            backend, self._backend_args(), self.loss, self.config.micro_batch_tokens, self.share_base is not None
+        )
 
     def _publisher(self) -> Publisher:
         key = self.settings.upstream_api_key
@@ -668,6 +672,9 @@ class Runs:
     (``--all-runs``). A run that is missing (with ``wait_for_run``) or held by another trainer (with
     ``wait_for_lease``) is retried every round while the others train; one taken over by another trainer is
     dropped and the others go on (with ``--all-runs`` it is taken back once it is free). ``max_steps`` is per run.
+
+    ``data_parallel``: this is rank 0 of a torchrun job; each run's trainer talks to the other ranks through its own
+    handle (``DataParallel.for_run``), and they keep a replica per run on their one base model, as this rank does.
     """
 
     def __init__(
@@ -679,8 +686,10 @@ class Runs:
         engine: Engine | None = None,
         echo: Callable[[str], None] = print,
         attached: Sequence[Trainer] = (),
+        data_parallel: DataParallel | None = None,
     ) -> None:
         self.settings, self.options, self.echo = settings, options, echo
+        self.data_parallel = data_parallel
         check_trackers(options.log_to)  # now, not once another trainer lets a run go
         self.engine = engine or db.make_engine(settings.database_url)
         self.wanted = None if runs is None else list(dict.fromkeys(runs))
@@ -756,7 +765,10 @@ class Runs:
             else self.options.tracker_name,
         )
         echo = self.echo if not self.many else (lambda line: self.echo(f"[{name}] {line}"))
-        trainer = Trainer(self.settings, options, engine=self.engine, echo=echo, share_base=self._base)
+        trainer = Trainer(
+            self.settings, options, engine=self.engine, echo=echo, share_base=self._base,
+            data_parallel=self.data_parallel.for_run(name) if self.data_parallel is not None else None,
+        )  # fmt: skip
         self.trainers[name] = trainer
         self._said.pop(name, None)
         if self._base is None:

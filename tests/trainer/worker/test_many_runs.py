@@ -232,7 +232,9 @@ def test_one_run_taken_over_by_another_trainer_while_the_others_go_on(two_runs: 
     assert [s["step"] for s in steps_after(runs.engine, "rb")] == [1]
 
 
-def test_cli_trains_several_runs_and_refuses_them_under_torchrun(sqlite_url: str, tmp_path: Path, tiny: str) -> None:
+def test_cli_trains_several_runs_and_refuses_them_only_with_fsdp(sqlite_url: str, tmp_path: Path, tiny: str) -> None:
+    """Several runs train under torchrun too (tests/e2e/test_torchrun_e2e.py); sharding one base model (--fsdp) for
+    several runs is refused before the job is joined."""
     db.upgrade(sqlite_url)
     for run in RUNS:
         seed_run(sqlite_url, tiny, run, groups=2)
@@ -245,8 +247,8 @@ def test_cli_trains_several_runs_and_refuses_them_under_torchrun(sqlite_url: str
     assert "[ra] step    1 |" in done.stdout and "[rb] step    1 |" in done.stdout
 
     ranked = {**env, "RANK": "0", "WORLD_SIZE": "2"}
-    refused = subprocess.run(command, env=ranked, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and "do not run under torchrun yet" in refused.stderr, refused.stderr
+    refused = subprocess.run([*command, "--fsdp"], env=ranked, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--fsdp shards one run's base model" in refused.stderr, refused.stderr
 
 
 def test_all_runs_picks_up_a_run_created_later_and_skips_one_it_cannot_train(
