@@ -197,11 +197,17 @@ def read_conversations(path: str | Path) -> list[Conversation]:
 # ---------------------------------------------------------------------------------------------
 
 
-def render(tokenizer: ChatTokenizer, conversation: Conversation, upto: int, generation_prompt: bool) -> list[int]:
-    """The ids of ``messages[:upto]`` as vLLM renders a chat request: the template to text, then tokenized without
-    special tokens added (the template writes its own)."""
+def render(
+    tokenizer: ChatTokenizer,
+    conversation: Conversation,
+    upto: int,
+    generation_prompt: bool,
+    messages: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The ids of ``messages[:upto]`` (default the conversation's) as vLLM renders a chat request: the template to
+    text, then tokenized without special tokens added (the template writes its own)."""
     text = tokenizer.apply_chat_template(
-        conversation.messages[:upto],
+        (conversation.messages if messages is None else messages)[:upto],
         tools=conversation.tools,
         add_generation_prompt=generation_prompt,
         tokenize=False,
@@ -223,7 +229,8 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 def conversation_rows(tokenizer: ChatTokenizer, conversation: Conversation, index: int) -> list[Row]:
     """The training rows of one conversation (module docstring): one row unless the template rewrites history.
 
-    Raises ValueError if the template fails on it or a trained turn renders to no tokens.
+    Raises ValueError if the template fails on it, a trained turn renders to no tokens, or the template leaves out a
+    trained turn's tool calls (vLLM would too: the row would teach the model to answer with nothing).
     """
     rows: list[tuple[list[int], list[tuple[int, int]]]] = []  # (ids, trained spans)
     for i in conversation.trained:
@@ -232,6 +239,15 @@ def conversation_rows(tokenizer: ChatTokenizer, conversation: Conversation, inde
         start = _common_prefix(prompt, turn)
         if start >= len(turn):
             raise ValueError(f"assistant turn messages[{i}] renders to no tokens after its prompt")
+        if conversation.messages[i].get("tool_calls"):
+            bare = {k: v for k, v in conversation.messages[i].items() if k != "tool_calls"}
+            without = [*conversation.messages[:i], bare]
+            if render(tokenizer, conversation, i + 1, False, without) == turn:
+                # SmolLM2's template, say: the model would be taught to answer a tool-calling turn with nothing.
+                raise ValueError(
+                    f"the chat template does not render the tool calls of messages[{i}]: write the call into the "
+                    "turn's content in the model's own format, or give the turn weight 0"
+                )
         if rows and turn[: len(rows[-1][0])] == rows[-1][0]:
             ids, spans = rows[-1]
             rows[-1] = (turn, [*spans, (max(start, len(ids)), len(turn))])

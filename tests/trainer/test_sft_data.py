@@ -119,6 +119,17 @@ def test_a_token_merged_across_the_prompt_boundary_is_trained_from_the_merge() -
     assert spans(tokenizer, row.input_ids, row.loss_mask) == [" in Paris.<|im_end|>\n"]
 
 
+def test_a_template_that_leaves_tool_calls_out_is_refused_for_a_tool_calling_turn() -> None:
+    tokenizer = chat_tokenizer(DROPS_REASONING)  # renders content only, as SmolLM2's template does
+    conversation = parse_line(json.dumps(TOOL_LOOP), 3)
+    with pytest.raises(SftDataError, match=r"line 3: .*does not render the tool calls of messages\[2\]"):
+        sft_data_rows(tokenizer, [conversation], 1000)
+    line = json.loads(json.dumps(TOOL_LOOP))
+    line["messages"][2]["weight"] = 0  # as context only it is what the template makes of it
+    (row,) = sft_data_rows(tokenizer, [parse_line(json.dumps(line), 3)], 1000).rows
+    assert spans(tokenizer, row.input_ids, row.loss_mask) == ["It is sunny in Paris.<|im_end|>\n"]
+
+
 def test_turns_of_weight_zero_are_context_only() -> None:
     tokenizer = chat_tokenizer(CHATML_TOOLS)
     line = json.loads(json.dumps(TOOL_LOOP))
