@@ -141,17 +141,17 @@ def sft_selection(config: RunConfig) -> SftSelection | None:
 
 
 def make_teacher(config: RunConfig, settings: Settings) -> Teacher | None:
-    """Loss ``distill``'s teacher: ``teacher`` served at ``teacher_base_url``, by default the run's own (first) vLLM
-    with the gateway's upstream key; None for the other objectives."""
+    """Loss ``distill``'s teacher: ``teacher`` served at ``teacher_base_url``, by default the run's own (first) vLLM;
+    its key is ``TRAJGATE_TEACHER_API_KEY``, else the gateway's upstream key for the run's own vLLM (never sent to
+    another endpoint). None for the other objectives."""
     if config.loss != "distill":
         return None
     assert config.teacher is not None  # RunConfig requires it for distill
-    key = settings.upstream_api_key
-    default = config.teacher_base_url is None
+    key = settings.teacher_api_key or (settings.upstream_api_key if config.teacher_base_url is None else None)
     return Teacher(
         model=config.teacher,
         base_url=config.teacher_base_url or settings.upstream_urls[0],
-        api_key=key.get_secret_value() if key and default else None,
+        api_key=key.get_secret_value() if key else None,
     )
 
 
