@@ -283,8 +283,8 @@ def _warm_start(settings: Settings, options: Any, args: argparse.Namespace, unde
         stop.set()
 
     with Trainer(settings, options) as trainer:
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
+        # Restored after: `main` also runs in-process (the e2e tier), whose Ctrl-C must work again afterwards.
+        before = signal.signal(signal.SIGTERM, _stop), signal.signal(signal.SIGINT, _stop)
         try:
             done = warm_start(
                 trainer, conversations, str(args.sft_data), batch_rows=args.sft_batch or 8, epochs=args.epochs,
@@ -293,6 +293,9 @@ def _warm_start(settings: Settings, options: Any, args: argparse.Namespace, unde
         except SftDataError as exc:  # the template refused some conversations: nothing was trained
             print(f"trajgate train: {exc}", file=sys.stderr)
             return 2
+        finally:
+            signal.signal(signal.SIGTERM, before[0])
+            signal.signal(signal.SIGINT, before[1])
         print(f"trajgate train: {done} sft-data step(s) done; run {args.run!r} is at step {trainer.step}")
         if not stop.is_set() and not trainer.finish_publishing(stop, args.publish_timeout_s):
             return 1
