@@ -226,6 +226,10 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
     if args.worker_id:
         options.worker_id = args.worker_id
     topology = Topology.from_env()
+    if args.sft_data is not None:
+        return _warm_start(settings, options, args, topology is not None)
+    if args.epochs is not None or args.sft_batch is not None:
+        raise ValueError("--epochs and --sft-batch are options of --sft-data")
     if topology is None and args.fsdp:
         raise ValueError("--fsdp shards the model across the ranks of a torchrun job: launch with torchrun")
     if topology is None:
@@ -248,6 +252,51 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
             many.close()
     finally:
         data_parallel.close()  # rank 0 tells the followers to stop (unless a rank died)
+
+
+def _warm_start(settings: Settings, options: Any, args: argparse.Namespace, under_torchrun: bool) -> int:
+    """`trajgate train --run RUN --sft-data FILE`: the supervised warm start, as the run's next steps; then exit.
+    The file is checked before the weights load: a bad line costs a second, not a model load."""
+    import signal
+    import threading
+
+    from trainer.sft_data import SftDataError, read_conversations
+    from trainer.worker.loop import Trainer, warm_start
+
+    if not args.run or under_torchrun:
+        raise ValueError("--sft-data trains one run in one process: use --run NAME, without torchrun")
+    for flag, value in (("--epochs", args.epochs), ("--sft-batch", args.sft_batch), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1")
+    try:
+        conversations = read_conversations(args.sft_data)
+    except SftDataError as exc:  # every bad line, not only the first (main() prints one line)
+        print(f"trajgate train: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: FrameType | None) -> None:
+        print(f"trajgate train: {signal.Signals(signum).name}: stopping after the current step", file=sys.stderr)
+        stop.set()
+
+    with Trainer(settings, options) as trainer:
+        # Restored after: `main` also runs in-process (the e2e tier), whose Ctrl-C must work again afterwards.
+        before = signal.signal(signal.SIGTERM, _stop), signal.signal(signal.SIGINT, _stop)
+        try:
+            done = warm_start(
+                trainer, conversations, str(args.sft_data), batch_rows=args.sft_batch or 8, epochs=args.epochs,
+                steps=args.steps, stop=stop,
+            )
+        except SftDataError as exc:  # the template refused some conversations: nothing was trained
+            print(f"trajgate train: {exc}", file=sys.stderr)
+            return 2
+        finally:
+            signal.signal(signal.SIGTERM, before[0])
+            signal.signal(signal.SIGINT, before[1])
+        print(f"trajgate train: {done} sft-data step(s) done; run {args.run!r} is at step {trainer.step}")
+        if not stop.is_set() and not trainer.finish_publishing(stop, args.publish_timeout_s):
+            return 1
+    return 0
 
 
 def _run_list(text: str) -> list[str]:
@@ -423,6 +472,17 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: fp32 on CPU, bf16 on CUDA")
     train.add_argument("--steps", type=int, help="stop after this many steps (default: run until stopped)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--sft-data",
+        type=Path,
+        metavar="FILE",
+        help="instead of claiming groups: a supervised warm start on this JSONL file of chat conversations (one "
+        '{"messages": [...], "tools": [...]} a line, OpenAI chat shape), rendered with the base model\'s chat '
+        "template and trained on the assistant turns, as the run's next steps (checkpointed, committed, published); "
+        "then exit. One epoch unless --epochs/--steps say otherwise (docs/training.md)",
+    )
+    train.add_argument("--epochs", type=int, help="with --sft-data: passes over the file (--steps caps the total)")
+    train.add_argument("--sft-batch", type=int, help="with --sft-data: rows (conversations) per step (default: 8)")
     train.add_argument("--lease-s", type=float, default=600.0, help="claim lease; renewed while a step runs")
     train.add_argument("--poll-s", type=float, default=1.0, help="how often to look for ready groups")
     train.add_argument(

@@ -118,6 +118,11 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address `trajgate serve` listens on.")
     port: int = Field(8000, ge=1, le=65535, description="Port `trajgate serve` listens on.")
     upstream_api_key: SecretStr | None = Field(None, description="Key vLLM expects (its --api-key), if any.")
+    teacher_api_key: SecretStr | None = Field(
+        None,
+        description="Key the distillation teacher's endpoint expects (a run's teacher_base_url), if any; default: "
+        "the upstream key when the teacher is served by the run's own vLLM, none otherwise.",
+    )
     upstream_timeout_s: float = Field(600.0, gt=0, description="Longest wait for vLLM between bytes of a response.")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
     writer_queue_size: int = Field(10_000, ge=1, description="Records held in memory before spilling to the spool.")
@@ -283,7 +288,9 @@ class Settings(BaseSettings):
             raise ValueError("a key may not contain '#'")
         return keys
 
-    @field_validator("admin_key", "base_model", "base_weights", "upstream_api_key", "tracker_name", mode="before")
+    @field_validator(
+        "admin_key", "base_model", "base_weights", "upstream_api_key", "teacher_api_key", "tracker_name", mode="before"
+    )
     @classmethod
     def _empty_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value

@@ -80,6 +80,15 @@ def advantages(rewards: list[float], mode: str) -> list[float]:
     return [(r - mean) / (std + STD_EPS) for r in rewards]
 
 
+def sft_selected(rewards: list[float], min_reward: float | None, best_k: int | None) -> list[bool]:
+    """Which of a group's trajectories loss ``sft`` trains (trainer.samples.select_trajectories, which the gateway
+    cannot import): reward at least ``min_reward``, or the ``best_k`` best, ties to the earlier trajectory."""
+    if min_reward is not None:
+        return [r >= min_reward for r in rewards]
+    best = set(sorted(range(len(rewards)), key=lambda i: -rewards[i])[: best_k or 0])
+    return [i in best for i in range(len(rewards))]
+
+
 def group_page(engine: Engine, group_id: str) -> dict[str, Any] | None:
     """A group's lifecycle and its trajectories side by side: reward, advantage under the run's `advantage` setting
     (once every reward is in), judge explanation, and each call's answer. None if unknown."""
@@ -87,8 +96,8 @@ def group_page(engine: Engine, group_id: str) -> dict[str, Any] | None:
         group = conn.execute(select(*Group.__table__.columns).where(Group.group_id == group_id)).first()
         if group is None:
             return None
-        config = conn.execute(select(Run.config).where(Run.name == group.run)).scalar()
-        advantage_mode = merged_config(config, {}).advantage
+        config = merged_config(conn.execute(select(Run.config).where(Run.name == group.run)).scalar(), {})
+        advantage_mode = config.advantage
         trajectories = conn.execute(
             select(
                 Trajectory.trajectory_id,
@@ -133,6 +142,9 @@ def group_page(engine: Engine, group_id: str) -> dict[str, Any] | None:
     rewards = [t.reward for t in trajectories]
     complete = bool(rewards) and all(r is not None and math.isfinite(r) for r in rewards)
     advs = advantages([float(r) for r in rewards], advantage_mode) if complete else [None] * len(rewards)
+    selected: list[bool | None] = [None] * len(rewards)
+    if config.loss == "sft" and complete:
+        selected = list(sft_selected([float(r) for r in rewards], config.sft_min_reward, config.sft_best_k))
     return {
         "group_id": group.group_id,
         "run": group.run,
@@ -145,11 +157,21 @@ def group_page(engine: Engine, group_id: str) -> dict[str, Any] | None:
         "created_at": iso(group.created_at),
         "ready_at": iso(group.ready_at),
         "advantage_mode": advantage_mode,
+        # What the run's objective trains a trajectory on: the group advantage only for the policy objectives (and,
+        # weighted, distillation's reward term); SFT's selection; distillation's teacher.
+        "objective": {
+            "loss": config.loss,
+            "sft_min_reward": config.sft_min_reward,
+            "sft_best_k": config.sft_best_k,
+            "teacher": config.teacher,
+            "distill_reward_weight": config.distill_reward_weight or 0.0,
+        },
         "trajectories": [
             {
                 "trajectory_id": t.trajectory_id,
                 "reward": t.reward,
                 "advantage": adv,
+                "sft_selected": chosen,
                 "metrics": t.metrics,
                 "judge": ((t.meta or {}).get("judge") or {}) if isinstance(t.meta, dict) else {},
                 "untrainable_calls": t.untrainable_calls,
@@ -157,7 +179,7 @@ def group_page(engine: Engine, group_id: str) -> dict[str, Any] | None:
                 "created_at": iso(t.created_at),
                 "calls": answers.get(t.trajectory_id, []),
             }
-            for t, adv in zip(trajectories, advs, strict=True)
+            for t, adv, chosen in zip(trajectories, advs, selected, strict=True)
         ],
     }
 

@@ -51,12 +51,39 @@ STEP_CHARTS = [
     ("ratio_max", "IS ratio max"),
     ("clip_frac", "clip fraction"),
     ("token_accuracy", "token accuracy (sft)"),
+    ("reverse_kl", "reverse KL per token (distill)"),
+    ("teacher_agreement", "teacher agreement (distill)"),
     ("grad_norm", "grad norm"),
     ("tokens_per_s", "tokens/s"),
     ("merge_ratio", "merge ratio"),
     ("groups_used", "groups used"),
     ("groups_dropped", "groups dropped"),
 ]
+# The steps table's objective columns (metric, header, decimals), between the loss and the grad norm: the policy
+# objectives' ratio and clip, SFT's token accuracy, distillation's reverse KL and teacher agreement (after its ratio).
+STEP_COLUMNS = [
+    ("ratio_mean", "ratio mean", 3),
+    ("ratio_max", "ratio max", 3),
+    ("clip_frac", "clip", 3),
+    ("token_accuracy", "token accuracy", 3),
+    ("reverse_kl", "reverse KL", 4),
+    ("teacher_agreement", "teacher agrees", 3),
+]
+# Before a run's first step: the columns its objective will fill.
+_OBJECTIVE_COLUMNS = {
+    "sft": {"token_accuracy"},
+    "distill": {"ratio_mean", "ratio_max", "clip_frac", "reverse_kl", "teacher_agreement"},
+}
+
+
+def step_columns(loss: str, steps: list[dict[str, Any]]) -> list[tuple[str, str, int]]:
+    """The objective columns of a run's steps table: those its steps have metrics for (a run warm-started by
+    ``--sft-data`` has token accuracy on those steps and ratios on the rest), else its objective's."""
+    present = {key for key, _, _ in STEP_COLUMNS if any(key in s["metrics"] for s in steps)}
+    wanted = present or _OBJECTIVE_COLUMNS.get(loss, {"ratio_mean", "ratio_max", "clip_frac"})
+    return [c for c in STEP_COLUMNS if c[0] in wanted]
+
+
 # Everything the UI serves: its own script and style only, no inline script, no framing.
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -275,13 +302,21 @@ async def run(request: Request, name: str) -> Response:
     # The charts of metrics the run's steps have: an SFT run has no ratio against vLLM, a policy-gradient run no
     # token accuracy. Before its first step a run shows them all.
     charts = [c for c in STEP_CHARTS if any(c[0] in s["metrics"] for s in view["steps"])] or STEP_CHARTS
+    columns = step_columns(str(view["config"].get("loss", "")), view["steps"])
     chart_data = {
         "run": name,
         "steps": [{"step": s["step"], "metrics": s["metrics"]} for s in view["steps"]],
         "eval": view["eval"],
         "charts": charts,
+        "columns": [[key, digits] for key, _, digits in columns],
     }
-    return _page(request, "run.html", run=view, chart_data=chart_data, charts=charts)
+    warm = [s for s in view["steps"] if s["metrics"].get("objective") == "sft_data"]
+    warm_start = {
+        "first": warm[0]["step"], "last": warm[-1]["step"], "files": sorted({str(s["metrics"].get("sft_data")) for s in warm})
+    } if warm else None  # fmt: skip
+    return _page(
+        request, "run.html", run=view, chart_data=chart_data, charts=charts, columns=columns, warm_start=warm_start
+    )
 
 
 @router.get("/events")

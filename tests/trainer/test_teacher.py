@@ -168,3 +168,26 @@ def test_a_retried_step_reuses_the_stored_logprobs_exactly(tmp_path: Path) -> No
                                 (3, gone, [SEQUENCES[0], SEQUENCES[1][:-1]])):  # fmt: skip
         with pytest.raises(TimeoutError):
             teacher_logprobs_for_step(teacher, store, step, rows)
+
+
+@pytest.mark.parametrize(
+    ("env", "base_url", "expected"),
+    [
+        ({}, None, None),
+        ({"upstream_api_key": "up"}, None, "up"),  # the run's own vLLM: its key
+        ({"upstream_api_key": "up"}, "http://teacher:9000/v1", None),  # never sent to another endpoint
+        ({"upstream_api_key": "up", "teacher_api_key": "t"}, "http://teacher:9000/v1", "t"),
+        ({"upstream_api_key": "up", "teacher_api_key": "t"}, None, "t"),
+        ({"teacher_api_key": "  "}, "http://teacher:9000/v1", None),  # blank is unset
+    ],
+)
+def test_the_teachers_key(env: dict[str, str], base_url: str | None, expected: str | None) -> None:
+    from gateway.runs.config import RunConfig
+    from gateway.runs.settings import load_settings
+    from trainer.worker.loop import make_teacher
+
+    settings = load_settings(_env_file=None, upstream_url="http://vllm:8001/v1", **env)
+    config = RunConfig.model_validate({"loss": "distill", "teacher": "big", "teacher_base_url": base_url})
+    teacher = make_teacher(config, settings)
+    assert teacher is not None and teacher.api_key == expected
+    assert teacher.base_url == (base_url or "http://vllm:8001/v1")

@@ -59,11 +59,16 @@ from trainer.checkpoint import (
 from trainer.distributed import DataParallel, ReplicaSpec
 from trainer.loss import LossConfig
 from trainer.samples import CallData, GroupData, SampleBatch, SftSelection, TrajectoryData, build_samples
+from trainer.sft_data import Conversation, SftStep, plan_steps, sft_data_rows
 from trainer.teacher import Teacher, TeacherStore, teacher_logprobs_for_step
 from trainer.worker.publish import Publisher, vllm_admin
 from trainer.worker.trackers import StepReporter, TrackerTarget, check_trackers, open_trackers
 
 log = logging.getLogger("trajgate.trainer")
+
+# The warm start's objective (``--sft-data``): the mean cross-entropy of the step's assistant tokens, whatever the
+# run's own loss is.
+SFT_DATA_LOSS = LossConfig(kind="sft")
 
 
 class TrainerError(RuntimeError):
@@ -136,17 +141,17 @@ def sft_selection(config: RunConfig) -> SftSelection | None:
 
 
 def make_teacher(config: RunConfig, settings: Settings) -> Teacher | None:
-    """Loss ``distill``'s teacher: ``teacher`` served at ``teacher_base_url``, by default the run's own (first) vLLM
-    with the gateway's upstream key; None for the other objectives."""
+    """Loss ``distill``'s teacher: ``teacher`` served at ``teacher_base_url``, by default the run's own (first) vLLM;
+    its key is ``TRAJGATE_TEACHER_API_KEY``, else the gateway's upstream key for the run's own vLLM (never sent to
+    another endpoint). None for the other objectives."""
     if config.loss != "distill":
         return None
     assert config.teacher is not None  # RunConfig requires it for distill
-    key = settings.upstream_api_key
-    default = config.teacher_base_url is None
+    key = settings.teacher_api_key or (settings.upstream_api_key if config.teacher_base_url is None else None)
     return Teacher(
         model=config.teacher,
         base_url=config.teacher_base_url or settings.upstream_urls[0],
-        api_key=key.get_secret_value() if key and default else None,
+        api_key=key.get_secret_value() if key else None,
     )
 
 
@@ -232,6 +237,16 @@ class RunLeaseKeeper:
 
 def _local_time(value: datetime) -> str:
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+
+
+def format_sft_data_step(step: int, metrics: dict[str, Any]) -> str:
+    """The line of a warm-start step (``--sft-data``): no reward, no groups."""
+    return (
+        f"step {step:>4} | sft data {metrics['sft_data']} epoch {metrics['epoch']} | rows {metrics['rows']}"
+        f" | tokens {metrics['tokens']} ({metrics['trainable_tokens']} trained) | loss {metrics['loss']:.4f}"
+        f" | token accuracy {metrics['token_accuracy']:.3f} | grad {metrics['grad_norm']:.3f}"
+        f" | {metrics['step_seconds']:.1f}s | {metrics['tokens_per_s']:.0f} tok/s"
+    )
 
 
 def format_step(step: int, metrics: dict[str, Any]) -> str:
@@ -508,30 +523,77 @@ class Trainer:
             trained = [t.trajectory_id for group in loaded if group.group_id in used for t in group.trajectories]
             metrics["step_seconds"] = time.perf_counter() - started
             metrics["wait_seconds"] = self.idle_s
-            self._check_lease()  # a trainer that lost the run must not write into its checkpoints
-            # Holding the run, anything newer than the last committed step is an orphan (of a crash, or of a
-            # trainer that stalled and lost the run): it must not block this step's save.
-            discard_after(self.checkpoints, self.spec.name, self.step)
-            save_checkpoint(self.backend, self.checkpoints, self.spec.name, step, {"metrics": metrics})
-            try:
-                commit_step(
-                    self.engine, self.spec.name, step, worker, used, metrics,
-                    trajectory_ids=trained, lease_holder=self.lease.holder,
-                )
-            except LeaseLost as exc:
-                self._check_lease()  # lost the run: its checkpoints are the new trainer's now, touch nothing
-                self._roll_back(f"step {step} not committed: {exc}")
+            if not self._commit(step, metrics, used, trained):
                 return None
+        samples = [group.trajectories[0].trajectory_id for group in loaded if group.group_id in used and group.trajectories]
+        self._committed(step, metrics, format_step(step, metrics), samples)
+        return metrics
+
+    def _commit(self, step: int, metrics: dict[str, Any], groups: list[str], trajectories: list[str]) -> bool:
+        """Checkpoint the trained step, then commit it with its groups and trajectories; False (and the model rolled
+        back) if the run or a group was lost meanwhile."""
+        self._check_lease()  # a trainer that lost the run must not write into its checkpoints
+        # Holding the run, anything newer than the last committed step is an orphan (of a crash, or of a
+        # trainer that stalled and lost the run): it must not block this step's save.
+        discard_after(self.checkpoints, self.spec.name, self.step)
+        save_checkpoint(self.backend, self.checkpoints, self.spec.name, step, {"metrics": metrics})
+        try:
+            commit_step(
+                self.engine, self.spec.name, step, self.options.worker_id, groups, metrics,
+                trajectory_ids=trajectories, lease_holder=self.lease.holder,
+            )
+        except LeaseLost as exc:
+            self._check_lease()  # lost the run: its checkpoints are the new trainer's now, touch nothing
+            self._roll_back(f"step {step} not committed: {exc}")
+            return False
+        return True
+
+    def _committed(self, step: int, metrics: dict[str, Any], line: str, samples: list[str]) -> None:
+        """A committed step: say it, log it to the trackers, and have vLLM serve it."""
         committed_at = time.perf_counter()
         self.step = step
         self.idle_s = 0.0
         self._announced = False
-        self.echo(format_step(step, metrics))
-        samples = [group.trajectories[0].trajectory_id for group in loaded if group.group_id in used and group.trajectories]
+        self.echo(line)
         self.reporter.report(step, metrics, samples)
         if self.publisher is not None:
             self.publisher.publish(step, committed_at)
-        return metrics
+
+    def train_sft_data(self, plan: Sequence[SftStep], source: str, stop: threading.Event | None = None) -> int:
+        """The supervised warm start (``trainer.sft_data``): one committed step per planned batch, each checkpointed,
+        committed (with no groups) and published exactly like a step of the run's own objective, so the run's next
+        steps continue from it. Stops after the current step once ``stop`` is set; returns the steps done."""
+        done = 0
+        for planned in plan:
+            if stop is not None and stop.is_set():
+                break
+            self._check_lease()
+            if self.publisher is not None:
+                self.publisher.reconcile()
+            step = self.step + 1
+            started = time.perf_counter()
+            try:
+                trained = self.backend.train_step(planned.rows, SFT_DATA_LOSS, self.config.micro_batch_tokens)
+            except Exception:
+                self._roll_back(f"step {step} failed while training")
+                raise
+            metrics: dict[str, Any] = {
+                **trained,
+                "objective": "sft_data",
+                "sft_data": source,
+                "epoch": planned.epoch,
+                "rows": len(planned.rows),
+                "tokens": sum(len(row) for row in planned.rows),
+                "trainable_tokens": sum(row.trainable_tokens for row in planned.rows),
+                "policy_version": current_policy_version(self.engine, self.spec.name),
+                "step_seconds": time.perf_counter() - started,
+                "wait_seconds": 0.0,
+            }
+            if not self._commit(step, metrics, [], []):
+                break
+            self._committed(step, metrics, format_sft_data_step(step, metrics), [])
+            done += 1
+        return done
 
     def _samples(self, claimed: list[str]) -> tuple[list[GroupData], SampleBatch]:
         """The claimed groups as loaded (what the step saw), and their training rows. A group that cannot be read
@@ -653,6 +715,33 @@ class Trainer:
         return Runs(
             self.settings, self.options, [self.spec.name], engine=self.engine, echo=self.echo, attached=[self]
         ).run(stop)
+
+
+def warm_start(
+    trainer: Trainer,
+    conversations: Sequence[Conversation],
+    source: str,
+    *,
+    batch_rows: int,
+    epochs: int | None,
+    steps: int | None,
+    stop: threading.Event | None = None,
+) -> int:
+    """``trajgate train --sft-data``: render the checked conversations with the base model's own chat template (its
+    tokenizer, as vLLM applies it), plan the steps, and train them (``Trainer.train_sft_data``). Every conversation
+    is rendered before the first step, so a template that fails on one stops the warm start before it trains."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(trainer.backend.base_weights)
+    data = sft_data_rows(tokenizer, conversations, trainer.config.max_seq_len)
+    plan = plan_steps(data.rows, batch_rows, epochs, steps, trainer.options.seed)
+    cut = f", {data.truncated} row(s) cut at max_seq_len {trainer.config.max_seq_len}" if data.truncated else ""
+    dropped = f", {len(data.dropped)} conversation(s) dropped ({'; '.join(data.dropped[:3])})" if data.dropped else ""
+    trainer.echo(
+        f"sft data {source}: {data.conversations} conversations -> {len(data.rows)} rows, {data.trained_tokens} "
+        f"assistant tokens{cut}{dropped}; {len(plan)} step(s) of {batch_rows} rows, from step {trainer.step + 1}"
+    )
+    return trainer.train_sft_data(plan, source, stop)
 
 
 class Runs:

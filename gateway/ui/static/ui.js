@@ -97,12 +97,15 @@
     const body = document.querySelector("#steps-table tbody");
     const m = step.metrics;
     const reasons = m.drop_reasons ? Object.entries(m.drop_reasons).map(([k, v]) => `${k}: ${v}`).join(", ") : "";
-    const cells = [step.step, fmt(m.reward_mean), fmt(m.reward_std), fmt(m.loss, 4), fmt(m.ratio_mean), fmt(m.ratio_max),
-      fmt(m.clip_frac), fmt(m.grad_norm), fmt(m.tokens_per_s, 0), fmt(m.merge_ratio, 2), m.groups_used ?? "–",
-      (m.groups_dropped ?? "–") + (reasons ? ` (${reasons})` : "")];
+    // The objective's columns, as the page drew them (ratio and clip, token accuracy, reverse KL ...).
+    const objective = data.columns.map(([key, digits]) => fmt(m[key], digits));
+    const last = m.objective === "sft_data" ? `sft data ${m.sft_data}, epoch ${m.epoch}`
+      : (m.groups_dropped ?? "–") + (reasons ? ` (${reasons})` : "");
+    const cells = [step.step, fmt(m.reward_mean), fmt(m.reward_std), fmt(m.loss, 4), ...objective,
+      fmt(m.grad_norm), fmt(m.tokens_per_s, 0), fmt(m.merge_ratio, 2), m.groups_used ?? "–", last];
     const row = document.createElement("tr");
     row.dataset.step = step.step;
-    cells.forEach((text, i) => { const td = document.createElement("td"); if (i < 11) td.className = "num"; td.textContent = String(text); row.appendChild(td); });
+    cells.forEach((text, i) => { const td = document.createElement("td"); if (i < cells.length - 1) td.className = "num"; td.textContent = String(text); row.appendChild(td); });
     body.insertBefore(row, body.firstChild);
   }
 
