@@ -217,6 +217,7 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
         publish=not args.no_publish,
         wait_for_run=args.wait_for_run,
         keep_adapters=args.keep_adapters,
+        max_loras=args.max_loras if args.max_loras is not None else settings.vllm_max_loras,
         run_lease_s=args.run_lease_s,
         wait_for_lease=not args.exit_if_busy,
         log_to=args.log_to or [],
@@ -225,6 +226,13 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
     )
     if args.worker_id:
         options.worker_id = args.worker_id
+    if options.publish and options.max_loras is None:
+        print(
+            "trajgate train: TRAJGATE_VLLM_MAX_LORAS is unset, so nothing checks that vLLM has adapter slots "
+            f"(--max-loras) for {options.keep_adapters} + 1 adapters per run: past its slots vLLM drops the least "
+            "recently used adapter, calls in flight or not; set it (or --max-loras) to vLLM's --max-loras",
+            file=sys.stderr,
+        )
     topology = Topology.from_env()
     if topology is None and args.fsdp:
         raise ValueError("--fsdp shards the model across the ranks of a torchrun job: launch with torchrun")
@@ -441,6 +449,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --steps: how long to keep retrying the last step's publication before exiting with status 1",
     )
     train.add_argument("--keep-adapters", type=int, default=2, help="newest adapters per run kept loaded in vLLM")
+    train.add_argument(
+        "--max-loras",
+        type=int,
+        metavar="K",
+        help="vLLM's adapter slots (its --max-loras) shared by every run; default TRAJGATE_VLLM_MAX_LORAS. The "
+        "trainer refuses to start if its runs need more than are free (each keep-adapters + 1) and queues a "
+        "publication while all are taken, rather than let vLLM drop an adapter in use",
+    )
     train.add_argument("--worker-id", help="name of this trainer in claims (default: host:pid)")
     train.add_argument(
         "--run-lease-s",
