@@ -271,9 +271,11 @@ def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
             .group_by(eval_rewards.c.version)
             .order_by(eval_rewards.c.version)
         ).all()
+        adapters = adapters_held(conn).get(name, [])
     activity = run_activity(engine, name).get(name, RunActivity())
     return {
         **_run_summary(row),
+        "adapters": adapters,
         "merge": _merge_summary({reason: count for reason, count in reasons}),
         **_activity_fields(activity, utcnow()),
         "trajectories": trajectories,

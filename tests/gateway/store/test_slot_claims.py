@@ -6,7 +6,7 @@ from __future__ import annotations
 from sqlalchemy import Engine
 
 from gateway.store.adapter_slots import adapters_held, claim_slot, pending_claims, release_slot
-from gateway.store.runs import list_runs, upsert_run
+from gateway.store.runs import list_runs, run_view, upsert_run
 from gateway.store.training import (
     current_policy_version,
     loaded_versions,
@@ -34,6 +34,8 @@ def test_a_slot_is_held_from_the_claim_until_the_version_is_unloaded(engine: Eng
     retire_version(engine, "a", 1)
     assert adapters_held(engine) == {"a": ["a@1", "a@2"]}  # retiring still holds its slot
     assert {run["name"]: run["adapters"] for run in list_runs(engine)} == {"a": ["a@1", "a@2"], "b": []}
+    view = run_view(engine, "a")
+    assert view is not None and view["adapters"] == ["a@1", "a@2"]
     mark_unloaded(engine, "a", 1)
     assert adapters_held(engine) == {"a": ["a@2"]}
     assert claim_slot(engine, "b", 1, "b@1", "/c/b/1", None).claimed  # no cap known: always
