@@ -108,3 +108,9 @@ def pending_claims(engine: Engine, run: str) -> list[tuple[int, str]]:
         ).all()
     return [(row.step, row.served_name) for row in rows]
 
+
+def retiring_count(engine: Engine) -> int:
+    """Retired versions (every run's) still in vLLM: the slots that free up once gateways stop routing to them."""
+    with engine.connect() as conn:
+        query = select(func.count()).select_from(PolicyVersion).where(PolicyVersion.status == "retiring")
+        return int(conn.execute(query).scalar_one())

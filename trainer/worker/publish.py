@@ -28,7 +28,14 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from gateway.store.adapter_slots import SlotClaim, adapters_held, claim_slot, pending_claims, release_slot
+from gateway.store.adapter_slots import (
+    SlotClaim,
+    adapters_held,
+    claim_slot,
+    pending_claims,
+    release_slot,
+    retiring_count,
+)
 from gateway.store.training import (
     LoadedVersion,
     annotate_step,
@@ -227,7 +234,7 @@ class Publisher:
         self.max_loras = max_loras
         self._backoff_s = 1.0
         self._next_try = 0.0
-        self._waiting: tuple[int, str] | None = None  # the step waiting for a slot, and what was said about it
+        self._waiting: int | None = None  # the step whose publication waits for a slot (said once)
 
     def publish(self, step: int, committed_at: float) -> bool:
         """Claim a slot, load, check, publish step `step`; with no slot free, wait (False, tried again by
@@ -237,6 +244,7 @@ class Publisher:
         claim = claim_slot(self.engine, self.run, step, name, str(path), self.max_loras)
         if not claim.claimed:
             self._wait(step, claim)
+            self._make_room()
             return False
         try:
             self.admin.load(name, path)
@@ -248,7 +256,7 @@ class Publisher:
         publish_version(self.engine, self.run, step, name, str(path))
         swap_s = time.perf_counter() - committed_at
         extra: dict[str, Any] = {"publish_error": None, "swap_seconds": swap_s, "first_answer_s": first_answer_s}
-        if self._waiting is not None and self._waiting[0] == step:
+        if self._waiting == step:
             extra["publish_waiting"] = None
         annotate_step(self.engine, self.run, step, extra)
         self.echo(f"published {name}: vLLM answers with it {swap_s:.1f}s after the step was committed")
@@ -257,18 +265,35 @@ class Publisher:
         return True
 
     def _wait(self, step: int, claim: SlotClaim) -> None:
-        """Say once per step (and on the step, for the read API) that its publication waits for a slot."""
+        """Say once per step (and on the step, for the read API) that its publication waits for a slot, and who
+        holds them."""
+        if self._waiting == step:
+            return
         held = ", ".join(f"{run} {len(names)}" for run, names in adapters_held(self.engine).items())
         why = (
             f"adapter slots {claim.used}/{claim.total} in use ({held}; TRAJGATE_VLLM_MAX_LORAS): waiting for a "
             "retired adapter to be unloaded"
         )
-        if self._waiting == (step, why):
-            return
-        self._waiting = (step, why)
+        self._waiting = step
         log.warning("publishing step %d of %s waits: %s", step, self.run, why)
         self.echo(f"publish of step {step} waits: {why}")
         annotate_step(self.engine, self.run, step, {"publish_waiting": why})
+
+    def _make_room(self) -> None:
+        """Every slot is taken and none is on its way out (no retired version anywhere): more runs than the slots
+        hold (trainers that started together, each seeing room). Waiting would never end, so the run holding the
+        most versions gives up its oldest early (retired as usual: unloaded once gateways route away from it), as
+        long as it keeps a newer one."""
+        if retiring_count(self.engine):
+            return
+        held = {run: names for run, names in adapters_held(self.engine).items() if len(names) >= 2}
+        if not held:
+            return
+        run = max(held, key=lambda name: (len(held[name]), name == self.run))
+        versions = loaded_versions(self.engine, run)
+        if len(versions) >= 2:
+            retire_version(self.engine, run, versions[0].step)
+            self.echo(f"retired {versions[0].served_name} early: no adapter slot would free up otherwise")
 
     def _take_back(self, step: int, name: str) -> None:
         """Unload a version that failed to publish from every replica that may hold it, and give its slot back;
@@ -300,7 +325,7 @@ class Publisher:
         """Unload from vLLM the retired versions every live gateway has stopped routing to; the others stay loaded
         until a later call (reconcile runs while the trainer waits for groups). While a publication waits for a
         slot, every run's: a run whose trainer has exited leaves its last retired versions to whoever needs room."""
-        for version in unloadable_versions(self.engine, None if self._waiting else self.run, self.alive_s):
+        for version in unloadable_versions(self.engine, None if self._waiting is not None else self.run, self.alive_s):
             try:
                 self.admin.unload(version.served_name)
             except PublishError as exc:

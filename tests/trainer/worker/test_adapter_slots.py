@@ -104,8 +104,9 @@ def test_a_publication_waits_while_every_slot_is_taken_and_goes_on_once_one_is_u
 
 
 def test_never_more_adapters_than_slots_across_runs(engine: Engine, vllm: FakeVllm, tmp_path: Path) -> None:
-    """Two runs, keep 2 each, on 3 slots (too few: the start-up check would refuse this): they take turns, and
-    vLLM never holds more than 3."""
+    """Two runs, keep 2 each, on 3 slots (too few: the start-up check would refuse this, but two trainers starting
+    together could both see room): vLLM never holds more than 3, and neither run waits forever (one gives up its
+    older version early rather than both holding theirs)."""
     make_runs(engine, "a", "b")
     lines: list[str] = []
     pubs = {run: publisher(engine, VllmAdmin(vllm.base_url), run, tmp_path, lines) for run in ("a", "b")}
@@ -117,8 +118,13 @@ def test_never_more_adapters_than_slots_across_runs(engine: Engine, vllm: FakeVl
                 other.reconcile()
             assert len(vllm.loaded) <= 3
             assert sum(len(names) for names in adapters_held(engine).values()) <= 3
+    for _ in range(2):
+        for pub in pubs.values():
+            pub.reconcile()
     assert vllm.peak == 3 and vllm.evicted == []
-    assert any("waits" in line for line in lines)
+    assert any("waits" in line for line in lines) and any("early" in line for line in lines)
+    assert {run: pub.pending() for run, pub in pubs.items()} == {"a": None, "b": None}  # both serve step 5
+    assert {len(names) for names in adapters_held(engine).values()} == {1, 2}
 
 
 def test_a_version_one_replica_refuses_is_taken_back_from_the_others(engine: Engine, tmp_path: Path) -> None:
