@@ -226,18 +226,12 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
     )
     if args.worker_id:
         options.worker_id = args.worker_id
-    if options.publish and options.max_loras is None:
-        print(
-            "trajgate train: TRAJGATE_VLLM_MAX_LORAS is unset, so nothing checks that vLLM has adapter slots "
-            f"(--max-loras) for {options.keep_adapters} + 1 adapters per run: past its slots vLLM drops the least "
-            "recently used adapter, calls in flight or not; set it (or --max-loras) to vLLM's --max-loras",
-            file=sys.stderr,
-        )
     topology = Topology.from_env()
     if topology is None and args.fsdp:
         raise ValueError("--fsdp shards the model across the ranks of a torchrun job: launch with torchrun")
     if topology is None:
         many = Runs(settings, options, runs)  # errors (TrainerError, a waiting trainer's Ctrl-C): see main()
+        _warn_if_slots_unknown(options)
         try:
             return _train_until_stopped(many, args)
         finally:
@@ -253,12 +247,24 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
         if data_parallel.rank != 0:
             return follow(data_parallel)
         trainer = Trainer(settings, options, data_parallel=data_parallel)
+        _warn_if_slots_unknown(options)
         try:
             return _train_until_stopped(Runs(settings, options, runs, engine=trainer.engine, attached=[trainer]), args)
         finally:
             trainer.close()
     finally:
         data_parallel.close()  # rank 0 tells the followers to stop (unless a rank died)
+
+
+def _warn_if_slots_unknown(options: Any) -> None:
+    """Once the trainer has started (a refusal stays one line): nothing checks vLLM's adapter slots."""
+    if options.publish and options.max_loras is None:
+        print(
+            "trajgate train: TRAJGATE_VLLM_MAX_LORAS is unset, so nothing checks that vLLM has adapter slots "
+            f"(--max-loras) for {options.keep_adapters} + 1 adapters per run: past its slots vLLM drops the least "
+            "recently used adapter, calls in flight or not; set it (or --max-loras) to vLLM's --max-loras",
+            file=sys.stderr,
+        )
 
 
 def _run_list(text: str) -> list[str]:

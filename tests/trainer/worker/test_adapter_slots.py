@@ -235,9 +235,13 @@ def test_cli_refusal_is_one_line_and_status_2(
     assert "need 4 adapter slots" in capsys.readouterr().err  # the flag overrides the setting
     monkeypatch.delenv("TRAJGATE_VLLM_MAX_LORAS")
     assert cli.main(["train", "--runs", "a,b", "--keep-adapters", "0"]) == 2
-    unset, refused = capsys.readouterr().err.strip().splitlines()
-    assert unset.startswith("trajgate train: TRAJGATE_VLLM_MAX_LORAS is unset, so nothing checks")  # a warning only
-    assert refused == "trajgate train: --keep-adapters 0: keep at least the newest adapter loaded"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "trajgate train: --keep-adapters 0: keep at least the newest adapter loaded"
+    ]
+    assert cli.main(["train", "--runs", "a,b"]) == 2  # started (then found no run a): unset is a warning only
+    unset, missing = capsys.readouterr().err.strip().splitlines()
+    assert unset.startswith("trajgate train: TRAJGATE_VLLM_MAX_LORAS is unset, so nothing checks")
+    assert missing.startswith("trajgate train: run 'a' does not exist yet")
 
 
 def test_all_runs_leaves_out_a_run_that_would_not_fit_and_takes_it_once_there_is_room(
