@@ -66,7 +66,7 @@ def build_state(settings: Settings) -> GatewayState:
     auth = Auth(settings.agent_keys, settings.admin_key)
     metrics = GatewayMetrics()
     metrics.watch_writer(lambda: asdict(writer.stats()))
-    metrics.watch_runs(lambda: run_gauges(engine))
+    metrics.watch_runs(lambda: run_gauges(engine), slots=settings.vllm_max_loras)
     proxy = Proxy(
         upstream_urls=settings.upstream_urls,
         upstream_api_key=settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None,

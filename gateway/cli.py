@@ -217,6 +217,7 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
         publish=not args.no_publish,
         wait_for_run=args.wait_for_run,
         keep_adapters=args.keep_adapters,
+        max_loras=args.max_loras if args.max_loras is not None else settings.vllm_max_loras,
         run_lease_s=args.run_lease_s,
         wait_for_lease=not args.exit_if_busy,
         log_to=args.log_to or [],
@@ -234,6 +235,7 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
         raise ValueError("--fsdp shards the model across the ranks of a torchrun job: launch with torchrun")
     if topology is None:
         many = Runs(settings, options, runs)  # errors (TrainerError, a waiting trainer's Ctrl-C): see main()
+        _warn_if_slots_unknown(options)
         try:
             return _train_until_stopped(many, args)
         finally:
@@ -246,6 +248,7 @@ def _train(settings: Settings, args: argparse.Namespace) -> int:
         if data_parallel.rank != 0:
             return follow(data_parallel)
         many = Runs(settings, options, runs, data_parallel=data_parallel)
+        _warn_if_slots_unknown(options)
         try:
             return _train_until_stopped(many, args)
         finally:
@@ -297,6 +300,17 @@ def _warm_start(settings: Settings, options: Any, args: argparse.Namespace, unde
         if not stop.is_set() and not trainer.finish_publishing(stop, args.publish_timeout_s):
             return 1
     return 0
+
+
+def _warn_if_slots_unknown(options: Any) -> None:
+    """Once the trainer has started (a refusal stays one line): nothing checks vLLM's adapter slots."""
+    if options.publish and options.max_loras is None:
+        print(
+            "trajgate train: TRAJGATE_VLLM_MAX_LORAS is unset, so nothing checks that vLLM has adapter slots "
+            f"(--max-loras) for {options.keep_adapters} + 1 adapters per run: past its slots vLLM drops the least "
+            "recently used adapter, calls in flight or not; set it (or --max-loras) to vLLM's --max-loras",
+            file=sys.stderr,
+        )
 
 
 def _run_list(text: str) -> list[str]:
@@ -498,6 +512,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --steps: how long to keep retrying the last step's publication before exiting with status 1",
     )
     train.add_argument("--keep-adapters", type=int, default=2, help="newest adapters per run kept loaded in vLLM")
+    train.add_argument(
+        "--max-loras",
+        type=int,
+        metavar="K",
+        help="vLLM's adapter slots (its --max-loras) shared by every run; default TRAJGATE_VLLM_MAX_LORAS. The "
+        "trainer refuses to start if its runs need more than are free (each keep-adapters + 1) and queues a "
+        "publication while all are taken, rather than let vLLM drop an adapter in use",
+    )
     train.add_argument("--worker-id", help="name of this trainer in claims (default: host:pid)")
     train.add_argument(
         "--run-lease-s",

@@ -417,6 +417,14 @@ def test_trainers_train_what_vllm_serves(services: dict[str, Any], env_example: 
         assert trainer_env.get("HF_HUB_OFFLINE") == "1"
 
 
+def test_trainers_and_gateway_know_vllms_adapter_slots(services: dict[str, Any]) -> None:
+    """TRAJGATE_VLLM_MAX_LORAS is vLLM's --max-loras: the trainer sizes its runs and queues publications by it."""
+    for profile, trainer in TRAINER_FOR_PROFILE.items():
+        slots = flag(as_args(services[VLLM_FOR_PROFILE[profile]]["command"]), "--max-loras")
+        assert env_of(services[trainer])["TRAJGATE_VLLM_MAX_LORAS"] == slots, trainer
+        assert env_of(services["gateway"])["TRAJGATE_VLLM_MAX_LORAS"] == slots
+
+
 def test_checkpoints_resolve_in_vllm(services: dict[str, Any]) -> None:
     for profile, trainer in TRAINER_FOR_PROFILE.items():
         checkpoint_dir = env_of(services[trainer])["TRAJGATE_CHECKPOINT_DIR"]

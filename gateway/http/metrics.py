@@ -109,21 +109,23 @@ class _RunCollector(Collector):
     value per existing run: a deleted run's series end with it. A database that cannot answer leaves the per-run
     series out of that scrape (the writer's `trajgate_db_up` says why) rather than failing the whole page."""
 
-    def __init__(self, read: Callable[[], list[RunGauges]], ttl_s: float) -> None:
+    def __init__(self, read: Callable[[], list[RunGauges]], ttl_s: float, slots: int | None) -> None:
         self._read = read
         self._ttl_s = ttl_s
+        self._slots = slots
         self._lock = threading.Lock()
-        self._cached: list[RunGauges] = []
+        self._cached: list[RunGauges] | None = []
         self._read_at = -float("inf")
 
-    def _gauges(self) -> list[RunGauges]:
+    def _gauges(self) -> list[RunGauges] | None:
+        """The runs' gauges, None when the database could not answer."""
         with self._lock:  # scrapes render in worker threads: one read at a time, the others reuse it
             if time.monotonic() - self._read_at >= self._ttl_s:
                 try:
                     self._cached = self._read()
                 except SQLAlchemyError as exc:
                     log.warning("per-run metrics left out: database unavailable: %s", type(exc).__name__)
-                    self._cached = []
+                    self._cached = None
                 self._read_at = time.monotonic()
             return self._cached
 
@@ -144,17 +146,35 @@ class _RunCollector(Collector):
         held = GaugeMetricFamily(
             "trajgate_run_trainer_held", "1 while a trainer holds an unexpired lease on the run", labels=["run"]
         )
-        for run in self._gauges():
+        adapters = GaugeMetricFamily(
+            "trajgate_run_adapters_loaded",
+            "The run's adapters in vLLM: being published, routed to, or retired and not unloaded yet",
+            labels=["run"],
+        )
+        runs = self._gauges()
+        for run in runs or []:
             for state, count in run.groups.items():
                 groups.add_metric([run.run, state], float(count))
             step.add_metric([run.run], float(run.step))
             if run.seconds_since_step is not None:
                 since.add_metric([run.run], run.seconds_since_step)
             held.add_metric([run.run], 1.0 if run.trainer_held else 0.0)
+            adapters.add_metric([run.run], float(run.adapters))
         yield groups
         yield step
         yield since
         yield held
+        yield adapters
+        if runs is not None:
+            yield GaugeMetricFamily(
+                "trajgate_adapter_slots_used",
+                "vLLM adapter slots held by every run's adapters (of trajgate_adapter_slots_total)",
+                sum(run.adapters for run in runs),
+            )
+        if self._slots is not None:
+            yield GaugeMetricFamily(
+                "trajgate_adapter_slots_total", "vLLM's adapter slots (TRAJGATE_VLLM_MAX_LORAS)", float(self._slots)
+            )
 
 
 class GatewayMetrics:
@@ -276,10 +296,11 @@ class GatewayMetrics:
     def watch_writer(self, stats: Callable[[], dict[str, float]]) -> None:
         self.registry.register(_WriterCollector(stats))
 
-    def watch_runs(self, read: Callable[[], list[RunGauges]], ttl_s: float = 1.0) -> None:
-        """Per-run gauges from `read` (gateway.store.run_activity.run_gauges), at most once per `ttl_s`. They name
-        every run, so they live in a registry of their own that `render` adds only for a reader allowed to see runs."""
-        self.run_registry.register(_RunCollector(read, ttl_s))
+    def watch_runs(self, read: Callable[[], list[RunGauges]], ttl_s: float = 1.0, slots: int | None = None) -> None:
+        """Per-run gauges from `read` (gateway.store.run_activity.run_gauges), at most once per `ttl_s`; `slots`:
+        vLLM's adapter slots, when configured. They name every run, so they live in a registry of their own that
+        `render` adds only for a reader allowed to see runs."""
+        self.run_registry.register(_RunCollector(read, ttl_s, slots))
 
     def render(self, with_runs: bool = True) -> bytes:
         page = generate_latest(self.registry)

@@ -171,6 +171,13 @@ class Settings(BaseSettings):
         "ones (gateway/proxy/qualified_templates.json, same shape: fingerprint -> name, end_token_ids, turn_end_ids). "
         "A template in neither is refused (template_not_qualified).",
     )
+    vllm_max_loras: int | None = Field(
+        None,
+        ge=1,
+        description="vLLM's adapter slots: the same number as its --max-loras. The trainer refuses to start runs "
+        "needing more (keep-adapters + 1 each) and queues a publication while all are taken; the gateway reports "
+        "them on /metrics. Unset: not checked (vLLM drops its least recently used adapter past its slots).",
+    )
     peer_poll_s: float = Field(
         0.1,
         gt=0,

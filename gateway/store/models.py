@@ -69,7 +69,8 @@ class PolicyVersion(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     served_name: Mapped[str] = mapped_column(String(512))
     adapter_path: Mapped[str | None] = mapped_column(String(1024))
-    # loaded -> retiring (no longer routed to; still in vLLM until every live gateway reloaded its routes) -> unloaded
+    # loading (a vLLM adapter slot claimed, gateway/store/adapter_slots.py; not routed to) -> loaded -> retiring (no
+    # longer routed to; still in vLLM until every live gateway reloaded its routes) -> unloaded
     status: Mapped[str] = mapped_column(String(16), default="loaded")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # Seconds since the epoch on the database's clock, taken once the retirement committed (trainer/worker/publish.py).

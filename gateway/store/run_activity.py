@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, and_, func, select
 
+from gateway.store.adapter_slots import adapters_held
 from gateway.store.models import Group, Run, TrainerLease, TrainStep
 from gateway.store.reads import iso
 
@@ -135,11 +136,13 @@ class RunGauges(NamedTuple):
     step: int  # 0 before the first step
     seconds_since_step: float | None  # None before the first step
     trainer_held: bool  # a trainer holds an unexpired lease on the run
+    adapters: int  # the run's adapters in vLLM's slots (gateway/store/adapter_slots.py)
 
 
 def run_gauges(engine: Engine) -> list[RunGauges]:
     """Every run's gauges, as /metrics exposes them: one label value per existing run, none for a deleted one."""
     now = datetime.now(UTC)
+    held = adapters_held(engine)
     gauges = []
     for name, activity in sorted(run_activity(engine, states=LIVE_STATES).items()):
         train = activity.groups.get("train", {})
@@ -150,6 +153,7 @@ def run_gauges(engine: Engine) -> list[RunGauges]:
                 activity.step or 0,
                 None if activity.step_at is None else max(0.0, (now - activity.step_at).total_seconds()),
                 activity.trainer is not None and not activity.trainer.expired(now),
+                len(held.get(name, [])),
             )
         )
     return gauges

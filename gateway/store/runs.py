@@ -12,6 +12,7 @@ from sqlalchemy import Connection, Engine, Table, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from gateway.runs.config import RunConfig, merged_config
+from gateway.store.adapter_slots import adapters_held
 from gateway.store.admission import admission_view
 from gateway.store.db import write_transaction
 from gateway.store.models import Call, PolicyVersion, Run, TrainerLease, TrainStep, Trajectory, utcnow
@@ -185,18 +186,20 @@ def _runs_query() -> Any:
 
 
 def list_runs(engine: Engine, name: str | None = None) -> list[dict[str, Any]]:
-    """Every run (or only `name`) with its effective config (defaults filled in), current policy version, groups by
-    state, and where training stands (gateway.store.run_activity): a fixed number of queries for any number of runs."""
+    """Every run (or only `name`) with its effective config (defaults filled in), current policy version, the adapters
+    it holds in vLLM's slots, groups by state, and where training stands (gateway.store.run_activity): a fixed number
+    of queries for any number of runs."""
     query = _runs_query().order_by(Run.name)
     if name is not None:
         query = query.where(Run.name == name)
     with engine.connect() as conn:
         rows = conn.execute(query).all()
     activity = run_activity(engine, name)
+    held = adapters_held(engine)
     now = utcnow()
     runs = []
     for row in rows:
-        summary = _run_summary(row)
+        summary = {**_run_summary(row), "adapters": held.get(row.name, [])}
         runs.append({**summary, **_activity_fields(activity.get(row.name, RunActivity()), now)})
     return runs
 
@@ -268,9 +271,11 @@ def run_view(engine: Engine, name: str) -> dict[str, Any] | None:
             .group_by(eval_rewards.c.version)
             .order_by(eval_rewards.c.version)
         ).all()
+        adapters = adapters_held(conn).get(name, [])
     activity = run_activity(engine, name).get(name, RunActivity())
     return {
         **_run_summary(row),
+        "adapters": adapters,
         "merge": _merge_summary({reason: count for reason, count in reasons}),
         **_activity_fields(activity, utcnow()),
         "trajectories": trajectories,

@@ -465,13 +465,19 @@ def loaded_versions(engine: Engine, run: str) -> list[LoadedVersion]:
 
 
 def publish_version(engine: Engine, run: str, step: int, served_name: str, adapter_path: str) -> None:
-    """Make `served_name` the run's current policy: gateways route the run's calls to it within a second."""
+    """Make `served_name` the run's current policy (its claim becomes `loaded`): gateways route the run's calls to it
+    within a second."""
+    values: dict[str, Any] = {"served_name": served_name, "adapter_path": adapter_path, "status": "loaded"}
     with engine.begin() as conn:
-        conn.execute(
-            cast(Table, PolicyVersion.__table__).insert().values(
-                run=run, step=step, served_name=served_name, adapter_path=adapter_path, status="loaded", created_at=_now()
+        changed = conn.execute(
+            update(PolicyVersion)
+            .where(PolicyVersion.run == run, PolicyVersion.step == step, PolicyVersion.status.in_(("loading", "loaded")))
+            .values(**values)
+        ).rowcount
+        if not changed:
+            conn.execute(
+                cast(Table, PolicyVersion.__table__).insert().values(run=run, step=step, created_at=_now(), **values)
             )
-        )
 
 
 def mark_unloaded(engine: Engine, run: str, step: int) -> None:
@@ -483,6 +489,7 @@ def mark_unloaded(engine: Engine, run: str, step: int) -> None:
 
 @dataclass(frozen=True)
 class RetiredVersion:
+    run: str
     step: int
     served_name: str
     retired_at: float  # the database's clock once the retirement committed
@@ -507,16 +514,18 @@ def retire_version(engine: Engine, run: str, step: int) -> None:
             )
 
 
-def unloadable_versions(engine: Engine, run: str, alive_s: float) -> list[RetiredVersion]:
-    """The run's retiring versions that no gateway can route to any more: every gateway seen in the last `alive_s`
-    seconds has read its route table since the version was retired (gateway/store/peers.py `routes_behind`)."""
+def unloadable_versions(engine: Engine, run: str | None, alive_s: float) -> list[RetiredVersion]:
+    """The run's (None: every run's) retiring versions that no gateway can route to any more: every gateway seen in
+    the last `alive_s` seconds has read its route table since the version was retired (gateway/store/peers.py
+    `routes_behind`)."""
+    query = select(PolicyVersion.run, PolicyVersion.step, PolicyVersion.served_name, PolicyVersion.retired_at).where(
+        PolicyVersion.status == "retiring"
+    )
+    if run is not None:
+        query = query.where(PolicyVersion.run == run)
     with engine.connect() as conn:
-        rows = conn.execute(
-            select(PolicyVersion.step, PolicyVersion.served_name, PolicyVersion.retired_at)
-            .where(PolicyVersion.run == run, PolicyVersion.status == "retiring")
-            .order_by(PolicyVersion.step)
-        ).all()
-        retired = [RetiredVersion(row.step, row.served_name, row.retired_at or 0.0) for row in rows]
+        rows = conn.execute(query.order_by(PolicyVersion.run, PolicyVersion.step)).all()
+        retired = [RetiredVersion(row.run, row.step, row.served_name, row.retired_at or 0.0) for row in rows]
         return [version for version in retired if not peers.routes_behind(conn, version.retired_at, alive_s)]
 
 

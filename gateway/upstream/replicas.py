@@ -4,8 +4,10 @@ A trajectory's calls stick to one replica (its KV prefix cache holds the traject
 trajectory goes to the least-loaded usable replica (fewest calls in flight). A replica is usable for a call when it
 is healthy and, with several replicas, when its last `/models` listed the run's current served name: a replica that
 came back without an adapter gets no traffic for that run until the trainer's reconcile has re-loaded it
-(trainer/worker/publish.py). A failed connect or a 5xx marks a replica down; the background probe of `/models` brings it
-back. With one replica nothing is filtered or probed: the gateway behaves exactly as with a single upstream.
+(trainer/worker/publish.py), nor for the versions published since (until a probe lists them, only replicas that list
+an earlier version of the run take them). A failed connect or a 5xx marks a replica down; the background probe of
+`/models` brings it back. With one replica nothing is filtered or probed: the gateway behaves exactly as with a
+single upstream.
 """
 
 from __future__ import annotations
@@ -56,12 +58,20 @@ class Replicas:
 
     def usable(self, served_name: str | None, avoid: Replica | None = None) -> list[Replica]:
         """Healthy replicas that serve `served_name`; if none lists it yet (a version published since the last probe),
-        the healthy ones; if none is healthy, all (a call then fails as it would with one upstream)."""
+        those that list an earlier version of its run (the trainer publishes a version only once every replica it
+        reached loaded it; a replica that lists none of the run's restarted and may lack it too), else the healthy
+        ones; if none is healthy, all (a call then fails as it would with one upstream)."""
         others = [r for r in self.all if r is not avoid] or self.all
         healthy = [r for r in others if r.healthy] or others
         if not self.several or served_name is None:
             return healthy
         serving = [r for r in healthy if r.served is None or served_name in r.served]
+        if serving:
+            return serving
+        run, at, _ = served_name.rpartition("@")
+        if at:
+            prefix = run + "@"
+            serving = [r for r in healthy if r.served is not None and any(n.startswith(prefix) for n in r.served)]
         return serving or healthy
 
     def pick(self, trajectory_id: str | None, served_name: str | None, avoid: Replica | None = None) -> Replica:

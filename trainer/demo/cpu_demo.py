@@ -427,6 +427,7 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
             "TRAJGATE_BASE_MODEL": served,
             "TRAJGATE_BASE_WEIGHTS": str(weights),
             "TRAJGATE_CHECKPOINT_DIR": str(workdir / "checkpoints"),
+            "TRAJGATE_VLLM_MAX_LORAS": str(server.max_loras),  # the run's keep-adapters + 1: exactly what it needs
             "TRAJGATE_SPOOL_DIR": str(workdir / "spool"),
             # A local demo on 127.0.0.1: no keys, whatever a .env in this directory says.
             "TRAJGATE_AGENT_KEYS": "",

@@ -61,7 +61,7 @@ from trainer.loss import LossConfig
 from trainer.samples import CallData, GroupData, SampleBatch, SftSelection, TrajectoryData, build_samples
 from trainer.sft_data import Conversation, SftStep, plan_steps, sft_data_rows
 from trainer.teacher import Teacher, TeacherStore, teacher_logprobs_for_step
-from trainer.worker.publish import Publisher, vllm_admin
+from trainer.worker.publish import Publisher, slots_refusal, vllm_admin
 from trainer.worker.trackers import StepReporter, TrackerTarget, check_trackers, open_trackers
 
 log = logging.getLogger("trajgate.trainer")
@@ -103,6 +103,8 @@ class TrainerOptions:
     publish: bool = True
     wait_for_run: bool = False
     keep_adapters: int = 2
+    # vLLM's adapter slots (--max-loras, TRAJGATE_VLLM_MAX_LORAS) for every run together; None: unknown, unchecked.
+    max_loras: int | None = None
     # One trainer per run: the run's lease, renewed every third of it; another trainer takes over once it expires.
     run_lease_s: float = 60.0
     # If another trainer holds the run: wait for it (True) or raise TrainerError saying who holds it (False).
@@ -457,6 +459,7 @@ class Trainer:
             keep=self.options.keep_adapters,
             echo=self.echo,
             alive_s=self.settings.peer_alive_s,
+            max_loras=self.options.max_loras,
         )
 
     def _resume(self) -> int:
@@ -787,6 +790,10 @@ class Runs:
         self.many = self.wanted is None or len(self.wanted) > 1
         if self.many and options.backend == "unsloth":
             raise TrainerError("several runs in one trainer share one base model with the hf backend: use --backend hf")
+        if options.keep_adapters < 1:
+            raise TrainerError(f"--keep-adapters {options.keep_adapters}: keep at least the newest adapter loaded")
+        if self.wanted is not None:
+            self._check_slots(self.wanted, raise_=True)
         self.trainers: dict[str, Trainer] = {t.spec.name: t for t in attached}
         self._base: TrainerBackend | None = attached[0].backend if attached else None
         self.done: dict[str, int] = {}
@@ -827,6 +834,8 @@ class Runs:
                 self._say_once(name, f"run {name!r} is being trained by {current.holder} until "
                                f"{_local_time(current.lease_until)}; waiting")
                 continue
+            if self.wanted is None and not self._check_slots([*self.trainers, name]):
+                continue  # --all-runs: a run that would overcommit vLLM's slots waits until there is room
             try:
                 self._start(name)
             except RunMissing:
@@ -840,6 +849,19 @@ class Runs:
                     raise
                 self.echo(f"{exc}; not training it")
                 self._skipped.add(name)
+
+    def _check_slots(self, runs: list[str], raise_: bool = False) -> bool:
+        """Whether vLLM has adapter slots for `runs` beside what the other runs hold (docs/training.md, "Several runs
+        in one trainer"); with `raise_`, refuse with the numbers rather than answer False. Unchecked when publishing
+        is off or TRAJGATE_VLLM_MAX_LORAS is unknown."""
+        if not self.options.publish or self.options.max_loras is None:
+            return True
+        refusal = slots_refusal(self.engine, runs, self.options.keep_adapters, self.options.max_loras)
+        if refusal is not None and raise_:
+            raise TrainerError(refusal)
+        if refusal is not None:
+            self._say_once(runs[-1], f"run {runs[-1]!r} not attached, retried while the others train: {refusal}")
+        return refusal is None
 
     def _start(self, name: str) -> None:
         options = replace(

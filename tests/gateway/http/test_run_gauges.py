@@ -21,7 +21,10 @@ def test_run_gauges_are_cached_bounded_to_existing_runs_and_survive_a_database_o
 ) -> None:
     clock = [100.0]
     monkeypatch.setattr("gateway.http.metrics.time.monotonic", lambda: clock[0])
-    runs = [RunGauges("a", {"open": 2, "ready": 1, "claimed": 0}, 3, 12.5, True), RunGauges("b", {}, 0, None, False)]
+    runs = [
+        RunGauges("a", {"open": 2, "ready": 1, "claimed": 0}, 3, 12.5, True, 3),
+        RunGauges("b", {}, 0, None, False, 1),
+    ]
     reads: list[int] = []
 
     def read() -> list[RunGauges]:
@@ -31,9 +34,11 @@ def test_run_gauges_are_cached_bounded_to_existing_runs_and_survive_a_database_o
         return list(runs)
 
     metrics = GatewayMetrics()
-    metrics.watch_runs(read, ttl_s=1.0)
+    metrics.watch_runs(read, ttl_s=1.0, slots=6)
     text = metrics.render().decode()
     assert 'trajgate_run_groups{run="a",state="ready"} 1.0' in text
+    assert 'trajgate_run_adapters_loaded{run="a"} 3.0' in text
+    assert "trajgate_adapter_slots_used 4.0" in text and "trajgate_adapter_slots_total 6.0" in text
     assert 'trajgate_run_seconds_since_step{run="a"} 12.5' in text and 'seconds_since_step{run="b"}' not in text
     assert 'trajgate_run_trainer_held{run="a"} 1.0' in text and _runs(text) == {"a", "b"}
 
@@ -43,8 +48,10 @@ def test_run_gauges_are_cached_bounded_to_existing_runs_and_survive_a_database_o
     clock[0] += 0.5
     assert _runs(metrics.render().decode()) == {"a"} and len(reads) == 2
 
-    runs[0] = RunGauges("down", {}, 0, None, False)
+    runs[0] = RunGauges("down", {}, 0, None, False, 0)
     clock[0] += 1.0
     text = metrics.render().decode()
     assert _runs(text) == set() and "# TYPE trajgate_run_step gauge" in text and len(reads) == 3
+    assert "trajgate_adapter_slots_used" not in text  # unknown, not 0
+    assert "trajgate_adapter_slots_total 6.0" in text
     assert "trajgate_requests" in text  # the rest of the page is still there

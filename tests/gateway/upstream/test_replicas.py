@@ -175,6 +175,29 @@ def test_a_replica_without_the_runs_adapter_gets_none_of_that_runs_traffic(fakes
     assert replicas.pick("t-new", "r@1") is b
 
 
+def test_a_version_newer_than_the_last_probe_goes_to_replicas_that_had_the_run_not_to_a_restarted_one(
+    fakes: list[FakeUpstream],
+) -> None:
+    """The gateway learns of a version (its route reload, once a second) before its probe of /models lists it; the
+    trainer published it only once every replica it could reach loaded it, so a replica listing an earlier version of
+    the run has it, and one listing none of the run's (it restarted) may not: it gets none of them until listed."""
+
+    async def probe(replicas: Replicas) -> None:
+        async with aiohttp.ClientSession() as session:
+            await replicas.probe(session, {})
+
+    replicas = Replicas([fake.base_url for fake in fakes])
+    a, b = replicas.all
+    fakes[0].adapters = ["r@1", "other@4"]  # b restarted: it lists nothing of r's
+    fakes[1].adapters = ["other@4"]
+    asyncio.run(probe(replicas))
+    assert {replicas.pick(f"t{i}", "r@2") for i in range(4)} == {a}  # r@2: published since the probe
+    assert replicas.usable("new@1") == [a, b]  # a new run's first version: any replica
+    fakes[1].adapters = ["r@2", "other@4"]
+    asyncio.run(probe(replicas))
+    assert replicas.pick("t-new", "r@2") is b  # listed now
+
+
 def test_models_lists_which_replicas_serve_each_name(replicated: RunningGateway, fakes: list[FakeUpstream]) -> None:
     def listed() -> dict[str, list[str]]:
         return {m["id"]: m["replicas"] for m in httpx.get(replicated.base_url + "/models").json()["data"]}
