@@ -13,11 +13,8 @@ import torch
 
 from gateway.runs.settings import load_settings
 from gateway.store import db
-from gateway.store.records import write_calls
-from gateway.store.rewards import RewardItem, store_rewards
-from gateway.store.runs import upsert_run
-from tests.support.factories import make_record
 from tests.support.tiny_models import PATTERN, VOCAB
+from trainer.demo.seeded_groups import SeededTrajectory, seed_rewarded
 from trainer.worker.loop import Trainer, TrainerOptions
 
 
@@ -49,32 +46,25 @@ def seed_groups(
     """Rewarded groups whose completions that repeat PATTERN earn 1, others 0, with the model's own logprobs; ids
     start with `prefix` (several runs in one database), and `config`, when given, creates the run first."""
     rng = random.Random(seed)
-    records, rewards = [], []
+    trajectories = []
     for g in range(first, first + groups):
         for t in range(size):
             prompt = [rng.randrange(VOCAB) for _ in range(6)]
             good = t % 2 == 0
             completion = [PATTERN] * 5 if good else [rng.randrange(VOCAB) for _ in range(5)]
-            trajectory = f"{prefix}g{g}-t{t}"
-            records.append(
-                make_record(
-                    trajectory,
-                    seq=1,
-                    run=run,
+            trajectories.append(
+                SeededTrajectory(
+                    trajectory_id=f"{prefix}g{g}-t{t}",
                     group_id=f"{prefix}g{g}",
-                    group_size=size,
                     prompt_token_ids=prompt,
                     completion_token_ids=completion,
                     completion_logprobs=own_logprobs(tiny, prompt, completion),
+                    reward=1.0 if good else 0.0,
                 )
             )
-            rewards.append(RewardItem(trajectory, 1.0 if good else 0.0))
     engine = db.make_engine(url)
     try:
-        if config is not None:
-            upsert_run(engine, run, config, base_model="base-model")
-        write_calls(engine, records)
-        store_rewards(engine, rewards)
+        seed_rewarded(engine, run, trajectories, config=config)
     finally:
         engine.dispose()
 
