@@ -234,7 +234,9 @@ def table(result: dict[str, Any]) -> str:
         data = result["modes"][mode]
         parts = ", ".join(f"{task} {run['wall_seconds'] / 60:.1f} min" for task, run in data["runs"].items()
                           if "wall_seconds" in run)  # fmt: skip
-        lines.append(f"wall time {mode}: {data['wall_seconds'] / 60:.1f} min" + (f" ({parts})" if parts else ""))
+        phases = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in data.get("phase_seconds", {}).items())
+        details = "".join(f" ({text})" for text in (parts, phases) if text)
+        lines.append(f"wall time {mode}: {data['wall_seconds'] / 60:.1f} min{details}")
     return "\n".join(lines)
 
 
@@ -282,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DemoError as exc:
         print(f"bench/two_tasks: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("bench/two_tasks: interrupted; every process it started has stopped", file=sys.stderr)
+        return 130
     finally:
         if result["modes"]:
             print(table(result), flush=True)

@@ -105,7 +105,8 @@ def _entry(before: list[float], after: list[float], steps: int = 10) -> dict[str
 
 
 def _result(together: dict[str, Any], alone: dict[str, Any] | None) -> dict[str, Any]:
-    modes: dict[str, Any] = {"together": {"wall_seconds": 600.0, "runs": {"trivia": together}}}
+    together_mode = {"wall_seconds": 600.0, "phase_seconds": {"train": 420.0}, "runs": {"trivia": together}}
+    modes: dict[str, Any] = {"together": together_mode}
     if alone is not None:
         modes["alone"] = {"wall_seconds": 900.0, "runs": {"trivia": {**alone, "wall_seconds": 900.0}}}
     return {"tasks": ["trivia"], "modes": modes}
@@ -127,7 +128,8 @@ def test_same_results_overlap_and_far_apart_ones_do_not() -> None:
     assert two_tasks.verdict(apart) == {"trivia": {"after": False, "change": False}}
     text = two_tasks.table(apart)
     assert "after intervals do NOT overlap, change intervals do NOT overlap" in text
-    assert "wall time together: 10.0 min" in text and "wall time alone: 15.0 min (trivia 15.0 min)" in text
+    assert "wall time together: 10.0 min (train 420 s)" in text
+    assert "wall time alone: 15.0 min (trivia 15.0 min)" in text
     header = next(line for line in text.splitlines() if line.startswith("task trivia"))
     assert header.split()[-2:] == ["together", "alone"] and "(4 held-out questions)" in header
     after = next(line for line in text.splitlines() if line.startswith("held-out reward, after"))
