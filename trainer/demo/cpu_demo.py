@@ -161,9 +161,12 @@ class Child:
         self._relay.join(5)
 
 
-def _http(method: str, url: str, body: Any = None, timeout: float = 30) -> Any:
+def _http(method: str, url: str, body: Any = None, timeout: float = 30, key: str | None = None) -> Any:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"content-type": "application/json"}, method=method)
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -365,7 +368,7 @@ def _interrupts_held() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _only_demo_in(workdir: Path) -> Iterator[None]:
+def only_demo_in(workdir: Path) -> Iterator[None]:
     """A second demo in the same directory would wipe the first one's database under it: refuse instead."""
     workdir.mkdir(parents=True, exist_ok=True)
     with open(workdir / ".lock", "w") as handle:
@@ -374,6 +377,140 @@ def _only_demo_in(workdir: Path) -> Iterator[None]:
         except BlockingIOError:
             raise DemoError(f"another demo is running in {workdir}; stop it or pass --workdir DIR") from None
         yield
+
+
+class Processes:
+    """Every process a demo starts (vLLM, the gateway, the trainer, the agents), each registered to be stopped on
+    the way out, newest first, whatever ends the demo. `env` is what the children after vLLM are started with."""
+
+    def __init__(self, stack: contextlib.ExitStack, echo: Callable[[str], None]) -> None:
+        self.stack = stack
+        self.echo = echo
+        self.env: dict[str, str] = dict(os.environ)
+
+    def vllm(self, server: VllmServer) -> VllmServer:
+        return self.stack.enter_context(server)
+
+    def start(self, name: str, argv: Sequence[str], grace_s: float) -> Child:
+        with _interrupts_held():
+            child = Child(name, argv, self.env, self.echo)
+            self.stack.callback(child.stop, grace_s)
+        return child
+
+
+@contextlib.contextmanager
+def processes(echo: Callable[[str], None]) -> Iterator[Processes]:
+    with _stopping_everything_on_exit() as stack:
+        yield Processes(stack, echo)
+
+
+def prepare(model: str, workdir: Path, say: Callable[[str], None]) -> tuple[Path, str, str]:
+    """The vLLM venv and the weights (minutes the first time), then an empty database in `workdir`: the weights'
+    directory, the name vLLM serves them under and the database URL."""
+    say(f"preparing the vLLM CPU venv and the {model} weights (once per machine; minutes the first time)")
+    ensure_venv()
+    weights, served = model_weights(model)
+    _reset(workdir)
+    from gateway.store import db
+
+    database_url = f"sqlite:///{workdir / 'trajgate.db'}"
+    db.upgrade(database_url)
+    return weights, served, database_url
+
+
+def vllm_server(weights: Path, served: str, tasks: Sequence[DemoTask], keep_adapters: int,
+                cpus: Sequence[int]) -> VllmServer:  # fmt: skip
+    """One vLLM for every task's run: each task's arguments (once), and an adapter slot for each run's kept adapters
+    plus the one being published, so that no run's publication evicts an adapter another run still answers with."""
+    extra = [arg for args in dict.fromkeys(task.vllm_args for task in tasks) for arg in args]
+    return VllmServer(weights, served, max_lora_rank=16, max_loras=len(tasks) * (keep_adapters + 1), kvcache_gib=2,
+                      extra_args=extra, cpus=cpus)  # fmt: skip
+
+
+def demo_env(database_url: str, vllm: VllmServer, served: str, weights: Path, workdir: Path, agent_keys: str = "",
+             admin_key: str = "") -> dict[str, str]:  # fmt: skip
+    """The gateway's and the trainer's settings; no keys unless given, whatever a .env in this directory says."""
+    return {
+        **os.environ,
+        "TRAJGATE_DATABASE_URL": database_url,
+        "TRAJGATE_UPSTREAM_URL": vllm.base_url,
+        "TRAJGATE_VLLM_MAX_LORAS": str(vllm.max_loras),  # exactly the runs' keep-adapters + 1 each
+        "TRAJGATE_BASE_MODEL": served,
+        "TRAJGATE_BASE_WEIGHTS": str(weights),
+        "TRAJGATE_CHECKPOINT_DIR": str(workdir / "checkpoints"),
+        "TRAJGATE_SPOOL_DIR": str(workdir / "spool"),
+        "TRAJGATE_AGENT_KEYS": agent_keys,
+        "TRAJGATE_ADMIN_KEY": admin_key,
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # the trainer's weight-loading bars, relayed line by line
+    }
+
+
+def create_run(gateway_url: str, run: str, served: str, weights: Path, config: dict[str, Any],
+               admin_key: str | None = None) -> None:  # fmt: skip
+    _http("POST", gateway_url + "/v1/runs",
+          {"name": run, "base_model": served, "base_weights": str(weights), "config": config}, key=admin_key)  # fmt: skip
+
+
+def trainer_argv(runs: Sequence[str], options: DemoOptions, cpus: Sequence[int]) -> list[str]:
+    """`trajgate train` for one run (--run) or several in one process (--runs); --steps counts per run."""
+    which = ["--run", runs[0]] if len(runs) == 1 else ["--runs", ",".join(runs)]
+    return [sys.executable, "-m", "gateway.cli", "train", *which, "--backend", "hf", "--device", "cpu",
+            "--steps", str(options.steps), "--poll-s", "0.5", "--seed", str(options.seed),
+            "--keep-adapters", str(options.keep_adapters), "--cpus", ",".join(map(str, cpus))]  # fmt: skip
+
+
+def agent_argv(task: DemoTask, gateway_url: str, run: str, seed: int, api_key: str | None = None,
+               admin_key: str | None = None) -> list[str]:  # fmt: skip
+    """The example agent's command line, before its mode: its calls and rewards with `api_key`, its progress reads
+    with `admin_key` (reads are the admin's once the gateway has one)."""
+    keys = [*(["--api-key", api_key] if api_key else []), *(["--admin-key", admin_key] if admin_key else [])]
+    return [sys.executable, str(task.agent), "--gateway", gateway_url, "--run", run, "--seed", str(seed), *keys]
+
+
+def rounds_argv(agent: Sequence[str], options: DemoOptions) -> list[str]:
+    return [*agent, "train", "--steps", str(options.steps), "--groups-per-round", str(options.groups_per_step),
+            "--group-size", str(options.group_size), "--fleet", str(options.fleet)]  # fmt: skip
+
+
+@dataclass
+class Evaluation:
+    """A held-out evaluation the agent is playing; `result` waits for it and reads what it wrote."""
+
+    label: str
+    child: Child
+    out: Path
+
+    def result(self, others: Sequence[Child]) -> dict[str, Any]:
+        code = self.child.wait(others)
+        if code != 0 or not self.out.is_file():
+            raise DemoError(f"the agent's {self.label} evaluation failed ({code})")
+        result: dict[str, Any] = json.loads(self.out.read_text())
+        return result
+
+
+def start_evaluation(procs: Processes, name: str, label: str, agent: Sequence[str], options: DemoOptions,
+                     out: Path) -> Evaluation:  # fmt: skip
+    evaluation = ["--samples", str(options.eval_samples)]
+    if options.eval_limit:
+        evaluation += ["--limit", str(options.eval_limit)]
+    out.unlink(missing_ok=True)
+    return Evaluation(label, procs.start(name, [*agent, "eval", *evaluation, "--out", str(out)], 10), out)
+
+
+def wait_for_version(gateway_url: str, run: str, steps: int, gateway: Child, admin_key: str | None = None) -> None:
+    """The trainer has published the last step, but the gateway routes to it only once it has seen it."""
+    _wait_until(
+        lambda: _http("GET", f"{gateway_url}/v1/runs/{run}", key=admin_key)["policy_version"] >= steps,
+        30, f"waiting for the gateway to route {run!r} to step {steps}", gateway,
+    )  # fmt: skip
+
+
+def run_record(gateway_url: str, run: str, admin_key: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The run's committed steps (with their metrics) and its progress (GET /v1/runs/{run}: merge, admission)."""
+    steps: list[dict[str, Any]] = _http("GET", f"{gateway_url}/v1/runs/{run}/steps", key=admin_key)["data"]
+    progress: dict[str, Any] = _http("GET", f"{gateway_url}/v1/runs/{run}", key=admin_key)
+    return steps, progress
 
 
 def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoResult:
@@ -386,7 +523,7 @@ def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoR
     if options.ahead < 0:
         raise DemoError("--ahead must be 0 (sample only from the newest policy) or more")
     workdir = options.workdir.resolve()
-    with _only_demo_in(workdir):
+    with only_demo_in(workdir):
         return _run(options, workdir, echo)
 
 
@@ -402,96 +539,43 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
     def say(message: str) -> None:
         echo(f"   demo | {message}")
 
-    say(f"preparing the vLLM CPU venv and the {options.model} weights (once per machine; minutes the first time)")
-    ensure_venv()
-    weights, served = model_weights(options.model)
-    _reset(workdir)
+    weights, served, database_url = prepare(options.model, workdir, say)
     t = phase("prepare", started)
-
-    from gateway.store import db
-
-    database_url = f"sqlite:///{workdir / 'trajgate.db'}"
-    db.upgrade(database_url)
-    with _stopping_everything_on_exit() as stack:
+    with processes(echo) as procs:
         task = TASKS[options.task]
         vllm_cpus, trainer_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
-        server = VllmServer(weights, served, max_lora_rank=16, max_loras=options.keep_adapters + 1, kvcache_gib=2,
-                            extra_args=task.vllm_args, cpus=vllm_cpus)  # fmt: skip
+        server = vllm_server(weights, served, [task], options.keep_adapters, vllm_cpus)
         say(f"starting vLLM CPU ({served}, LoRA on; log {server.log_path})")
-        vllm = stack.enter_context(server)
+        vllm = procs.vllm(server)
         t = phase("vllm_start", t)
-        env = {
-            **os.environ,
-            "TRAJGATE_DATABASE_URL": database_url,
-            "TRAJGATE_UPSTREAM_URL": vllm.base_url,
-            "TRAJGATE_BASE_MODEL": served,
-            "TRAJGATE_BASE_WEIGHTS": str(weights),
-            "TRAJGATE_CHECKPOINT_DIR": str(workdir / "checkpoints"),
-            "TRAJGATE_VLLM_MAX_LORAS": str(server.max_loras),  # the run's keep-adapters + 1: exactly what it needs
-            "TRAJGATE_SPOOL_DIR": str(workdir / "spool"),
-            # A local demo on 127.0.0.1: no keys, whatever a .env in this directory says.
-            "TRAJGATE_AGENT_KEYS": "",
-            "TRAJGATE_ADMIN_KEY": "",
-            "PYTHONUNBUFFERED": "1",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # the trainer's weight-loading bars, relayed line by line
-        }
-
-        def start(name: str, argv: Sequence[str], grace_s: float) -> Child:
-            with _interrupts_held():
-                child = Child(name, argv, env, echo)
-                stack.callback(child.stop, grace_s)
-            return child
-
-        gateway, gateway_url = start_gateway(start, iter(free_port, None))
-        _http("POST", gateway_url + "/v1/runs",
-              {"name": RUN, "base_model": served, "base_weights": str(weights), "config": run_config(options)})
+        procs.env = demo_env(database_url, vllm, served, weights, workdir)
+        gateway, gateway_url = start_gateway(procs.start, iter(free_port, None))
+        create_run(gateway_url, RUN, served, weights, run_config(options))
         say(f"gateway on {gateway_url} (SQLite {workdir / 'trajgate.db'}); run {RUN!r} created")
         say(f"watch it in the browser: {gateway_url}/ui/run?name={urllib.parse.quote(RUN)}")
-        trainer = start(
-            "trainer",
-            [sys.executable, "-m", "gateway.cli", "train", "--run", RUN, "--backend", "hf", "--device", "cpu",
-             "--steps", str(options.steps), "--poll-s", "0.5", "--seed", str(options.seed),
-             "--keep-adapters", str(options.keep_adapters), "--cpus", ",".join(map(str, trainer_cpus))],
-            20,
-        )  # fmt: skip
-        agent = [sys.executable, str(task.agent), "--gateway", gateway_url, "--run", RUN, "--seed", str(options.seed)]
-        evaluation = ["--samples", str(options.eval_samples)]
-        if options.eval_limit:
-            evaluation += ["--limit", str(options.eval_limit)]
+        trainer = procs.start("trainer", trainer_argv([RUN], options, trainer_cpus), 20)
+        agent = agent_argv(task, gateway_url, RUN, options.seed)
 
-        def evaluate(label: str) -> dict[str, Any]:
-            out = workdir / f"eval-{label}.json"
-            out.unlink(missing_ok=True)
-            code = start(f"eval-{label[:2]}", [*agent, "eval", *evaluation, "--out", str(out)], 10).wait(
-                [gateway, trainer] if label == "before" else [gateway]
-            )
-            if code != 0 or not out.is_file():
-                raise DemoError(f"the agent's {label} evaluation failed ({code})")
-            result: dict[str, Any] = json.loads(out.read_text())
-            return result
+        def evaluate(label: str, others: Sequence[Child]) -> dict[str, Any]:
+            return start_evaluation(procs, f"eval-{label[:2]}", label, agent, options,
+                                    workdir / f"eval-{label}.json").result(others)  # fmt: skip
 
         say(f"held-out evaluation of the base model ({options.eval_samples} answers per question)")
-        before = evaluate("before")
+        before = evaluate("before", [gateway, trainer])
         t = phase("eval_before", t)
         say(f"training: {options.steps} steps of {options.groups_per_step} groups x {options.group_size} answers")
-        rounds = [*agent, "train", "--steps", str(options.steps), "--groups-per-round", str(options.groups_per_step),
-                  "--group-size", str(options.group_size), "--fleet", str(options.fleet)]  # fmt: skip
         # The trainer may finish first: the agent's last round can start before the last step and be admitted
         # only once that step frees room, after which it plays on the last adapter and stops.
-        if start("agent", rounds, 10).wait([gateway], may_finish=[trainer]) != 0:
+        if procs.start("agent", rounds_argv(agent, options), 10).wait([gateway], may_finish=[trainer]) != 0:
             raise DemoError("the agent's training rounds failed")
         if trainer.wait([gateway]) != 0:
             raise DemoError(f"the trainer failed:\n{trainer.tail()}")
-        _wait_until(
-            lambda: _http("GET", f"{gateway_url}/v1/runs/{RUN}")["policy_version"] >= options.steps,
-            30, f"waiting for the gateway to route {RUN!r} to step {options.steps}", gateway,
-        )  # fmt: skip
+        wait_for_version(gateway_url, RUN, options.steps, gateway)
         t = phase("train", t)
         say(f"held-out evaluation of {RUN}@{options.steps}")
-        after = evaluate("after")
+        after = evaluate("after", [gateway])
         phase("eval_after", t)
-        steps = _http("GET", f"{gateway_url}/v1/runs/{RUN}/steps")["data"]
-        progress = _http("GET", f"{gateway_url}/v1/runs/{RUN}")
+        steps, progress = run_record(gateway_url, RUN)
         merge, admission = progress["merge"], progress["admission"]
 
     change = paired_change(before, after, options.seed)

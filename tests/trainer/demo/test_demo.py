@@ -28,6 +28,7 @@ from trainer.demo.cpu_demo import (
     DemoError,
     DemoOptions,
     DemoResult,
+    demo_env,
     model_weights,
     paired_change,
     plot_curve,
@@ -36,6 +37,7 @@ from trainer.demo.cpu_demo import (
     run_demo,
     split_cpus,
     start_gateway,
+    vllm_server,
 )
 from trainer.demo.vllm_cpu import VllmServer, free_port
 
@@ -289,3 +291,14 @@ def test_train_cpus_are_a_cpu_list_and_a_bad_one_is_one_line() -> None:
     assert out.stderr.strip().splitlines() == [
         f"trajgate train: --cpus {missing + 64}: Invalid argument (this machine has {missing})"
     ]
+
+
+def test_the_demos_vllm_has_a_slot_per_kept_adapter_and_the_trainer_is_told(tmp_path: Path) -> None:
+    """vLLM gets keep-adapters + 1 slots per task's run, and the gateway and trainer the same number
+    (TRAJGATE_VLLM_MAX_LORAS), so the trainer's slot check is on in the demo and fits it exactly."""
+    one = vllm_server(tmp_path, "m", [TASKS["trivia"]], keep_adapters=2, cpus=[0])
+    two = vllm_server(tmp_path, "m", [TASKS["trivia"], TASKS["tools"]], keep_adapters=2, cpus=[0])
+    assert (one.max_loras, two.max_loras) == (3, 6)
+    assert set(TASKS["tools"].vllm_args) <= set(two.extra_args)  # the tool parser, harmless to trivia
+    env = demo_env("sqlite:///x.db", two, "m", tmp_path, tmp_path)
+    assert env["TRAJGATE_VLLM_MAX_LORAS"] == "6" and env["TRAJGATE_UPSTREAM_URL"] == two.base_url
