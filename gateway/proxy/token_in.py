@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("trajgate.token_in")
 
 RENDER = "/v1/chat/completions/render"
+# vLLM's SamplingParams.max_tokens default: what a render answer without max_tokens computed (vllm/sampling_params.py).
+SAMPLING_DEFAULT_MAX_TOKENS = 16
 GENERATE = "/inference/v1/generate"
 DERENDER = "/v1/chat/completions/derender"
 
@@ -496,7 +498,13 @@ class TokenIn:
             plan = await self.plan(call, render_body, keys)
             call.segment_reason = plan.segment_reason
             call.predecessor = plan.predecessor
-            sampling_params = {**plan.sampling_params, "logprobs": plan.sampling_params.get("logprobs") or 0}
+            sampling_params = {
+                # Render leaves out the fields at SamplingParams' defaults, max_tokens 16 among them, and generate
+                # reads a missing max_tokens as "not asked": the rest of the context. Absent, it was 16.
+                "max_tokens": SAMPLING_DEFAULT_MAX_TOKENS,
+                **plan.sampling_params,
+                "logprobs": plan.sampling_params.get("logprobs") or 0,
+            }
             model = upstream_body["model"]
             generate_body = {"model": model, "token_ids": plan.prompt, "sampling_params": sampling_params}
             if call.stream:

@@ -250,6 +250,36 @@ def test_stream_tool_call_cut_by_max_tokens_finishes_with_length(
     assert call["response"]["choices"][0]["finish_reason"] == "length"
 
 
+def test_max_tokens_16_reaches_generate_though_render_leaves_it_out(
+    token_gateway: RunningGateway, upstream: FakeUpstream
+) -> None:
+    """vLLM 0.32's render answers its sampling params without the fields at their defaults, and `max_tokens` 16 is
+    SamplingParams' default, so render says nothing of it; generate then takes a missing `max_tokens` as "not asked"
+    and runs to the end of the context (vllm/entrypoints/scale_out/token_in_token_out/serving.py). The gateway must
+    send generate the 16 render computed."""
+    exchanges = cut_tool_call_exchanges(16)
+    del exchanges[0]["response"]["sampling_params"]["max_tokens"]  # as render answers a request for 16
+    names = []
+    for i, exchange in enumerate(exchanges):
+        names.append(f"max_tokens_16#{i}")
+        upstream.fixtures[names[-1]] = {"stream": False, "headers": {"content-type": "application/json"}, **exchange}
+    body = {
+        "model": RUN, "messages": [*TOOL_EXAMPLE, {"role": "user", "content": WEATHER_QUESTION}], "tools": TOOLS,
+        "max_tokens": 16, "temperature": 0, "stream": True,
+    }  # fmt: skip
+    before = len(upstream.received)
+    try:
+        url = f"{token_gateway.url}/eval/t/max16-{uuid.uuid4().hex[:8]}/v1/chat/completions"
+        with httpx.stream("POST", url, json=body, timeout=60) as response:
+            assert response.status_code == 200
+            response.read()
+    finally:
+        for name in names:
+            del upstream.fixtures[name]
+    (generate,) = [r for r in upstream.received[before:] if "token_ids" in r and "sampling_params" in r]
+    assert generate["sampling_params"]["max_tokens"] == 16
+
+
 def test_retry_and_concurrent_turns_extend_the_same_predecessor(token_gateway: RunningGateway, db_url: str) -> None:
     trajectory = f"retry-{uuid.uuid4().hex[:8]}"
     client = client_for(token_gateway, trajectory)
