@@ -42,6 +42,7 @@ from trainer.demo.cpu_demo import (  # noqa: E402
     Child,
     DemoError,
     DemoOptions,
+    PhaseClock,
     agent_argv,
     create_run,
     demo_env,
@@ -88,25 +89,19 @@ def run_together(tasks: Sequence[str], options: DemoOptions, echo: Callable[[str
 
 
 def _together(tasks: Sequence[str], options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> dict[str, Any]:
-    started = time.monotonic()
-    phases: dict[str, float] = {}
-
-    def phase(name: str, since: float) -> float:
-        now = time.monotonic()
-        phases[name] = round(now - since, 1)
-        return now
+    clock = PhaseClock()
 
     def say(message: str) -> None:
         echo(f"   both | {message}")
 
     weights, served, database_url = prepare(options.model, workdir, say)
-    t = phase("prepare", started)
+    clock.done("prepare")
     with processes(echo) as procs:
         vllm_cpus, trainer_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
         server = vllm_server(weights, served, [TASKS[task] for task in tasks], options.keep_adapters, vllm_cpus)
         say(f"starting vLLM CPU ({served}, {server.max_loras} adapter slots; log {server.log_path})")
         vllm = procs.vllm(server)
-        t = phase("vllm_start", t)
+        clock.done("vllm_start")
         procs.env = demo_env(database_url, vllm, served, weights, workdir, agent_keys(tasks), ADMIN_KEY)
         gateway, gateway_url = start_gateway(procs.start, iter(free_port, None))
         for task in tasks:
@@ -124,7 +119,7 @@ def _together(tasks: Sequence[str], options: DemoOptions, workdir: Path, echo: C
 
         say(f"held-out evaluation of the base model for every task ({options.eval_samples} answers per question)")
         before = evaluate("before", [gateway, trainer])
-        t = phase("eval_before", t)
+        clock.done("eval_before")
         say(f"training {', '.join(tasks)} at once: {options.steps} steps each of {options.groups_per_step} groups x "
             f"{options.group_size} answers")  # fmt: skip
         rounds = {task: procs.start(f"{task}:agent", rounds_argv(agents[task], options), 10) for task in tasks}
@@ -137,14 +132,14 @@ def _together(tasks: Sequence[str], options: DemoOptions, workdir: Path, echo: C
             raise DemoError(f"the trainer failed:\n{trainer.tail()}")
         for task in tasks:
             wait_for_version(gateway_url, task, options.steps, gateway, ADMIN_KEY)
-        t = phase("train", t)
+        clock.done("train")
         say(f"held-out evaluation of every run at step {options.steps}")
         after = evaluate("after", [gateway])
-        phase("eval_after", t)
+        clock.done("eval_after")
         records = {task: run_record(gateway_url, task, ADMIN_KEY) for task in tasks}
 
     runs = {task: _run_entry(before[task], after[task], records[task][0], options.seed) for task in tasks}
-    return {"wall_seconds": round(time.monotonic() - started, 1), "phase_seconds": phases, "runs": runs}
+    return {"wall_seconds": clock.wall_seconds(), "phase_seconds": clock.seconds, "runs": runs}
 
 
 def run_alone(tasks: Sequence[str], options: DemoOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:

@@ -527,27 +527,38 @@ def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoR
         return _run(options, workdir, echo)
 
 
-def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> DemoResult:
-    started = time.monotonic()
-    phases: dict[str, float] = {}
+class PhaseClock:
+    """Wall seconds per phase of a demo run (`prepare`, `vllm_start`, ...), each from the end of the one before,
+    as the report prints them; one clock for the demo and the benchmarks that run its phases."""
 
-    def phase(name: str, since: float) -> float:
+    def __init__(self) -> None:
+        self.started = self._last = time.monotonic()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, name: str) -> None:
         now = time.monotonic()
-        phases[name] = round(now - since, 1)
-        return now
+        self.seconds[name] = round(now - self._last, 1)
+        self._last = now
+
+    def wall_seconds(self) -> float:
+        return round(time.monotonic() - self.started, 1)
+
+
+def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> DemoResult:
+    clock = PhaseClock()
 
     def say(message: str) -> None:
         echo(f"   demo | {message}")
 
     weights, served, database_url = prepare(options.model, workdir, say)
-    t = phase("prepare", started)
+    clock.done("prepare")
     with processes(echo) as procs:
         task = TASKS[options.task]
         vllm_cpus, trainer_cpus = split_cpus(sorted(os.sched_getaffinity(0)))
         server = vllm_server(weights, served, [task], options.keep_adapters, vllm_cpus)
         say(f"starting vLLM CPU ({served}, LoRA on; log {server.log_path})")
         vllm = procs.vllm(server)
-        t = phase("vllm_start", t)
+        clock.done("vllm_start")
         procs.env = demo_env(database_url, vllm, served, weights, workdir)
         gateway, gateway_url = start_gateway(procs.start, iter(free_port, None))
         create_run(gateway_url, RUN, served, weights, run_config(options))
@@ -562,7 +573,7 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
 
         say(f"held-out evaluation of the base model ({options.eval_samples} answers per question)")
         before = evaluate("before", [gateway, trainer])
-        t = phase("eval_before", t)
+        clock.done("eval_before")
         say(f"training: {options.steps} steps of {options.groups_per_step} groups x {options.group_size} answers")
         # The trainer may finish first: the agent's last round can start before the last step and be admitted
         # only once that step frees room, after which it plays on the last adapter and stops.
@@ -571,10 +582,10 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         if trainer.wait([gateway]) != 0:
             raise DemoError(f"the trainer failed:\n{trainer.tail()}")
         wait_for_version(gateway_url, RUN, options.steps, gateway)
-        t = phase("train", t)
+        clock.done("train")
         say(f"held-out evaluation of {RUN}@{options.steps}")
         after = evaluate("after", [gateway])
-        phase("eval_after", t)
+        clock.done("eval_after")
         steps, progress = run_record(gateway_url, RUN)
         merge, admission = progress["merge"], progress["admission"]
 
@@ -585,8 +596,8 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
     plot = plot_curve(steps, change, workdir / "reward_curve.png", title)
     result = DemoResult(
         options={**asdict(options), "workdir": str(workdir), "served_model": served},
-        wall_seconds=round(time.monotonic() - started, 1),
-        phase_seconds=phases,
+        wall_seconds=clock.wall_seconds(),
+        phase_seconds=clock.seconds,
         before=before,
         after=after,
         change=change,
