@@ -14,7 +14,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -128,6 +128,33 @@ def summarise(groups: list[list[Played]]) -> Summary:
     )
 
 
+def rounds_of(questions: Sequence[Q], groups_per_round: int, seed: int) -> Iterator[list[Q]]:
+    """Rounds of `groups_per_round` training questions: the whole set shuffled, then shuffled again, forever."""
+    rng = random.Random(seed)
+    order: list[Q] = []
+    while True:
+        if len(order) < groups_per_round:
+            batch = list(questions)
+            rng.shuffle(batch)
+            order.extend(batch)
+        round_questions, order = order[:groups_per_round], order[groups_per_round:]
+        yield round_questions
+
+
+def collect(agent: Agent[Q], rounds: int, groups_per_round: int, size: int, seed: int) -> Summary:
+    """Play exactly `rounds` rounds and stop, whatever the run's steps: episodes recorded for another use than this
+    run's training (a supervised warm start from the best of them, say). Meant for a run with admission "off" and no
+    trainer; under admission "wait" its groups past the run's bound would wait for steps that never come."""
+    played: list[list[Played]] = []
+    for round_no, questions in zip(range(rounds), rounds_of(agent.task.train, groups_per_round, seed)):
+        started = time.perf_counter()
+        groups = agent.play(questions, size, f"c{round_no}")
+        played.extend(groups)
+        print(f"agent: collect {round_no:>3} | {len(groups)} groups x {size} | {summarise(groups).line()}"
+              f" | {time.perf_counter() - started:.1f}s", flush=True)  # fmt: skip
+    return summarise(played)
+
+
 def train(agent: Agent[Q], steps: int, groups_per_round: int, size: int, seed: int, max_rounds: int) -> bool:
     """Play rounds back to back until the run has `steps` trained steps. The agent does not pace itself: the
     gateway admits a round's groups only while the trainer can take them before they are more than the run's
@@ -135,8 +162,7 @@ def train(agent: Agent[Q], steps: int, groups_per_round: int, size: int, seed: i
     only while the run is short of `steps`, so the trainer always takes another step and makes room for it.
     False if `max_rounds` were not enough: the trainer drops groups whose episodes all earn the same reward, so a
     model that never gets one right (or always does) gives it nothing to learn from."""
-    rng = random.Random(seed)
-    order: list[Q] = []
+    rounds = rounds_of(agent.task.train, groups_per_round, seed)
     round_no = 0
     while True:
         state = agent.progress()
@@ -150,13 +176,8 @@ def train(agent: Agent[Q], steps: int, groups_per_round: int, size: int, seed: i
                   "groups dropped, most likely because all their episodes earned the same reward); giving up",
                   flush=True)  # fmt: skip
             return False
-        if len(order) < groups_per_round:
-            batch = list(agent.task.train)
-            rng.shuffle(batch)
-            order.extend(batch)
-        questions, order = order[:groups_per_round], order[groups_per_round:]
         started = time.perf_counter()
-        played = agent.play(questions, size, f"r{round_no}")
+        played = agent.play(next(rounds), size, f"r{round_no}")
         print(f"agent: round {round_no:>3} | {len(played)} groups x {size} | {summarise(played).line()}"
               f" | {time.perf_counter() - started:.1f}s", flush=True)  # fmt: skip
         round_no += 1
@@ -251,9 +272,10 @@ def evaluate(agent: Agent[Q], samples: int, limit: int | None) -> dict[str, Any]
 
 
 def main_for(task: Task[Any], description: str, argv: Sequence[str] | None = None) -> int:
-    """The command line every example agent has: `train` (rounds until the run has --steps steps) or `eval`."""
+    """The command line every example agent has: `train` (rounds until the run has --steps steps), `collect`
+    (--rounds rounds, then stop) or `eval`."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["train", "eval"])
+    parser.add_argument("mode", choices=["train", "collect", "eval"])
     parser.add_argument("--gateway", default="http://127.0.0.1:8000", help="the gateway's address (no /v1)")
     parser.add_argument("--run", default="demo", help="the run: the `model` the agent asks for")
     parser.add_argument("--api-key", default="none", help="an agent key, if the gateway requires one")
@@ -265,6 +287,7 @@ def main_for(task: Task[Any], description: str, argv: Sequence[str] | None = Non
     parser.add_argument("--fleet", type=int, default=0,
                         help="train: keep this many episodes in flight, no rounds (a fleet of agents, paced only by "
                         "the gateway's admission); 0 = rounds of --groups-per-round groups")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help="collect: rounds of --groups-per-round groups to play")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--samples", type=int, default=4, help="eval: episodes per held-out question")
     parser.add_argument("--limit", type=int, help="eval: only the first N held-out questions")
@@ -279,6 +302,9 @@ def main_for(task: Task[Any], description: str, argv: Sequence[str] | None = Non
             max_rounds = args.max_rounds or 5 * args.steps
             if not train(agent, args.steps, args.groups_per_round, args.group_size, args.seed, max_rounds):
                 return 1
+        elif args.mode == "collect":
+            summary = collect(agent, args.rounds, args.groups_per_round, args.group_size, args.seed)
+            print(f"agent: collected | {summary.line()}", flush=True)
         else:
             result = evaluate(agent, args.samples, args.limit)
             if args.out:

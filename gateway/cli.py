@@ -390,6 +390,9 @@ def demo_options(args: argparse.Namespace) -> Any:
         seed=args.seed,
         task=args.task,
         token_mode=args.token_mode,
+        sft_rounds=args.sft_rounds,
+        sft_min_reward=args.sft_min_reward,
+        sft_epochs=args.sft_epochs,
     )
 
 
@@ -611,6 +614,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, help="longest reply sampled (default: trivia 32, tools 48)")
     demo.add_argument("--eval-samples", type=int, default=4, help="answers per held-out question (default: 4)")
     demo.add_argument("--eval-limit", type=int, help="evaluate only the first N held-out questions")
+    demo.add_argument("--sft-rounds", type=int, default=0,
+                      help="a supervised warm start before the --steps GRPO steps: the base model plays this many "
+                      "rounds, and its episodes with a reward of at least --sft-min-reward are trained with "
+                      "`trajgate train --sft-data` (docs/demo.md); 0 (default) = none")
+    demo.add_argument("--sft-min-reward", type=float, default=1.0,
+                      help="with --sft-rounds: the reward an episode needs to be trained on (default: 1, a right answer)")
+    demo.add_argument("--sft-epochs", type=int, default=2, help="with --sft-rounds: passes over the episodes (default: 2)")
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(handler=_demo)
     return parser

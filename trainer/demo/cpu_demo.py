@@ -84,6 +84,12 @@ class DemoOptions:
     task: str = "trivia"
     # The run's token mode (gateway run config `token_mode`), else the task's; "chat", the gateway's default, is not sent.
     token_mode: str | None = None
+    # A supervised warm start before GRPO (trainer/demo/warm_start.py): the base model plays this many rounds, its
+    # episodes with reward >= sft_min_reward train sft_epochs passes of `--sft-data` steps; 0 = none.
+    sft_rounds: int = 0
+    sft_min_reward: float = 1.0
+    sft_epochs: int = 2
+    sft_batch: int = 8
 
 
 @dataclass
@@ -104,6 +110,8 @@ class DemoResult:
     # The run's admission at the end (GET /v1/runs/{run} `admission`): groups dropped as stale, the staleness of what
     # was trained, and who waited for whom (the trainer for data, the agents for admission).
     admission: dict[str, Any] = field(default_factory=dict)
+    # The supervised warm start (--sft-rounds): episodes collected and selected, conversations trained, steps.
+    warm_start: dict[str, Any] = field(default_factory=dict)
 
 
 class Child:
@@ -273,14 +281,18 @@ def plot_curve(steps: list[dict[str, Any]], change: dict[str, float], path: Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [s["step"] for s in steps]
-    means = [s["metrics"]["reward_mean"] for s in steps]
-    stds = [s["metrics"]["reward_std"] for s in steps]
+    rl = [s for s in steps if "reward_mean" in s["metrics"]]  # a warm start's steps (--sft-data) have no rollouts
+    xs = [s["step"] for s in rl]
+    means = [s["metrics"]["reward_mean"] for s in rl]
+    stds = [s["metrics"]["reward_std"] for s in rl]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    warm = [s["step"] for s in steps if s["metrics"].get("objective") == "sft_data"]
+    if warm:
+        ax.axvspan(0, max(warm), color="tab:green", alpha=0.1, label=f"supervised warm start (steps 1-{max(warm)})")
     ax.plot(xs, means, "o-", color="tab:blue", label="reward of the rollouts each step trained on (± std)")
     ax.fill_between(xs, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)],
                     color="tab:blue", alpha=0.15, linewidth=0)
-    last = xs[-1] if xs else 0
+    last = steps[-1]["step"] if steps else 0
     for x, key, label in ((0, "before", "held-out, base model"), (last, "after", f"held-out, after step {last}")):
         y = change[key]
         err = [[y - change[f"{key}_ci_low"]], [change[f"{key}_ci_high"] - y]]
@@ -452,11 +464,12 @@ def create_run(gateway_url: str, run: str, served: str, weights: Path, config: d
           {"name": run, "base_model": served, "base_weights": str(weights), "config": config}, key=admin_key)  # fmt: skip
 
 
-def trainer_argv(runs: Sequence[str], options: DemoOptions, cpus: Sequence[int]) -> list[str]:
-    """`trajgate train` for one run (--run) or several in one process (--runs); --steps counts per run."""
+def trainer_argv(runs: Sequence[str], options: DemoOptions, cpus: Sequence[int], steps: int | None = None) -> list[str]:
+    """`trajgate train` for one run (--run) or several in one process (--runs); --steps (default: the demo's)
+    counts the steps this process takes, per run."""
     which = ["--run", runs[0]] if len(runs) == 1 else ["--runs", ",".join(runs)]
     return [sys.executable, "-m", "gateway.cli", "train", *which, "--backend", "hf", "--device", "cpu",
-            "--steps", str(options.steps), "--poll-s", "0.5", "--seed", str(options.seed),
+            "--steps", str(options.steps if steps is None else steps), "--poll-s", "0.5", "--seed", str(options.seed),
             "--keep-adapters", str(options.keep_adapters), "--cpus", ",".join(map(str, cpus))]  # fmt: skip
 
 
@@ -468,8 +481,10 @@ def agent_argv(task: DemoTask, gateway_url: str, run: str, seed: int, api_key: s
     return [sys.executable, str(task.agent), "--gateway", gateway_url, "--run", run, "--seed", str(seed), *keys]
 
 
-def rounds_argv(agent: Sequence[str], options: DemoOptions) -> list[str]:
-    return [*agent, "train", "--steps", str(options.steps), "--groups-per-round", str(options.groups_per_step),
+def rounds_argv(agent: Sequence[str], options: DemoOptions, until_step: int | None = None) -> list[str]:
+    """The agent's training rounds, until the run has `until_step` steps (default: the demo's --steps)."""
+    steps = options.steps if until_step is None else until_step
+    return [*agent, "train", "--steps", str(steps), "--groups-per-round", str(options.groups_per_step),
             "--group-size", str(options.group_size), "--fleet", str(options.fleet)]  # fmt: skip
 
 
@@ -513,6 +528,58 @@ def run_record(gateway_url: str, run: str, admin_key: str | None = None) -> tupl
     return steps, progress
 
 
+COLLECT_RUN = f"{RUN}-collect"
+
+
+def supervised_warm_start(procs: Processes, gateway: Child, gateway_url: str, served: str, weights: Path,
+                          database_url: str, options: DemoOptions, cpus: Sequence[int], workdir: Path,
+                          say: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """The base model plays --sft-rounds rounds in a run of their own, its best episodes become `--sft-data`
+    conversations, and `trajgate train --sft-data` trains them as the demo run's first steps (and publishes the
+    adapter the GRPO steps then sample from). Returns what it did, `steps` among it."""
+    from gateway.store.db import make_engine
+    from gateway.store.export import iter_trajectories
+    from trainer.demo.warm_start import select_conversations, text_decoder, write_conversations
+
+    task = TASKS[options.task]
+    episodes = options.sft_rounds * options.groups_per_step * options.group_size
+    create_run(gateway_url, COLLECT_RUN, served, weights, {**run_config(options), "admission": "off"})
+    say(f"warm start: the base model plays {options.sft_rounds} rounds ({episodes} episodes) in run {COLLECT_RUN!r}")
+    collect = [*agent_argv(task, gateway_url, COLLECT_RUN, options.seed + 1), "collect", "--rounds",
+               str(options.sft_rounds), "--groups-per-round", str(options.groups_per_step), "--group-size",
+               str(options.group_size)]  # fmt: skip
+    if procs.start("collect", collect, 10).wait([gateway]) != 0:
+        raise DemoError("the agent's collection rounds failed")
+    engine = make_engine(database_url)
+    try:
+        # The writer records asynchronously: wait until every episode is in the database with its reward.
+        def recorded() -> bool:
+            return sum(t["reward"] is not None for t in iter_trajectories(engine, COLLECT_RUN)) >= episodes
+
+        _wait_until(recorded, 60, "waiting for the collected episodes to be recorded", gateway)
+        selection = select_conversations(iter_trajectories(engine, COLLECT_RUN), options.sft_min_reward,
+                                         text_decoder(weights))  # fmt: skip
+    finally:
+        engine.dispose()
+    if not selection.conversations:
+        raise DemoError(f"warm start: none of the {selection.episodes} collected episodes earned a reward of at least "
+                        f"{options.sft_min_reward} (--sft-min-reward); nothing to fine-tune on")  # fmt: skip
+    data = write_conversations(selection.conversations, workdir / "sft-data.jsonl")
+    say(f"warm start: {selection.selected} of {selection.episodes} episodes earned >= {options.sft_min_reward} "
+        f"({selection.skipped} not one conversation); {len(selection.conversations)} conversations -> {data}")
+    argv = [*trainer_argv([RUN], options, cpus), "--sft-data", str(data), "--epochs", str(options.sft_epochs),
+            "--sft-batch", str(options.sft_batch)]  # fmt: skip
+    argv[argv.index("--steps") : argv.index("--steps") + 2] = []  # the file's batches and epochs say how many
+    warm = procs.start("sft", argv, 20)
+    if warm.wait([gateway]) != 0:
+        raise DemoError(f"the warm start failed:\n{warm.tail()}")
+    steps: int = (_http("GET", f"{gateway_url}/v1/runs/{RUN}").get("last_step") or {}).get("step", 0)
+    wait_for_version(gateway_url, RUN, steps, gateway)  # the GRPO rounds sample from the warm-started adapter
+    say(f"warm start: {steps} supervised steps trained and published ({RUN}@{steps})")
+    return {"episodes": selection.episodes, "selected": selection.selected, "skipped": selection.skipped,
+            "conversations": len(selection.conversations), "steps": steps}  # fmt: skip
+
+
 def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoResult:
     """Run the loop end to end; raises DemoError (with the failing part's output) or KeyboardInterrupt."""
     if options.task not in TASKS:
@@ -522,6 +589,8 @@ def run_demo(options: DemoOptions, echo: Callable[[str], None] = print) -> DemoR
         raise DemoError(f"the example agent {agent} is missing: run the demo from a trajgate source checkout")
     if options.ahead < 0:
         raise DemoError("--ahead must be 0 (sample only from the newest policy) or more")
+    if options.sft_rounds < 0 or options.sft_epochs < 1:
+        raise DemoError("--sft-rounds must be 0 (no warm start) or more, and --sft-epochs at least 1")
     workdir = options.workdir.resolve()
     with only_demo_in(workdir):
         return _run(options, workdir, echo)
@@ -564,7 +633,8 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         create_run(gateway_url, RUN, served, weights, run_config(options))
         say(f"gateway on {gateway_url} (SQLite {workdir / 'trajgate.db'}); run {RUN!r} created")
         say(f"watch it in the browser: {gateway_url}/ui/run?name={urllib.parse.quote(RUN)}")
-        trainer = procs.start("trainer", trainer_argv([RUN], options, trainer_cpus), 20)
+        # With a warm start the trainer starts after it: two trainers of one run would take the same step.
+        trainer = None if options.sft_rounds else procs.start("trainer", trainer_argv([RUN], options, trainer_cpus), 20)
         agent = agent_argv(task, gateway_url, RUN, options.seed)
 
         def evaluate(label: str, others: Sequence[Child]) -> dict[str, Any]:
@@ -572,25 +642,34 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
                                     workdir / f"eval-{label}.json").result(others)  # fmt: skip
 
         say(f"held-out evaluation of the base model ({options.eval_samples} answers per question)")
-        before = evaluate("before", [gateway, trainer])
+        before = evaluate("before", [gateway, *([trainer] if trainer else [])])
         clock.done("eval_before")
+        warm: dict[str, Any] = {}
+        if options.sft_rounds:
+            warm = supervised_warm_start(procs, gateway, gateway_url, served, weights, database_url, options,
+                                         trainer_cpus, workdir, say)  # fmt: skip
+            clock.done("warm_start")
+            trainer = procs.start("trainer", trainer_argv([RUN], options, trainer_cpus), 20)
+        assert trainer is not None
+        last = warm.get("steps", 0) + options.steps
         say(f"training: {options.steps} steps of {options.groups_per_step} groups x {options.group_size} answers")
         # The trainer may finish first: the agent's last round can start before the last step and be admitted
         # only once that step frees room, after which it plays on the last adapter and stops.
-        if procs.start("agent", rounds_argv(agent, options), 10).wait([gateway], may_finish=[trainer]) != 0:
+        if procs.start("agent", rounds_argv(agent, options, last), 10).wait([gateway], may_finish=[trainer]) != 0:
             raise DemoError("the agent's training rounds failed")
         if trainer.wait([gateway]) != 0:
             raise DemoError(f"the trainer failed:\n{trainer.tail()}")
-        wait_for_version(gateway_url, RUN, options.steps, gateway)
+        wait_for_version(gateway_url, RUN, last, gateway)
         clock.done("train")
-        say(f"held-out evaluation of {RUN}@{options.steps}")
+        say(f"held-out evaluation of {RUN}@{last}")
         after = evaluate("after", [gateway])
         clock.done("eval_after")
         steps, progress = run_record(gateway_url, RUN)
         merge, admission = progress["merge"], progress["admission"]
 
     change = paired_change(before, after, options.seed)
-    title = (f"trajgate demo ({options.task}): {served}, {len(steps)} steps of {options.groups_per_step} groups x {options.group_size}\n"
+    warmed = f"{warm['steps']} sft steps, then " if warm else ""
+    title = (f"trajgate demo ({options.task}): {served}, {warmed}{options.steps} steps of {options.groups_per_step} groups x {options.group_size}\n"
              f"held-out reward {change['before']:.3f} -> {change['after']:.3f}, change {change['change']:+.3f} "
              f"(95% CI {change['change_ci_low']:+.3f} .. {change['change_ci_high']:+.3f})")  # fmt: skip
     plot = plot_curve(steps, change, workdir / "reward_curve.png", title)
@@ -607,6 +686,7 @@ def _run(options: DemoOptions, workdir: Path, echo: Callable[[str], None]) -> De
         agent_stats={"before": before.get("stats", {}), "after": after.get("stats", {})},
         merge=merge,
         admission=admission,
+        warm_start=warm,
     )
     (workdir / "summary.json").write_text(json.dumps(asdict(result), indent=1))
     return result
@@ -625,11 +705,23 @@ def report(result: DemoResult) -> str:
             f"{c['right_after']:.0%}",
             f"wall time {result.wall_seconds / 60:.1f} min ({phases});"
             f" swap latency (step committed -> adapter answering) median {median_swap:.2f}s",
+            *_warm_start_lines(result),
             *_tool_lines(result),
             *_admission_lines(result),
             f"reward curve: {result.plot}; everything measured: {Path(result.plot).with_name('summary.json')}",
         ]
     )
+
+
+def _warm_start_lines(result: DemoResult) -> list[str]:
+    w = result.warm_start
+    if not w:
+        return []
+    return [
+        f"warm start: {w['selected']} of {w['episodes']} base-model episodes earned >= "
+        f"{result.options['sft_min_reward']}; {w['conversations']} conversations trained in {w['steps']} supervised "
+        "steps before the GRPO steps"
+    ]
 
 
 def _admission_lines(result: DemoResult) -> list[str]:
