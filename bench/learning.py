@@ -18,9 +18,10 @@ steps, then the supervised warm start (the base model plays --sft-rounds rounds;
 --sft-grpo-steps GRPO steps, chosen so both take about the same wall time (both walls are printed). Compared: the
 held-out reward after each, and the difference per question (same questions) with its interval.
 
---objective distill (default task: trivia): one vLLM and one gateway. The teacher is trained by GRPO (run `teacher`,
---steps steps), then the base model is distilled from `teacher@STEPS` as vLLM serves it (run `student`, loss
-"distill", the same number of steps). Held-out reward every --eval-every steps for both: the GRPO curve, the
+--objective distill (default task: trivia): one gateway. The teacher is trained by GRPO (run `teacher`, --steps
+steps), then the base model is distilled from `teacher@STEPS` (run `student`, loss "distill", the same number of
+steps), the teacher served by a second vLLM that serves nothing else (vLLM CPU's engine dies when a prompt_logprobs
+request shares a step with another request: docs/objectives.md §10). Held-out reward every --eval-every steps for both: the GRPO curve, the
 distillation curve and the teacher's own score, with the student's reverse KL and agreement with the teacher per step.
 """
 
@@ -41,6 +42,7 @@ if str(REPO) not in sys.path:  # run as a script from anywhere, like the other b
     sys.path.insert(0, str(REPO))
 
 from gateway.cli import build_parser, demo_options  # noqa: E402
+from trainer.checkpoint import latest_checkpoint  # noqa: E402
 from trainer.demo.cpu_demo import (  # noqa: E402
     TASKS,
     DemoError,
@@ -66,6 +68,7 @@ from trainer.demo.cpu_demo import (  # noqa: E402
     wait_for_version,
 )
 from trainer.demo.vllm_cpu import free_port  # noqa: E402
+from trainer.worker.publish import VllmAdmin  # noqa: E402
 
 Echo = Callable[[str], None]
 
@@ -182,8 +185,6 @@ def _distill(options: DemoOptions, workdir: Path, eval_every: int, echo: Echo) -
         gateway, url = start_gateway(procs.start, iter(free_port, None))
         teacher_name = f"teacher@{options.steps}"
         create_run(url, "teacher", served, weights, run_config(options))
-        student = {**run_config(options), "loss": "distill", "teacher": teacher_name}
-        create_run(url, "student", served, weights, student)
         clock.done("start")
 
         def evaluate(run: str, step: int) -> dict[str, Any]:
@@ -212,7 +213,18 @@ def _distill(options: DemoOptions, workdir: Path, eval_every: int, echo: Echo) -
         base = evaluate("teacher", 0)
         clock.done("eval_base")
         teacher = {0: base, **train("teacher")}
-        say(f"distilling the base model from {teacher_name}")
+        # On vLLM CPU a prompt_logprobs request that shares an engine step with another request kills the engine
+        # (docs/objectives.md §10): the teacher gets a vLLM of its own that serves nothing else, on the trainer's
+        # cores (the trainer waits while the teacher scores its step).
+        checkpoint = latest_checkpoint(workdir / "checkpoints", "teacher")
+        assert checkpoint is not None and checkpoint[0] == options.steps
+        scorer = procs.vllm(vllm_server(weights, served, [task], options.keep_adapters, trainer_cpus))
+        VllmAdmin(scorer.base_url).load(teacher_name, checkpoint[1])
+        student = {**run_config(options), "loss": "distill", "teacher": teacher_name,
+                   "teacher_base_url": scorer.base_url}  # fmt: skip
+        create_run(url, "student", served, weights, student)
+        clock.done("teacher_vllm_start")
+        say(f"distilling the base model from {teacher_name} (its own vLLM: {scorer.base_url})")
         distilled = {0: base, **train("student")}
         teacher_steps, _ = run_record(url, "teacher")
         student_steps, _ = run_record(url, "student")
