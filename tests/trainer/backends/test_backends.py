@@ -233,6 +233,11 @@ def prefixed_rows(prefix_len: int, seed: int = 0, n: int = 6) -> list[Row]:
     return rows
 
 
+def test_prefix_sharing_is_on_by_default_on_the_cpu(tiny: str) -> None:
+    assert make(tiny).share_prefix is True
+    assert make(tiny, share_prefix=False).share_prefix is False
+
+
 def test_a_shared_prefix_runs_once_and_changes_nothing(tiny: str) -> None:
     rows = prefixed_rows(40)
     results = []
