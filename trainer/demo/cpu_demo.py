@@ -467,10 +467,15 @@ def create_run(gateway_url: str, run: str, served: str, weights: Path, config: d
 def trainer_argv(runs: Sequence[str], options: DemoOptions, cpus: Sequence[int], steps: int | None = None) -> list[str]:
     """`trajgate train` for one run (--run) or several in one process (--runs); --steps (default: the demo's)
     counts the steps this process takes, per run."""
+    return [*train_argv(runs, options, cpus), "--steps", str(options.steps if steps is None else steps)]
+
+
+def train_argv(runs: Sequence[str], options: DemoOptions, cpus: Sequence[int]) -> list[str]:
+    """`trajgate train` with the demo's settings and no step count: a `--sft-data` pass is as long as its file."""
     which = ["--run", runs[0]] if len(runs) == 1 else ["--runs", ",".join(runs)]
     return [sys.executable, "-m", "gateway.cli", "train", *which, "--backend", "hf", "--device", "cpu",
-            "--steps", str(options.steps if steps is None else steps), "--poll-s", "0.5", "--seed", str(options.seed),
-            "--keep-adapters", str(options.keep_adapters), "--cpus", ",".join(map(str, cpus))]  # fmt: skip
+            "--poll-s", "0.5", "--seed", str(options.seed), "--keep-adapters", str(options.keep_adapters),
+            "--cpus", ",".join(map(str, cpus))]  # fmt: skip
 
 
 def agent_argv(task: DemoTask, gateway_url: str, run: str, seed: int, api_key: str | None = None,
@@ -567,9 +572,8 @@ def supervised_warm_start(procs: Processes, gateway: Child, gateway_url: str, se
     data = write_conversations(selection.conversations, workdir / "sft-data.jsonl")
     say(f"warm start: {selection.selected} of {selection.episodes} episodes earned >= {options.sft_min_reward} "
         f"({selection.skipped} not one conversation); {len(selection.conversations)} conversations -> {data}")
-    argv = [*trainer_argv([RUN], options, cpus), "--sft-data", str(data), "--epochs", str(options.sft_epochs),
+    argv = [*train_argv([RUN], options, cpus), "--sft-data", str(data), "--epochs", str(options.sft_epochs),
             "--sft-batch", str(options.sft_batch)]  # fmt: skip
-    argv[argv.index("--steps") : argv.index("--steps") + 2] = []  # the file's batches and epochs say how many
     warm = procs.start("sft", argv, 20)
     if warm.wait([gateway]) != 0:
         raise DemoError(f"the warm start failed:\n{warm.tail()}")

@@ -37,6 +37,8 @@ from trainer.demo.cpu_demo import (
     run_demo,
     split_cpus,
     start_gateway,
+    train_argv,
+    trainer_argv,
     vllm_server,
 )
 from trainer.demo.vllm_cpu import VllmServer, free_port
@@ -102,6 +104,15 @@ def test_curve_is_a_png(tmp_path: Path) -> None:
     path = plot_curve(steps, change, tmp_path / "curve.png", "test")
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5_000
+
+
+def test_the_trainer_command_lines_are_ones_trajgate_train_accepts() -> None:
+    options = DemoOptions(steps=7)
+    grpo = build_parser().parse_args(trainer_argv(["demo"], options, [1])[3:])
+    assert (grpo.command, grpo.run, grpo.steps, grpo.cpus) == ("train", "demo", 7, [1])
+    assert build_parser().parse_args(trainer_argv(["a", "b"], options, [1], steps=2)[3:]).steps == 2
+    sft = build_parser().parse_args([*train_argv(["demo"], options, [1])[3:], "--sft-data", "x.jsonl"])
+    assert (sft.sft_data, sft.steps) == (Path("x.jsonl"), None)  # the file's batches and epochs say how many
 
 
 def test_run_config_is_one_the_gateway_accepts() -> None:
