@@ -427,7 +427,8 @@ def _measure(
     # (a frozen linear: 4 FLOPs per weight) over the trained tokens only. The conventional MFU counts
     # every input token through both, as if logits were computed everywhere.
     head_flops = 4.0 * model.get_output_embeddings().weight.numel()
-    sharing = not checkpointing and bool(getattr(backend, "share_prefix", False))  # hf on the CPU only
+    # Only the hf backend's own pass shares (unsloth's replaces it), and by default only on the CPU.
+    sharing = not checkpointing and backend.name == "hf" and bool(getattr(backend, "share_prefix", False))
     ran = decoder_tokens(batches, args.shared_prefix, sharing)
     work_flops = (flops_per_token - head_flops) * ran + head_flops * trained
     result.update(

@@ -94,10 +94,9 @@ class HFBackend(TrainerBackend):
     still upcast to fp32) trades that precision for speed. ``None`` = the model's dtype.
 
     ``share_prefix``: a micro-batch's common leading tokens go through the decoder once
-    (``_final_hidden``). ``None`` (the default) = on the CPU only. On an H100 the cached-prefix pass
-    was slower than running every row whole, however much it saved: Qwen2.5-0.5B shape, 4 × 4,096
-    tokens, bf16, 2 rows per micro-batch: 0.64 s a step unshared, 0.86 s sharing 1,024 tokens,
-    0.97 s sharing 2,048; 4 rows per micro-batch sharing 2,048: 0.55 s against 0.52 s (docs/gpu.md).
+    (``_final_hidden``). ``None`` (the default) = on the CPU only, where it saves time and memory; on a
+    GPU the cached-prefix pass measured slower than running every row whole, the more so the more it
+    shared (docs/gpu.md, "H100 figures").
 
     ``fsdp_mesh``: shard the frozen base weights of every decoder layer across the mesh's ranks
     (FSDP2 ``fully_shard``), for a model too large for one device; the LoRA weights stay whole on
