@@ -158,21 +158,30 @@ _NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
 
 
 def _recordset(bulk: _Bulk, rows: list[dict[str, Any]]) -> str:
-    """The rows as the JSON document `bulk.statement` reads."""
+    """The rows as the JSON document `bulk.statement` reads. Each row is dumped on its own, with a `give_way` before
+    it: orjson holds the GIL for the whole of one dump, and a batch's document in one dump (hundreds of KB of ids)
+    would be the writer's longest stretch without a yield point, a call's delay at c=1."""
+    parts = []
+    for row in rows:
+        give_way()
+        parts.append(_dumped_row(bulk, row))
+    return "[" + ",".join(parts) + "]"
+
+
+def _dumped_row(bulk: _Bulk, row: dict[str, Any]) -> str:
     if bulk.defaults:
-        rows = [{**row, **{name: default() for name, default in bulk.defaults}} for row in rows]
+        row = {**row, **{name: default() for name, default in bulk.defaults}}
     for name in bulk.floats:
-        for row in rows:
-            value = row[name]
-            if type(value) is float and not math.isfinite(value):
-                row[name] = _NON_FINITE.get(value, "NaN")
+        value = row[name]
+        if type(value) is float and not math.isfinite(value):
+            row[name] = _NON_FINITE.get(value, "NaN")
     try:
-        payload = orjson.dumps(rows, default=_bytes_as_base64)
+        payload = orjson.dumps(row, default=_bytes_as_base64)
     except TypeError:  # keys that are not strings, somewhere in a JSON column's value
-        payload = orjson.dumps(rows, default=_bytes_as_base64, option=orjson.OPT_NON_STR_KEYS)
+        payload = orjson.dumps(row, default=_bytes_as_base64, option=orjson.OPT_NON_STR_KEYS)
     if b"\\u0000" in payload and bulk.json:
-        rows = [{**row, **{name: without_nul(row[name]) for name in bulk.json}} for row in rows]
-        payload = orjson.dumps(rows, default=_bytes_as_base64, option=orjson.OPT_NON_STR_KEYS)
+        row = {**row, **{name: without_nul(row[name]) for name in bulk.json}}
+        payload = orjson.dumps(row, default=_bytes_as_base64, option=orjson.OPT_NON_STR_KEYS)
     return payload.decode()
 
 

@@ -3,6 +3,8 @@ while it keeps up."""
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +15,7 @@ from sqlalchemy import Engine
 from gateway.recorder import writer as writer_module
 from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, RecordWriter
 from gateway.store import courtesy
+from gateway.store import records as records_module
 from gateway.store.call_record import CallRecord
 from gateway.store.records import LineageCache, count_calls, write_calls
 from tests.support.factories import make_record
@@ -111,6 +114,28 @@ def test_writing_a_batch_passes_a_yield_point_for_each_record(engine: Engine, cl
     assert count_calls(engine) == 40
     # settling and lineage, the rows and the cache: at least three passes over the batch
     assert len(clock.pauses) >= 3 * len(records)
+
+
+def test_the_batch_document_is_dumped_a_row_at_a_time(clock: Clock) -> None:
+    """orjson holds the GIL for a whole dump: the Postgres document of a batch's rows is dumped row by row with a yield
+    point before each, and still reads as one JSON array of the rows (NaN and NUL spelled as Postgres takes them)."""
+    bulk = records_module._statements("postgresql").calls
+    rows = []
+    for i in range(5):
+        record = make_record(f"t{i}", 0, group_id=f"g{i}")
+        row = dict.fromkeys(bulk.keys)
+        row.update(trajectory_id=record.trajectory_id, seq=0, choice_index=0, response={"text": f"a\x00{i}"})
+        rows.append(row)
+    float_column = bulk.floats[0]
+    rows[2][float_column] = math.nan
+    clock.ticking = True
+    with courtesy.giving_way(0.5, 0.0001):
+        document = records_module._recordset(bulk, rows)
+    assert len(clock.pauses) == len(rows)
+    parsed = json.loads(document)
+    assert [row["trajectory_id"] for row in parsed] == [f"t{i}" for i in range(5)]
+    assert parsed[2][float_column] == "NaN"
+    assert all("\x00" not in row["response"]["text"] for row in parsed)
 
 
 def test_the_writer_thread_pauses_and_the_submitting_thread_does_not(
