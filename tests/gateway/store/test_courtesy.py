@@ -122,9 +122,8 @@ def test_the_batch_document_is_dumped_a_row_at_a_time(clock: Clock) -> None:
     bulk = records_module._statements("postgresql").calls
     rows = []
     for i in range(5):
-        record = make_record(f"t{i}", 0, group_id=f"g{i}")
         row = dict.fromkeys(bulk.keys)
-        row.update(trajectory_id=record.trajectory_id, seq=0, choice_index=0, response={"text": f"a\x00{i}"})
+        row.update(trajectory_id=f"t{i}", seq=0, choice_index=0, response={"text": f"a\x00{i}"})
         rows.append(row)
     float_column = bulk.floats[0]
     rows[2][float_column] = math.nan
