@@ -120,6 +120,8 @@ class RecordWriter:
         self._syncer = Syncer(self._sync, fsync_interval_s) if fsync_interval_s > 0 else None
         self._queue: queue.Queue[_Entry] = queue.Queue(maxsize=queue_size)
         self._batch_size = batch_size
+        # Past this many queued records the writer is falling behind (gateway.recorder.writer: `submit`).
+        self._behind = min(2 * batch_size, queue_size // 2)
         self._flush_interval_s = flush_interval_s
         self._retry_interval_s = retry_interval_s
         self._segment_age_s = segment_age_s
@@ -148,8 +150,15 @@ class RecordWriter:
 
     def submit(self, record: CallRecord) -> None:
         """Append the record to the log (so it survives a crash once this returns), then hand it to the writer
-        thread without waiting: the queue if it has room; if not, the logged copy is all there is until replay."""
+        thread without waiting: the queue if it has room; if not, the logged copy is all there is until replay.
+
+        Past two batches queued the writer is falling behind, and the caller yields the CPU once (`os.sched_yield`,
+        the GIL released). On a saturated core the event loop otherwise keeps the GIL: a thread it hands the GIL to
+        in a system call cannot run before the loop has taken it back, so the writer got the GIL only by forcing a
+        switch (5 ms) after each of its database round trips, fell behind at c=64 until the queue spilled, and a
+        spilled segment is replayed whole (bench/README.md, "the writer under saturation")."""
         segment, line = self._log(record)
+        queued = False
         with self._cond:
             self._submitted += 1
             self.counters.records_logged += int(segment is not None)
@@ -157,9 +166,13 @@ class RecordWriter:
             if not closed:
                 try:
                     self._queue.put_nowait((record, segment, line))
-                    return
+                    queued = True
                 except queue.Full:
                     pass
+        if queued:
+            if self._queue.qsize() > self._behind:
+                os.sched_yield()
+            return
         if not self._spilling:
             self._spilling = True
             if closed:

@@ -137,6 +137,30 @@ def test_full_queue_spills_to_the_spool_and_arrives_later(engine: Engine, spool_
         writer.close()
 
 
+def test_submit_hands_the_core_to_a_writer_falling_behind(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past two batches queued, each submit yields the CPU once: on a saturated core the event loop would otherwise
+    keep the GIL from the writer until the queue filled, and a spilled segment is replayed whole."""
+    yields: list[int] = []
+    monkeypatch.setattr("gateway.recorder.writer.os.sched_yield", lambda: yields.append(1))
+    writer = RecordWriter(engine, spool_dir, queue_size=100, batch_size=4, **FAST)
+    for record in _records(12):  # not started: nothing leaves the queue
+        writer.submit(record)
+    assert len(yields) == 12 - 8  # queue depths 9 to 12 are past 2 x 4
+    small = RecordWriter(engine, spool_dir / "small", queue_size=6, batch_size=4, **FAST)
+    for record in _records(6):
+        small.submit(record)
+    assert len(yields) == 4 + 3  # a queue smaller than two batches: past half of it
+    writer.start()
+    small.start()
+    try:
+        assert writer.flush(10) and small.flush(10)
+    finally:
+        writer.close()
+        small.close()
+
+
 def test_start_replays_what_a_previous_process_left(
     engine: Engine, spool_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
