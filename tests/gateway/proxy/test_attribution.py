@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 
 from gateway.http.errors import GatewayError
-from gateway.proxy.attribution import attribute, check_run, split_api_key, split_path
+from gateway.proxy.attribution import ID_RE, RandomIds, attribute, check_run, split_api_key, split_path
 from gateway.proxy.turns import SeqClock
 
 
@@ -94,3 +97,20 @@ def test_seq_clock_is_strictly_increasing_even_within_one_clock_tick(monkeypatch
     assert [clock.next() for _ in range(3)] == [5_000, 5_001, 5_002]
     monkeypatch.setattr("gateway.proxy.turns.time.time_ns", lambda: 9_000)
     assert clock.next() == 9_000
+
+
+def test_fresh_trajectory_ids_are_random_and_take_one_system_call_per_fill(monkeypatch: pytest.MonkeyPatch) -> None:
+    drawn: list[int] = []
+    real = os.urandom
+
+    def urandom(size: int) -> bytes:
+        drawn.append(size)
+        return real(size)
+
+    monkeypatch.setattr("gateway.proxy.attribution.os.urandom", urandom)
+    ids = RandomIds(per_fill=4)
+    made = [ids() for _ in range(9)]
+    assert drawn == [64, 64, 64]  # 16 bytes an id, four ids a fill
+    assert len(set(made)) == 9 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in made)
+    fresh = [attribute({}, None, None, None).trajectory_id for _ in range(300)]
+    assert len(set(fresh)) == 300 and all(ID_RE.match(f) and f.startswith("tg-") and len(f) == 35 for f in fresh)
