@@ -31,8 +31,13 @@ from trainer.worker.loop import Runs, Trainer, TrainerOptions
 GROUPS, PER_STEP = 8, 2
 # The adapters after steps 2-4 (step 1 is the same process on both sides). The gradients agree to ~1e-7
 # (float32 sums in another order), but AdamW divides by √v, which turns that noise in a near-zero coordinate
-# into up to ~1e-4 of a weight (weights ~0.13, lr 1e-2); a wrong gradient moves weights by ~lr = 1e-2.
+# into up to ~1e-4 of a weight (weights ~0.13, lr 1e-2), and in the rare coordinate whose gradient is near that noise
+# into more (4.2e-4 in 1 of 1,024, seen on an Intel AVX-512 machine, where gloo and the one process sum in other
+# orders than on the AMD machines). A wrong gradient moves most weights by ~lr = 1e-2; so at most ADAPTER_OUTLIERS of
+# a tensor's elements may be past ADAPTER_ATOL, and none past ADAPTER_MAX (a sign flipped by noise moves one by 2 lr).
 ADAPTER_ATOL = 2e-4
+ADAPTER_OUTLIERS = 1 / 256
+ADAPTER_MAX = 2e-2
 # grad_norm is computed from the summed gradient, before AdamW: it shows a wrongly scaled gradient, which
 # AdamW's first step (invariant to the gradient's scale) would hide from the adapter comparison.
 METRIC_REL = 1e-5
@@ -141,8 +146,17 @@ def test_two_ranks_train_the_single_process_steps_and_resume_at_any_world_size(
         b = adapter(tmp_path / "alone" / "ckpt" / "loop" / f"{step:05d}")
         assert a.keys() == b.keys()
         for key in b:
-            torch.testing.assert_close(a[key], b[key], rtol=0, atol=ADAPTER_ATOL)
+            same_adapter(a[key], b[key], key)
     assert states(url) == ["trained"] * GROUPS
+
+
+def same_adapter(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
+    """One adapter tensor trained on two ranks against the same trained in one process (see ADAPTER_ATOL)."""
+    assert got.shape == want.shape, key
+    difference = (got.float() - want.float()).abs()
+    outliers = int((difference > ADAPTER_ATOL).sum())
+    assert outliers <= ADAPTER_OUTLIERS * difference.numel(), (key, outliers, difference.numel(), difference.max())
+    assert float(difference.max()) <= ADAPTER_MAX, (key, float(difference.max()))
 
 
 def same_steps(got: list[dict], want: list[dict], groups_used: int) -> None:
@@ -192,7 +206,7 @@ def test_two_runs_in_one_job_train_as_in_one_process(tmp_path: Path, tiny: str) 
             b = adapter(tmp_path / "alone" / "ckpt" / run / f"{step:05d}")
             assert a.keys() == b.keys()
             for key in b:
-                torch.testing.assert_close(a[key], b[key], rtol=0, atol=ADAPTER_ATOL)
+                same_adapter(a[key], b[key], key)
     # the runs really differ: a replica mixed up between them would not pass the comparison above
     assert steps(url, "ra")[0]["metrics"]["grad_norm"] != pytest.approx(steps(url, "rb")[0]["metrics"]["grad_norm"])
 
