@@ -264,6 +264,17 @@ def metrics_counter(base: str) -> dict[str, float]:
     return dict(out)
 
 
+def writer_state(base: str) -> dict[str, float]:
+    """The writer's queue depth and its spooled and replayed record counts, from the gateway's /metrics: whether it
+    kept up with a load window (a queue that fills spills records to the spool, replayed later, outside the window)."""
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    names = {"trajgate_writer_queue_depth": "queue", "trajgate_records_spooled_total": "spooled",
+             "trajgate_records_replayed_total": "replayed"}
+    return {key: float(m[1]) for name, key in names.items()
+            if (m := re.search(rf"^{name} ([0-9.e+]+)$", text, re.M))}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Concurrency-1 client: keep-alive raw socket, a tight loop
 
@@ -761,9 +772,11 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
     gateway_in_flight += warm.in_flight
     gw_ticks_before = gateway_ticks(gateway.pid)
     up_ticks_before = sum(process_ticks(upstream.pid).values())
+    writer_at: dict[str, dict[str, float]] = {"before c64": writer_state(gw_base)}
     gw64 = load(gw_port, plan.c64_seconds, "gateway")
     gw_ticks_after = gateway_ticks(gateway.pid)
     up_ticks_after = sum(process_ticks(upstream.pid).values())
+    writer_at["after c64"] = writer_state(gw_base)
     gateway_ok += gw64.ok
     gateway_in_flight += gw64.in_flight
     print(f"non-stream c={args.connections}: {direct64.tool}, {plan.c64_seconds:.0f}s per target", flush=True)
@@ -776,8 +789,12 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
         warm = load(port, plan.c64_warmup_seconds, f"s64_{name}_warmup", stream=True)
         ticks_of = gateway_ticks if name == "gateway" else process_ticks
         ticks_before = sum(ticks_of(pid).values())
+        if name == "gateway":
+            writer_at["before s64"] = writer_state(gw_base)
         s64[name] = load(port, plan.c64_seconds, f"s64_{name}", stream=True)
         s64_cpu_s[name] = (sum(ticks_of(pid).values()) - ticks_before) / os.sysconf("SC_CLK_TCK")
+        if name == "gateway":
+            writer_at["after s64"] = writer_state(gw_base)
         if name == "gateway":
             gateway_ok += warm.ok + s64[name].ok
             gateway_in_flight += warm.in_flight + s64[name].in_flight
@@ -823,6 +840,15 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
     print(f"background: processes outside this benchmark used {noise_pct:.0f}% of the machine's CPU during the "
           f"measurements (load average now {os.getloadavg()[0]:.2f}; this run's niceness {os.getpriority(os.PRIO_PROCESS, 0)})" + ("  <- noisy, numbers are pessimistic"
                                                                            if noise_pct > 5 else ""))
+    # CPU per request counts only what ran inside the window: a writer that fell behind did part of its work after
+    # it (and spilled records cost a replay), which would flatter the gateway's figures.
+    kept_up = []
+    for window in ("c64", "s64"):
+        before, after = writer_at[f"before {window}"], writer_at[f"after {window}"]
+        spilled = after.get("spooled", 0) - before.get("spooled", 0)
+        kept_up.append(f"{window}: queue {after.get('queue', 0):,.0f} at the end, {spilled:,.0f} spilled"
+                       + ("  <- the writer fell behind" if spilled else ""))
+    print(f"writer during the gateway's c={args.connections}/s={args.connections} windows: " + "; ".join(kept_up))
     print()
     match = rows == served and gateway_ok <= rows <= gateway_ok + gateway_in_flight
     print(
@@ -842,7 +868,7 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
         results.update(
             capture={"rows": rows, "gateway_counter_200": served, "client_counted": gateway_ok,
                      "in_flight_at_stop": gateway_in_flight, **stats, "match": match},
-            gateway_cpu_s=gw_cpu, upstream_cpu_s=up_cpu_total, background_cpu_pct=noise_pct,
+            gateway_cpu_s=gw_cpu, upstream_cpu_s=up_cpu_total, background_cpu_pct=noise_pct, writer=writer_at,
             cpu_availability={str(cpu): {"share": share, "longest_gap_ms": gap}
                               for cpu, (share, gap) in availability.items()},
         )
