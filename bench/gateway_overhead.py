@@ -253,10 +253,15 @@ def cpu_availability(cpu: int, seconds: float = 0.5) -> tuple[float, float]:
         os.sched_setaffinity(0, before)
 
 
+def metrics_text(base: str) -> str:
+    """The gateway's /metrics page."""
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
 def metrics_counter(base: str) -> dict[str, float]:
     """`trajgate_requests_total` by status, from the gateway's /metrics."""
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
-        text = response.read().decode()
+    text = metrics_text(base)
     out: Counter[str] = Counter()
     for match in re.finditer(r'^trajgate_requests_total\{([^}]*)\} ([0-9.e+]+)$', text, re.M):
         status = re.search(r'status="([^"]*)"', match[1])
@@ -265,21 +270,26 @@ def metrics_counter(base: str) -> dict[str, float]:
 
 
 def writer_state(base: str) -> dict[str, float]:
-    """The writer's queue depth and its spooled and replayed record counts, from the gateway's /metrics: whether it
-    kept up with a load window (a queue that fills spills records to the spool, replayed later, outside the window)."""
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
-        text = response.read().decode()
-    names = {"trajgate_writer_queue_depth": "queue", "trajgate_records_spooled_total": "spooled",
+    """The writer's queue depth and its logged, written, spooled and replayed record counts, from the gateway's
+    /metrics: whether it kept up with a load window (a queue that fills spills records to the spool, replayed later,
+    outside the window)."""
+    text = metrics_text(base)
+    names = {"trajgate_writer_queue_depth": "queue", "trajgate_records_logged_total": "logged",
+             "trajgate_records_written_total": "written", "trajgate_records_spooled_total": "spooled",
              "trajgate_records_replayed_total": "replayed"}
     return {key: float(m[1]) for name, key in names.items()
             if (m := re.search(rf"^{name} ([0-9.e+]+)$", text, re.M))}
 
 
 def drain_writer(base: str, timeout_s: float = 60.0) -> float:
-    """Wait until the writer's queue is empty (or `timeout_s`); the seconds it took. Called before a measured window,
-    so that it starts with no backlog, and after it, so that the writer's catch-up is counted with the window's CPU."""
+    """Wait until every record logged so far is written, the batch in flight included (or `timeout_s`); the seconds
+    it took. Called before a measured window, so that it starts with no backlog, and after it, so that the writer's
+    catch-up is counted with the window's CPU."""
     started = time.monotonic()
-    while time.monotonic() - started < timeout_s and writer_state(base).get("queue", 0) > 0:
+    while time.monotonic() - started < timeout_s:
+        state = writer_state(base)
+        if state.get("queue", 0) == 0 and state.get("written", 0) >= state.get("logged", 0):
+            break
         time.sleep(0.05)
     return time.monotonic() - started
 
