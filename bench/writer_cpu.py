@@ -19,6 +19,11 @@ not listed below: building the rows, the upserts, the commit), retry settlement 
 digests and shared prefixes, reading the batch's stored rows), tree placement (`_in_tree` and a root's own agent) and
 late arrivals (`_reparent_late`, and rebuilding a trajectory's stored calls, which orphans of a replaced call need).
 The wrappers add a little time of their own, counted in the phase they wrap.
+
+`--spill N Q` measures the writer's catch-up after an overload instead: N `single` records submitted to a
+RecordWriter (the real one: spool, queue, replay) whose queue holds Q and which is not yet running, so N − Q spill to
+the write-ahead log; then it starts and the script waits until all are stored: wall time, the process's CPU, and how
+many records `write_calls` was given (N when only the spilled records are replayed from the log).
 """
 
 from __future__ import annotations
@@ -233,9 +238,46 @@ def phases(engine: Engine, cache: LineageCache, shape: str, batch: int, count: i
           f"batch = {shown}", flush=True)
 
 
+def spill(engine: Engine, total: int, queue_size: int) -> None:
+    """The catch-up of a writer that fell `total - queue_size` records behind (see the module docstring)."""
+    import tempfile
+
+    from gateway.recorder import writer as writer_module
+
+    records = [record for batch in single(total, 1) for record in batch]
+    written = [0]
+
+    def counting(engine: Engine, batch: list[CallRecord], cache: LineageCache | None = None) -> None:
+        write_calls(engine, batch, cache)
+        written[0] += len(batch)
+
+    writer_module.write_calls = counting  # type: ignore[assignment]
+    try:
+        with tempfile.TemporaryDirectory() as spool:
+            writer = writer_module.RecordWriter(engine, Path(spool), queue_size=queue_size)
+            for record in records:
+                writer.submit(record)
+            started, cpu = time.monotonic(), time.process_time()
+            writer.start()
+            stored = writer.flush(600)
+            wall, cpu = time.monotonic() - started, time.process_time() - cpu
+            writer.close()
+    finally:
+        writer_module.write_calls = write_calls
+    print(f"{engine.dialect.name} spill: {total:,} records, queue {queue_size:,} ({writer.counters.records_spooled:,} "
+          f"spilled): stored {'all' if stored else 'NOT all'} in {wall:.2f} s, {cpu:.2f} s CPU; write_calls given "
+          f"{written[0]:,} records, {writer.counters.records_replayed:,} replayed from the log", flush=True)
+
+
 def run(url: str, args: argparse.Namespace) -> None:
     db.upgrade(url)
     engine = db.make_engine(url)
+    if args.spill:
+        try:
+            spill(engine, *args.spill)
+        finally:
+            engine.dispose()
+        return
     cache = LineageCache()  # the writer's, one per process
     profile = cProfile.Profile(time.thread_time) if args.profile else None  # CPU, not waits
     try:
@@ -264,6 +306,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="samples per shape and batch size")
     parser.add_argument("--profile", help="write cProfile stats of the measured batches here")
     parser.add_argument("--phases", action="store_true", help="time the phases of write_calls instead (see above)")
+    parser.add_argument("--spill", nargs=2, type=int, metavar=("N", "Q"),
+                        help="time the writer's catch-up after N records with a queue of Q instead (see above)")
     args = parser.parse_args()
 
     if args.url and args.url.startswith("sqlite"):

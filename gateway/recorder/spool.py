@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -59,8 +59,11 @@ class Segment:
     opened: float
     size: int = 0
     appended: int = 0
-    committed: int = 0  # of them in the database (or set aside as rejected), written from memory
-    dropped: bool = False  # some of them are only in the file now: the file must be replayed before removal
+    committed: int = 0  # of them in the database (or set aside as rejected): written from memory or replayed
+    dropped: bool = False  # some of them are only in the file now: they must be replayed before removal
+    # Where those are, as (offset, length, records): while this process holds the segment it replays just these
+    # spans; once it lets the segment go (shutdown, a crash), the next replayer takes the whole file.
+    spilled: list[tuple[int, int, int]] = field(default_factory=list)
     closed: bool = False  # rotated: nothing more is appended
     gone: bool = False  # removed or replayed
 
@@ -98,9 +101,9 @@ class Spool:
         self._dir_dirty = False  # segments created or removed since the last directory sync
         self.syncs = 0
 
-    def append(self, data: bytes, count: int) -> Segment:
-        """Append whole lines to the current segment (opened on demand, or anew when it is full); returns it.
-        Called from the event loop and the writer thread."""
+    def append(self, data: bytes, count: int) -> tuple[Segment, int]:
+        """Append whole lines to the current segment (opened on demand, or anew when it is full); returns it and
+        the offset the lines start at. Called from the event loop and the writer thread."""
         with self._lock:
             segment = self._current
             if segment is not None and segment.size + len(data) > segment.capacity:
@@ -111,13 +114,14 @@ class Spool:
             if segment is None:
                 segment = self._current = self._open_segment(max(self._segment_bytes, len(data)))
             assert segment.mapped is not None
-            segment.mapped[segment.size : segment.size + len(data)] = data
+            offset = segment.size
+            segment.mapped[offset : offset + len(data)] = data
             segment.size += len(data)
             segment.appended += count
             self._unsynced = True
             if self._sync_each:
                 self._sync_locked()
-            return segment
+            return segment, offset
 
     def _open_segment(self, capacity: int) -> Segment:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -201,24 +205,27 @@ class Spool:
             segment.committed += count
             self._settle_locked(segment)
 
-    def drop(self, segment: Segment) -> None:
-        """Some of the segment's records were let go from memory: from now on only replaying the file stores them."""
+    def drop(self, segment: Segment, spans: Sequence[tuple[int, int, int]]) -> None:
+        """Some of the segment's records, at `spans` ((offset, length, records) as `append` placed them), were let
+        go from memory: from now on only replaying them from the file stores them. The segment stays locked by this
+        process, whose replay reads just those spans: replaying it whole, as after a crash, rewrote every record
+        already committed from memory, which under sustained overload was most of the writer's catch-up."""
         with self._lock:
             segment.dropped = True
-            self._settle_locked(segment)
+            segment.spilled.extend(spans)
 
     def _settle_locked(self, segment: Segment) -> None:
-        if not segment.closed or segment.gone:
+        """Remove a closed segment once every record in it is stored, from memory or replayed from its spans."""
+        if not segment.closed or segment.gone or segment.committed < segment.appended:
             return
-        if segment.dropped:
-            self._release(segment)  # unlocked: this process's replay, or another's, may take it now
-        elif segment.committed >= segment.appended:
-            with contextlib.suppress(FileNotFoundError):
-                segment.path.unlink()
-            self._dir_dirty = True
-            self._release(segment)
-            segment.gone = True
-            self._own.pop(segment.path, None)
+        if segment.dropped and segment.handle is None:
+            return  # let go with records only the file holds: whoever replays it removes it
+        with contextlib.suppress(FileNotFoundError):
+            segment.path.unlink()
+        self._dir_dirty = True
+        self._release(segment)
+        segment.gone = True
+        self._own.pop(segment.path, None)
 
     @staticmethod
     def _release(segment: Segment) -> None:
@@ -237,7 +244,13 @@ class Spool:
         """Store a closed segment's records through `write` (True once a batch is stored), `batch_size` at a time,
         then remove the file: how many it held, 0 if another process still holds or already took it, None if
         `write` failed part-way (the segment stays for the next attempt; every write is an upsert, so the batches
-        already stored are harmless to store again). `unreadable` is told of each line that is not a whole record."""
+        already stored are harmless to store again). `unreadable` is told of each line that is not a whole record.
+        A segment this process still holds: only the records it let go from memory (`replay_spilled`)."""
+        with self._lock:
+            own = self._own.get(path)
+            held = own is not None and own.handle is not None and own.closed and not own.gone
+        if own is not None and held:
+            return self.replay_spilled(own, batch_size, write, unreadable)
         try:
             handle = open(path, "rb")  # noqa: SIM115 - the `with handle:` below, once it is known to exist
         except FileNotFoundError:
@@ -271,6 +284,49 @@ class Spool:
             path.unlink()
             self.replayed(path)
             return count + len(batch)
+
+    def replay_spilled(
+        self,
+        segment: Segment,
+        batch_size: int,
+        write: Callable[[Sequence[CallRecord], Sequence[bytes | None]], bool],
+        unreadable: Callable[[], None],
+    ) -> int | None:
+        """`replay` for a closed segment this process holds: the spans it let go from memory, read through its own
+        descriptor; the file is removed once the records still in memory are committed too. None if `write` failed
+        (the spans stay)."""
+        with self._lock:
+            spans, segment.spilled = segment.spilled, []
+            handle = segment.handle
+        if handle is None:
+            with self._lock:
+                segment.spilled[:0] = spans
+            return 0
+        lines: list[bytes] = []
+        for offset, length, _ in spans:
+            lines.extend(os.pread(handle.fileno(), length, offset).splitlines(keepends=True))
+        count = settled = 0
+        for start in range(0, len(lines), batch_size):
+            batch: list[CallRecord] = []
+            kept: list[bytes | None] = []
+            for line in lines[start : start + batch_size]:
+                try:
+                    batch.append(read_spool_line(line))
+                    kept.append(line)
+                except (ValueError, TypeError) as exc:
+                    log.warning("skipping unreadable spilled line of %s: %s", segment.path.name, exc)
+                    unreadable()
+            if batch and not write(batch, kept):
+                with self._lock:  # all of it again next time: storing a record twice is harmless, counting it is not
+                    segment.spilled[:0] = spans
+                return None
+            count += len(batch)
+            settled += len(lines[start : start + batch_size])
+        with self._lock:
+            segment.committed += settled
+            segment.dropped = bool(segment.spilled)
+            self._settle_locked(segment)
+        return count
 
     def replayed(self, path: Path) -> None:
         """A segment was replayed and removed (by this process)."""
@@ -364,7 +420,11 @@ class Spool:
                 if segment.dropped and segment.closed and not segment.path.exists():
                     segment.gone = True
                     del self._own[segment.path]
-            return sum(segment.appended for segment in self._own.values() if segment.dropped)
+            return sum(
+                sum(records for _, _, records in segment.spilled) if segment.handle is not None else segment.appended
+                for segment in self._own.values()
+                if segment.dropped
+            )
 
     def size_bytes(self) -> int:
         """Bytes the segments hold (for this process's current one, what was appended, not what was preallocated)."""

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 from sqlalchemy import Engine
 
@@ -83,8 +84,13 @@ class WriterStats(WriterCounters):
 # At most this many calls in flight, the writer gives way to the event loop (RecordWriter._gives_way).
 FEW_CALLS_IN_FLIGHT = 4
 
-# A record, the log segment holding it (None: not logged) and its spool line (None: it could not be made).
-_Entry = tuple[CallRecord, Segment | None, bytes | None]
+class _Entry(NamedTuple):
+    """A record on its way to the database, and where the log holds it."""
+
+    record: CallRecord
+    segment: Segment | None  # None: not logged
+    offset: int  # of its line in the segment
+    line: bytes | None  # None: it could not be made
 
 
 class RecordWriter:
@@ -157,15 +163,15 @@ class RecordWriter:
         in a system call cannot run before the loop has taken it back, so the writer got the GIL only by forcing a
         switch (5 ms) after each of its database round trips, fell behind at c=64 until the queue spilled, and a
         spilled segment is replayed whole (bench/README.md, "the writer under saturation")."""
-        segment, line = self._log(record)
+        entry = self._log(record)
         queued = False
         with self._cond:
             self._submitted += 1
-            self.counters.records_logged += int(segment is not None)
+            self.counters.records_logged += int(entry.segment is not None)
             closed = self._closed
             if not closed:
                 try:
-                    self._queue.put_nowait((record, segment, line))
+                    self._queue.put_nowait(entry)
                     queued = True
                 except queue.Full:
                     pass
@@ -179,27 +185,27 @@ class RecordWriter:
                 log.warning("record submitted after the writer closed; it waits in the spool for the next start")
             else:
                 log.warning("writer queue full (%d records); the spool keeps the rest", self._queue.maxsize)
-        self._drop([(record, segment, line)])
+        self._drop([entry])
         self._settle(1)
 
-    def _log(self, record: CallRecord) -> tuple[Segment | None, bytes | None]:
-        """Append one record to the log: its segment, None (never an exception) if it could not be, and its line."""
+    def _log(self, record: CallRecord) -> _Entry:
+        """Append one record to the log: its entry, whose segment is None (never an exception) if it could not be."""
         try:
             line = spool_line(record)
         except Exception as exc:  # whatever the record holds, submit must not raise
             log.error("cannot log call %s: %s", record.id, exc)
             self._count(WriterCounters(records_unlogged=1))
-            return None, None
+            return _Entry(record, None, 0, None)
         try:
-            segment = self._spool.append(line, 1)
+            segment, offset = self._spool.append(line, 1)
         except Exception as exc:  # OSError (EMFILE, a full disk) or anything else: the call is answered regardless
             if not self._log_failing:  # once per episode, not once per record while the disk keeps failing
                 self._log_failing = True
                 log.error("spool append failed; records are kept in memory only until it works again: %s", exc)
             self._count(WriterCounters(records_unlogged=1, spool_errors=1))
-            return None, line
+            return _Entry(record, None, 0, line)
         self._log_failing = False
-        return segment, line
+        return _Entry(record, segment, offset, line)
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -279,7 +285,7 @@ class RecordWriter:
                 self._settle(len(leftovers))
         held = self._take_held(len(self._held))
         if held:  # the last chance to keep them: a log that fails now loses them
-            self._drop([(record, None, None) for record in held], keep=False)
+            self._drop([_Entry(record, None, 0, None) for record in held], keep=False)
             self._settle(len(held))
         self._spool.rotate()
         if self._syncer is not None:
@@ -330,7 +336,7 @@ class RecordWriter:
                     self._inflight = batch
                     with giving_way(self._slice_s if self._gives_way() else 0.0, self._pause_s):
                         written = self.db_up and self._write(
-                            [record for record, _, _ in batch], [line for _, _, line in batch]
+                            [entry.record for entry in batch], [entry.line for entry in batch]
                         )
                     if written:
                         self._committed(batch)
@@ -365,7 +371,7 @@ class RecordWriter:
 
     def _next_batch(self) -> list[_Entry]:
         if self._held and not self._stopping.is_set() and time.monotonic() >= self._next_held_retry:
-            return [(record, None, None) for record in self._take_held(self._batch_size)]
+            return [_Entry(record, None, 0, None) for record in self._take_held(self._batch_size)]
         try:
             batch = [self._queue.get(timeout=self._flush_interval_s)]
         except queue.Empty:
@@ -402,9 +408,9 @@ class RecordWriter:
     def _committed(self, entries: Sequence[_Entry]) -> None:
         """Count stored records against their segments, so fully committed segments can be removed."""
         per_segment: dict[Segment, int] = {}
-        for _, segment, _ in entries:
-            if segment is not None:
-                per_segment[segment] = per_segment.get(segment, 0) + 1
+        for entry in entries:
+            if entry.segment is not None:
+                per_segment[entry.segment] = per_segment.get(entry.segment, 0) + 1
         for segment, count in per_segment.items():
             self._spool.commit(segment, count)
 
@@ -506,25 +512,31 @@ class RecordWriter:
         """Let records go from memory: those in the log stay there for replay; those not in it (the log failed) are
         appended now, or, if the disk still fails, held in memory and retried from the writer thread, unless `keep`
         is False (the writer is closing: then they are lost, counted and logged)."""
-        for logged in {segment for _, segment, _ in entries if segment is not None}:
-            self._spool.drop(logged)
-        unlogged = sum(1 for _, segment, _ in entries if segment is None)
+        spans: dict[Segment, list[tuple[int, int, int]]] = {}
+        for entry in entries:
+            if entry.segment is not None and entry.line is not None:
+                spans.setdefault(entry.segment, []).append((entry.offset, len(entry.line), 1))
+        for logged, where in spans.items():
+            self._spool.drop(logged, where)
+        unlogged = sum(1 for entry in entries if entry.segment is None)
         self._count(WriterCounters(records_spooled=len(entries) - unlogged))
         lines: list[bytes] = []
         kept: list[CallRecord] = []
-        for record, segment, _ in entries:
-            if segment is not None:
+        for entry in entries:
+            if entry.segment is not None:
                 continue
             try:
-                lines.append(spool_line(record))
-                kept.append(record)
+                lines.append(spool_line(entry.record))
+                kept.append(entry.record)
             except Exception as exc:  # what could not be serialised for the log cannot be kept on disk either
-                log.error("cannot spool call %s: %s", record.id, exc)
+                log.error("cannot spool call %s: %s", entry.record.id, exc)
                 self._count(WriterCounters(records_lost=1))
         if not lines:
             return
         try:
-            self._spool.drop(self._spool.append(b"".join(lines), len(lines)))
+            data = b"".join(lines)
+            segment, offset = self._spool.append(data, len(lines))
+            self._spool.drop(segment, [(offset, len(data), len(lines))])
         except OSError as exc:
             if not keep:
                 log.error("spool append failed while closing, %d records lost: %s", len(lines), exc)

@@ -137,6 +137,70 @@ def test_full_queue_spills_to_the_spool_and_arrives_later(engine: Engine, spool_
         writer.close()
 
 
+def test_a_spill_replays_only_the_records_that_left_memory(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spilled record is read back from its own span of the segment: replaying the whole segment rewrote every
+    record already committed from memory (under sustained overload, most of the writer's catch-up)."""
+    import gateway.recorder.writer as writer_module
+
+    written: list[str] = []
+    real_write = writer_module.write_calls
+
+    def counting(engine: Engine, records: list[CallRecord], cache: LineageCache | None = None) -> None:
+        real_write(engine, records, cache)
+        written.extend(record.id for record in records)
+
+    monkeypatch.setattr(writer_module, "write_calls", counting)
+    writer = RecordWriter(engine, spool_dir, queue_size=30, batch_size=8, **FAST)
+    records = _records(200)
+    for record in records:  # not started: 30 stay queued, 170 spill, interleaved with nothing else in one segment
+        writer.submit(record)
+    [segment] = _segments(spool_dir)
+    writer.start()
+    try:
+        assert writer.flush(10)
+        assert sorted(written) == sorted(r.id for r in records)  # each once: none of the 30 replayed from the file
+        assert writer.counters.records_replayed == 170 and writer.counters.records_spooled == 170
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+        assert not segment.exists() and _segments(spool_dir) == []
+    finally:
+        writer.close()
+
+
+def test_a_segment_with_spilled_records_stays_until_its_queued_records_are_committed(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its spilled spans replayed, a segment whose other records are still in memory is kept (they are only safe in
+    the file until committed), and removed once they are."""
+    import gateway.recorder.writer as writer_module
+
+    gate = threading.Event()
+    real_write = writer_module.write_calls
+    writer = RecordWriter(engine, spool_dir, queue_size=4, batch_size=4, **FAST)
+    records = _records(12)
+    for record in records:  # 4 queued, 8 spilled
+        writer.submit(record)
+    [segment] = _segments(spool_dir)
+    writer._spool.rotate()  # closed, as the writer's replay pass would leave it
+
+    def first_batch_waits(engine: Engine, batch: list[CallRecord], cache: LineageCache | None = None) -> None:
+        if batch[0].id == records[0].id:  # the queued batch, from memory
+            gate.wait(30)
+        real_write(engine, batch, cache)
+
+    monkeypatch.setattr(writer_module, "write_calls", first_batch_waits)
+    count = writer._spool.replay(segment, 4, writer._write, lambda: None)  # the 8 spilled, from this thread
+    assert count == 8 and segment.exists() and count_calls(engine) == 8
+    writer.start()
+    try:
+        gate.set()
+        assert writer.flush(10)
+        assert sorted(_ids(engine)) == sorted(r.id for r in records) and not segment.exists()
+    finally:
+        writer.close()
+
+
 def test_submit_hands_the_core_to_a_writer_falling_behind(
     engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -333,9 +397,11 @@ def test_replay_counts_what_it_replays_and_what_it_could_not_read(engine: Engine
     assert writer.counters.records_replayed == 12 and writer.counters.records_unreadable == 2
 
 
-def test_a_submitted_record_survives_the_process_being_killed(engine: Engine, spool_dir: Path) -> None:
+@pytest.mark.parametrize("queue_size", [10_000, 7])
+def test_a_submitted_record_survives_the_process_being_killed(engine: Engine, spool_dir: Path, queue_size: int) -> None:
     """Once `submit` returns, the record is in the log: a process SIGKILLed before its writer stored anything
-    (here: never started) leaves every record for the next start to replay."""
+    (here: never started) leaves every record for the next start to replay, whole, also those it had spilled (whose
+    spans died with it) and those it still held in memory."""
     records = _records(300)
     child = """
 import os, signal, sys
@@ -343,13 +409,13 @@ from pathlib import Path
 from gateway.store.db import make_engine
 from gateway.recorder.spool_lines import read_spool_line
 from gateway.recorder.writer import RecordWriter
-writer = RecordWriter(make_engine("sqlite://"), Path(sys.argv[1]))
+writer = RecordWriter(make_engine("sqlite://"), Path(sys.argv[1]), queue_size=int(sys.argv[2]))
 for line in sys.stdin.buffer:
     writer.submit(read_spool_line(line))
 os.kill(os.getpid(), signal.SIGKILL)
 """
     done = subprocess.run(
-        [sys.executable, "-c", child, str(spool_dir)],
+        [sys.executable, "-c", child, str(spool_dir), str(queue_size)],
         input=b"".join(spool_line(r) for r in records),
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
         capture_output=True,
