@@ -36,6 +36,10 @@ from gateway.store.call_record import CallRecord
 
 log = logging.getLogger("trajgate.writer")
 
+# At most this many segments with records let go from memory keep their descriptor (and lock) for replay by span; older
+# ones are let go and replayed whole, as a dead process's are, so a long outage cannot use up the descriptors.
+HELD_SPILLED = 64
+
 _SEGMENT_PREFIX = "spool-"
 _SEGMENT_SUFFIX = ".jsonl"
 
@@ -211,11 +215,22 @@ class Spool:
         process, whose replay reads just those spans: replaying it whole, as after a crash, rewrote every record
         already committed from memory, which under sustained overload was most of the writer's catch-up."""
         with self._lock:
-            segment.dropped = True
+            newly, segment.dropped = not segment.dropped, True
             segment.spilled.extend(spans)
+            if newly and segment.closed:
+                self._bound_held_locked()
+
+    def _bound_held_locked(self) -> None:
+        """Let go of the oldest closed segments with spilled records past HELD_SPILLED: replayed whole from then on."""
+        held = [s for s in self._own.values() if s.dropped and s.closed and s.handle is not None]
+        for segment in held[: max(0, len(held) - HELD_SPILLED)]:
+            segment.spilled = []
+            self._release(segment)
 
     def _settle_locked(self, segment: Segment) -> None:
         """Remove a closed segment once every record in it is stored, from memory or replayed from its spans."""
+        if segment.dropped and segment.closed and not segment.gone:
+            self._bound_held_locked()
         if not segment.closed or segment.gone or segment.committed < segment.appended:
             return
         if segment.dropped and segment.handle is None:

@@ -201,6 +201,33 @@ def test_a_segment_with_spilled_records_stays_until_its_queued_records_are_commi
         writer.close()
 
 
+def test_segments_kept_for_replay_by_span_are_bounded_and_the_rest_replay_whole(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long outage rotates a segment with spilled records every second: past HELD_SPILLED of them the oldest let go
+    of their descriptor and are replayed whole, so the process never runs out of descriptors."""
+    monkeypatch.setattr("gateway.recorder.spool.HELD_SPILLED", 3)
+    writer = RecordWriter(engine, spool_dir, queue_size=1, **FAST)
+    records = _records(40)
+    for start in range(0, 40, 5):  # 8 segments, each with spilled records (the queue holds the first record only)
+        for record in records[start : start + 5]:
+            writer.submit(record)
+        writer._spool.rotate()
+
+    def open_segments() -> int:
+        fds = Path("/proc/self/fd").iterdir()
+        return sum(1 for fd in fds if os.path.realpath(fd).startswith(str(spool_dir.resolve()) + "/spool-"))
+
+    assert len(_segments(spool_dir)) == 8 and open_segments() == 3
+    writer.start()
+    try:
+        assert writer.flush(10)
+        assert sorted(_ids(engine)) == sorted(r.id for r in records) and _segments(spool_dir) == []
+        assert open_segments() == 0
+    finally:
+        writer.close()
+
+
 def test_submit_hands_the_core_to_a_writer_falling_behind(
     engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
