@@ -311,15 +311,21 @@ class Spool:
         descriptor; the file is removed once the records still in memory are committed too. None if `write` failed
         (the spans stay)."""
         with self._lock:
+            if segment.handle is None:
+                return 0  # let go meanwhile: replayed whole
             spans, segment.spilled = segment.spilled, []
-            handle = segment.handle
-        if handle is None:
+            # A duplicate, read outside the lock: `_bound_held_locked` or `close_all` may close the segment's own.
+            descriptor = os.dup(segment.handle.fileno())
+        lines: list[bytes] = []
+        try:
+            for offset, length, _ in spans:
+                lines.extend(os.pread(descriptor, length, offset).splitlines(keepends=True))
+        except OSError:
             with self._lock:
                 segment.spilled[:0] = spans
-            return 0
-        lines: list[bytes] = []
-        for offset, length, _ in spans:
-            lines.extend(os.pread(handle.fileno(), length, offset).splitlines(keepends=True))
+            raise
+        finally:
+            os.close(descriptor)
         count = settled = 0
         for start in range(0, len(lines), batch_size):
             batch: list[CallRecord] = []
@@ -338,9 +344,10 @@ class Spool:
             count += len(batch)
             settled += len(lines[start : start + batch_size])
         with self._lock:
-            segment.committed += settled
-            segment.dropped = bool(segment.spilled)
-            self._settle_locked(segment)
+            if segment.handle is not None:  # else let go meanwhile: whoever replays the file whole removes it
+                segment.committed += settled
+                segment.dropped = bool(segment.spilled)
+                self._settle_locked(segment)
         return count
 
     def replayed(self, path: Path) -> None:
