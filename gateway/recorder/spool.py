@@ -3,17 +3,18 @@
 An answered call must survive a crash of the gateway whatever the database is doing, so every record is appended
 here before its answer completes (gateway.recorder.writer decides when and from which thread); once `Spool.append`
 returns, the record is in the kernel's page cache and survives the process being killed. A segment is removed once
-every record in it is committed from memory; records let go from memory (queue full, database away) and whatever a
-killed process left are stored later by replaying the segment files (`Spool.replay`).
+every record in it is stored. Records let go from memory (queue full, database away) are stored later by replaying
+their lines from the file (`Spool.replay`): just those lines while this process holds the segment, the whole file
+once it has let go (a stopped or killed process's segments, or past HELD_SPILLED).
 
 Power loss takes what the page cache held: `Syncer` fsyncs the current segment (and the directory, after segments
 are created or removed) every fsync interval, so at most that interval's answered calls are at risk; with an
 interval of 0 the spool fsyncs every record before `append` returns.
 
 Layout: append-only JSONL segments `spool-<unix_ns>-<pid>.jsonl` in the spool directory, one record a line
-(gateway.recorder.spool_lines). The process that owns a segment holds an exclusive flock on it while it may still
-append or still commits its records from memory; replay takes the same lock, so several gateway processes can share
-one spool directory and none replays a segment another is still using.
+(gateway.recorder.spool_lines). The process that owns a segment holds an exclusive flock on it until every record
+in it is stored (or it lets the segment go); a whole-file replay takes the same lock, so several gateway processes
+can share one spool directory and none replays a segment another is still using.
 """
 
 from __future__ import annotations

@@ -161,8 +161,8 @@ class RecordWriter:
         Past two batches queued the writer is falling behind, and the caller yields the CPU once (`os.sched_yield`,
         the GIL released). On a saturated core the event loop otherwise keeps the GIL: a thread it hands the GIL to
         in a system call cannot run before the loop has taken it back, so the writer got the GIL only by forcing a
-        switch (5 ms) after each of its database round trips, fell behind at c=64 until the queue spilled, and a
-        spilled segment is replayed whole (bench/README.md, "the writer under saturation")."""
+        switch (5 ms) after each of its database round trips, fell behind at c=64 until the queue spilled (bench/README.md,
+        "the writer under saturation")."""
         entry = self._log(record)
         queued = False
         with self._cond:
