@@ -55,6 +55,7 @@ def build_state(settings: Settings) -> GatewayState:
         settings.spool_dir,
         queue_size=settings.writer_queue_size,
         batch_size=settings.writer_batch_size,
+        queue_bytes=settings.writer_queue_bytes,
         fsync_interval_s=settings.wal_fsync_ms / 1000,
         process=process,
         slice_s=settings.writer_slice_us / 1e6,

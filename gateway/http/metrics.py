@@ -35,6 +35,9 @@ class _WriterCollector(Collector):
         stats = self._stats()
         yield GaugeMetricFamily("trajgate_writer_queue_depth", "Records waiting in memory", stats["queue_depth"])
         yield GaugeMetricFamily(
+            "trajgate_writer_queue_bytes", "Bytes of spool lines of the records waiting in memory", stats["queue_bytes"]
+        )
+        yield GaugeMetricFamily(
             "trajgate_spool_bytes", "Bytes in the spool (the write-ahead log) not known stored", stats["spool_bytes"]
         )
         yield GaugeMetricFamily("trajgate_db_up", "1 if the writer can reach the database", float(stats["db_up"]))

@@ -75,6 +75,7 @@ class WriterStats(WriterCounters):
     `dataclasses.asdict` of it is what the metrics collector reads, by these field names."""
 
     queue_depth: int = 0  # records waiting in memory
+    queue_bytes: int = 0  # their spool lines' bytes (what TRAJGATE_WRITER_QUEUE_BYTES bounds)
     spool_bytes: int = 0  # bytes in the spool not known stored
     records_held: int = 0  # kept in memory because the spool could not be written
     syncs: int = 0  # group fsyncs of the spool
@@ -104,6 +105,7 @@ class RecordWriter:
         spool_dir: Path,
         queue_size: int = 10_000,
         batch_size: int = 256,
+        queue_bytes: int = 128 * 1024 * 1024,
         flush_interval_s: float = 0.05,
         retry_interval_s: float = 1.0,
         fsync_interval_s: float = 0.01,
@@ -125,6 +127,10 @@ class RecordWriter:
         self._spool = Spool(Path(spool_dir), segment_bytes, sync_each=fsync_interval_s == 0, fsync=fsync)
         self._syncer = Syncer(self._sync, fsync_interval_s) if fsync_interval_s > 0 else None
         self._queue: queue.Queue[_Entry] = queue.Queue(maxsize=queue_size)
+        # The queue is also bounded by its records' spool lines' bytes: a count alone lets agents' long prompts (a
+        # 30k-token prompt is ~1 MB as Python ints, ~5x its line) fill gigabytes before anything spills.
+        self._queue_bytes = queue_bytes
+        self._queued_bytes = 0  # under `_cond`
         self._batch_size = batch_size
         # Past this many queued records the writer is falling behind (gateway.recorder.writer: `submit`).
         self._behind = min(2 * batch_size, queue_size // 2)
@@ -169,10 +175,13 @@ class RecordWriter:
             self._submitted += 1
             self.counters.records_logged += int(entry.segment is not None)
             closed = self._closed
-            if not closed:
+            size = len(entry.line) if entry.line is not None else 0
+            # One record is always let in (an empty queue takes even one past the bound).
+            if not closed and (self._queued_bytes + size <= self._queue_bytes or self._queued_bytes == 0):
                 try:
                     self._queue.put_nowait(entry)
                     queued = True
+                    self._queued_bytes += size
                 except queue.Full:
                     pass
         if queued:
@@ -184,7 +193,11 @@ class RecordWriter:
             if closed:
                 log.warning("record submitted after the writer closed; it waits in the spool for the next start")
             else:
-                log.warning("writer queue full (%d records); the spool keeps the rest", self._queue.maxsize)
+                log.warning(
+                    "writer queue full (%d records, %d bytes of spool lines at most); the spool keeps the rest",
+                    self._queue.maxsize,
+                    self._queue_bytes,
+                )
         self._drop([entry])
         self._settle(1)
 
@@ -301,9 +314,11 @@ class RecordWriter:
         with self._cond:
             counters = asdict(self.counters)
             held = len(self._held)
+            queued_bytes = self._queued_bytes
         return WriterStats(
             **counters,
             queue_depth=self._queue.qsize(),
+            queue_bytes=queued_bytes,
             spool_bytes=self._spool.size_bytes(),
             records_held=held,
             syncs=self._spool.syncs,
@@ -388,6 +403,7 @@ class RecordWriter:
                     break
             remaining = deadline - time.monotonic()
             if len(batch) >= self._batch_size or remaining <= 0 or self._stopping.is_set():
+                self._dequeued(batch)
                 return batch
             self._stopping.wait(min(remaining, self._flush_interval_s / _DRAINS_PER_FLUSH))
 
@@ -403,7 +419,14 @@ class RecordWriter:
             try:
                 entries.append(self._queue.get_nowait())
             except queue.Empty:
+                self._dequeued(entries)
                 return entries
+
+    def _dequeued(self, entries: Sequence[_Entry]) -> None:
+        """Entries taken off the queue: their bytes no longer count against its bound."""
+        size = sum(len(entry.line) for entry in entries if entry.line is not None)
+        with self._cond:
+            self._queued_bytes -= size
 
     def _committed(self, entries: Sequence[_Entry]) -> None:
         """Count stored records against their segments, so fully committed segments can be removed."""

@@ -127,6 +127,11 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above).")
     writer_queue_size: int = Field(10_000, ge=1, description="Records held in memory before spilling to the spool.")
     writer_batch_size: int = Field(256, ge=1, description="Records per database transaction.")
+    writer_queue_bytes: int = Field(
+        128 * 1024 * 1024,
+        ge=1,
+        description="Bytes of spool lines held in memory (about a fifth of what the records take) before spilling.",
+    )
     writer_process: bool = Field(
         False,
         description="On Postgres, write batches from a process of its own (gateway.recorder.writer_process): for a machine with "

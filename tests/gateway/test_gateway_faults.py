@@ -197,7 +197,7 @@ def test_health_ready_metrics_models(gateway: RunningGateway, upstream: FakeUpst
     assert "trajgate_added_latency_seconds_bucket" in metrics
     assert "trajgate_records_written_total 1.0" in metrics
     assert "trajgate_records_logged_total 1.0" in metrics  # in the write-ahead log before the answer completed
-    assert "trajgate_writer_queue_depth 0.0" in metrics
+    assert "trajgate_writer_queue_depth 0.0" in metrics and "trajgate_writer_queue_bytes 0.0" in metrics
     counters = ("records_spooled", "records_replayed", "records_rejected", "records_lost", "records_unlogged",
                 "spool_errors", "spool_sync_errors")  # fmt: skip
     for counter in counters:

@@ -228,6 +228,32 @@ def test_segments_kept_for_replay_by_span_are_bounded_and_the_rest_replay_whole(
         writer.close()
 
 
+def test_the_queue_is_bounded_by_bytes_too(engine: Engine, spool_dir: Path) -> None:
+    """Long agent prompts spill once their spool lines pass the byte bound, however few records are queued; one
+    record is always let in; the bytes are released as the writer takes records."""
+    line = len(spool_line(_records(1)[0]))
+    writer = RecordWriter(engine, spool_dir, queue_size=1000, queue_bytes=3 * line + line // 2, **FAST)
+    records = _records(10)
+    for record in records:  # not started: nothing leaves the queue
+        writer.submit(record)
+    stats = writer.stats()
+    assert stats.queue_depth == 3 and stats.records_spooled == 7
+    assert 3 * line - 10 <= stats.queue_bytes <= 3 * line + 10  # lines differ by a digit or two
+    tiny = RecordWriter(engine, spool_dir / "tiny", queue_bytes=1, **FAST)
+    tiny.submit(records[0])
+    tiny.submit(records[1])
+    assert tiny.stats().queue_depth == 1 and tiny.counters.records_spooled == 1
+    writer.start()
+    tiny.start()
+    try:
+        assert writer.flush(10) and tiny.flush(10)
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+        assert writer.stats().queue_bytes == 0 and tiny.stats().queue_bytes == 0
+    finally:
+        writer.close()
+        tiny.close()
+
+
 def test_submit_hands_the_core_to_a_writer_falling_behind(
     engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
