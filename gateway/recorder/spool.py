@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import logging
 import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -40,6 +41,9 @@ log = logging.getLogger("trajgate.writer")
 # At most this many segments with records let go from memory keep their descriptor (and lock) for replay by span; older
 # ones are let go and replayed whole, as a dead process's are, so a long outage cannot use up the descriptors.
 HELD_SPILLED = 64
+
+# Stores a batch of records (and their spool lines) in the database: True once stored, False if it is down.
+StoreBatch = Callable[[Sequence[CallRecord], Sequence[bytes | None]], bool]
 
 _SEGMENT_PREFIX = "spool-"
 _SEGMENT_SUFFIX = ".jsonl"
@@ -254,19 +258,20 @@ class Spool:
         self,
         path: Path,
         batch_size: int,
-        write: Callable[[Sequence[CallRecord], Sequence[bytes | None]], bool],
+        write: StoreBatch,
         unreadable: Callable[[], None],
     ) -> int | None:
         """Store a closed segment's records through `write` (True once a batch is stored), `batch_size` at a time,
         then remove the file: how many it held, 0 if another process still holds or already took it, None if
         `write` failed part-way (the segment stays for the next attempt; every write is an upsert, so the batches
         already stored are harmless to store again). `unreadable` is told of each line that is not a whole record.
-        A segment this process still holds: only the records it let go from memory (`replay_spilled`)."""
+        A segment this process still holds: only the records it let go from memory (`_replay_spans`)."""
         with self._lock:
             own = self._own.get(path)
-            held = own is not None and own.handle is not None and own.closed and not own.gone
-        if own is not None and held:
-            return self.replay_spilled(own, batch_size, write, unreadable)
+            if own is not None and not (own.handle is not None and own.closed and not own.gone):
+                own = None  # not one this process holds closed: the whole file, under the lock, like any other's
+        if own is not None:
+            return self._replay_spans(own, batch_size, write, unreadable)
         try:
             handle = open(path, "rb")  # noqa: SIM115 - the `with handle:` below, once it is known to exist
         except FileNotFoundError:
@@ -278,34 +283,20 @@ class Spool:
                 return 0  # a live writer still appends to it or commits it from memory, or another replays it
             if os.fstat(handle.fileno()).st_nlink == 0:
                 return 0  # replayed and removed between our open and our lock
-            count = 0
-            batch: list[CallRecord] = []
-            lines: list[bytes | None] = []
-            for number, line in enumerate(handle, 1):
-                if line[:1] == b"\0":
-                    break  # the preallocated tail of a segment whose process died before truncating it
-                try:
-                    batch.append(read_spool_line(line))
-                    lines.append(line)
-                except (ValueError, TypeError) as exc:
-                    log.warning("skipping unreadable line %d of %s (torn write?): %s", number, path.name, exc)
-                    unreadable()
-                    continue
-                if len(batch) == batch_size:
-                    if not write(batch, lines):
-                        return None
-                    count, batch, lines = count + len(batch), [], []
-            if batch and not write(batch, lines):
+            # A zero byte starts the preallocated tail of a segment whose process died before truncating it.
+            lines = itertools.takewhile(lambda line: line[:1] != b"\0", handle)
+            count = _store_lines(lines, path.name, batch_size, write, unreadable)
+            if count is None:
                 return None
             path.unlink()
             self.replayed(path)
-            return count + len(batch)
+            return count
 
-    def replay_spilled(
+    def _replay_spans(
         self,
         segment: Segment,
         batch_size: int,
-        write: Callable[[Sequence[CallRecord], Sequence[bytes | None]], bool],
+        write: StoreBatch,
         unreadable: Callable[[], None],
     ) -> int | None:
         """`replay` for a closed segment this process holds: the spans it let go from memory, read through its own
@@ -327,26 +318,14 @@ class Spool:
             raise
         finally:
             os.close(descriptor)
-        count = settled = 0
-        for start in range(0, len(lines), batch_size):
-            batch: list[CallRecord] = []
-            kept: list[bytes | None] = []
-            for line in lines[start : start + batch_size]:
-                try:
-                    batch.append(read_spool_line(line))
-                    kept.append(line)
-                except (ValueError, TypeError) as exc:
-                    log.warning("skipping unreadable spilled line of %s: %s", segment.path.name, exc)
-                    unreadable()
-            if batch and not write(batch, kept):
-                with self._lock:  # all of it again next time: storing a record twice is harmless, counting it is not
-                    segment.spilled[:0] = spans
-                return None
-            count += len(batch)
-            settled += len(lines[start : start + batch_size])
+        count = _store_lines(lines, f"the spilled records of {segment.path.name}", batch_size, write, unreadable)
+        if count is None:
+            with self._lock:  # all of it again next time: storing a record twice is harmless, counting it is not
+                segment.spilled[:0] = spans
+            return None
         with self._lock:
             if segment.handle is not None:  # else let go meanwhile: whoever replays the file whole removes it
-                segment.committed += settled
+                segment.committed += len(lines)  # an unreadable one too: it can never be stored
                 segment.dropped = bool(segment.spilled)
                 self._settle_locked(segment)
         return count
@@ -459,6 +438,35 @@ class Spool:
             with contextlib.suppress(FileNotFoundError):  # replayed since the listing
                 total += used[path] if path in used else path.stat().st_size
         return total
+
+
+def _store_lines(
+    lines: Iterable[bytes],
+    source: str,
+    batch_size: int,
+    write: StoreBatch,
+    unreadable: Callable[[], None],
+) -> int | None:
+    """Store the records `lines` hold through `write`, `batch_size` at a time: how many were stored, None as soon as
+    a write fails. A line that is not a whole record (a torn write) is skipped and `unreadable` told of it."""
+    count = 0
+    batch: list[CallRecord] = []
+    kept: list[bytes | None] = []
+    for number, line in enumerate(lines, 1):
+        try:
+            batch.append(read_spool_line(line))
+            kept.append(line)
+        except (ValueError, TypeError) as exc:
+            log.warning("skipping unreadable line %d of %s (torn write?): %s", number, source, exc)
+            unreadable()
+            continue
+        if len(batch) == batch_size:
+            if not write(batch, kept):
+                return None
+            count, batch, kept = count + len(batch), [], []
+    if batch and not write(batch, kept):
+        return None
+    return count + len(batch)
 
 
 class Syncer:
