@@ -24,6 +24,10 @@ The wrappers add a little time of their own, counted in the phase they wrap.
 RecordWriter (the real one: spool, queue, replay) whose queue holds Q and which is not yet running, so N − Q spill to
 the write-ahead log; then it starts and the script waits until all are stored: wall time, the process's CPU, and how
 many records `write_calls` was given (N when only the spilled records are replayed from the log).
+
+`--turns L ...` measures how the work per record grows with a trajectory's length: agents of L turns (the `multi`
+shape's growing history, 40 new prompt ids and 16 completion ids a turn on a 200-id system prompt), each sample over
+one whole trajectory of every agent in the batch, and the ratio to the shortest L.
 """
 
 from __future__ import annotations
@@ -197,10 +201,11 @@ class PhaseTimer:
 
 
 def measure(
-    engine: Engine, cache: LineageCache, shape: str, batch: int, count: int, profile: cProfile.Profile | None
+    engine: Engine, cache: LineageCache, shape: str | Batches, batch: int, count: int, profile: cProfile.Profile | None
 ) -> float:
-    """CPU microseconds per record over `count` batches, after one warm-up batch."""
-    batches = list(SHAPES[shape](batch, count + 1))
+    """CPU microseconds per record over `count` batches, after one warm-up batch. `shape`: a name in SHAPES or the
+    generator itself."""
+    batches = list((SHAPES[shape] if isinstance(shape, str) else shape)(batch, count + 1))
     write_calls(engine, batches[0], cache)
     cpu = 0.0
     records = 0
@@ -269,9 +274,29 @@ def spill(engine: Engine, total: int, queue_size: int) -> None:
           f"{written[0]:,} records, {writer.counters.records_replayed:,} replayed from the log", flush=True)
 
 
+def scaling(engine: Engine, turns: list[int], batches: list[int], repeat: int) -> None:
+    """CPU per record of agents whose trajectories hold `turns` calls, each measured over a whole trajectory (the
+    growing history of `multi`), and its ratio to the shortest: how the writer's work per record grows with the calls
+    a trajectory already holds."""
+    for batch in batches:
+        first = None
+        for length in turns:
+            cache = LineageCache()
+            per_record = min(measure(engine, cache, _turns(length), batch, length, None) for _ in range(repeat))
+            first = first or per_record
+            print(f"{engine.dialect.name} {length:4} turns batch {batch:3}: {per_record:6.0f} us/record CPU over the "
+                  f"trajectory ({per_record / first:.1f}x the {turns[0]}-turn one)", flush=True)
+
+
 def run(url: str, args: argparse.Namespace) -> None:
     db.upgrade(url)
     engine = db.make_engine(url)
+    if args.turns:
+        try:
+            scaling(engine, args.turns, args.batches, args.repeat)
+        finally:
+            engine.dispose()
+        return
     if args.spill:
         try:
             spill(engine, *args.spill)
@@ -308,6 +333,9 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true", help="time the phases of write_calls instead (see above)")
     parser.add_argument("--spill", nargs=2, type=int, metavar=("N", "Q"),
                         help="time the writer's catch-up after N records with a queue of Q instead (see above)")
+    parser.add_argument("--turns", nargs="+", type=int, metavar="L",
+                        help="instead: agents of L turns (multi's growing history), each measured over the whole "
+                             "trajectory, per batch size (see above)")
     args = parser.parse_args()
 
     if args.url and args.url.startswith("sqlite"):
