@@ -46,6 +46,7 @@ from gateway.proxy import capture, chat_templates
 from gateway.proxy.asgi_io import relay_until_done
 from gateway.proxy.chat_templates import TemplateInfo
 from gateway.proxy.exchange import Exchange, Outcome
+from gateway.store.lineage import common_prefix
 from gateway.store.models import CHAT
 from gateway.store.token_state import RecordedTurn, recorded_turns
 from gateway.upstream.client import UpstreamError, UpstreamPool, UpstreamResponse
@@ -199,9 +200,9 @@ def bridge_ids(
     """
     closing = _last_turn_end(prefix, turn_ends)
     if closing is None:
-        return Bridge(None, _common_prefix(prefix, full))
+        return Bridge(None, common_prefix(prefix, full))
     content = prefix[:closing]
-    start = _common_prefix(content, full)
+    start = common_prefix(content, full)
     at = start if start == len(content) else _find_tail(content, full, start)
     if at is None or at >= len(full) or full[at] not in turn_ends:
         return Bridge(None, start if at is None else at)
@@ -216,14 +217,6 @@ def _last_turn_end(ids: list[int], turn_ends: frozenset[int]) -> int | None:
         if ids[index] in turn_ends:
             return index
     return None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for index in range(n):
-        if a[index] != b[index]:
-            return index
-    return n
 
 
 def _as_text(ids: list[int]) -> str:

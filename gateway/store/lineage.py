@@ -38,7 +38,6 @@ messages grow by appending), so it has its own pair of columns.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,12 +99,24 @@ class Lineage:
     tokens: tuple[int, bytes] | None = None
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+# Ids compared a block at a time as list slices (C speed) before the one block that differs is scanned id by id.
+_PREFIX_BLOCK = 256
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids `a` and `b` share. Called for every record on the writer thread (against its predecessor)
+    and for every token_in turn on the event loop, on prompts of thousands of ids: a Python loop over each id cost
+    ~0.1 µs a token (0.3 ms a record at 2,500 ids), the slices a few ns."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:  # the common case: one extends the other
+        return n
+    at = 0
+    while at + _PREFIX_BLOCK <= n and a[at : at + _PREFIX_BLOCK] == b[at : at + _PREFIX_BLOCK]:
+        at += _PREFIX_BLOCK
+    end = min(at + _PREFIX_BLOCK, n)
+    while at < end and a[at] == b[at]:
+        at += 1
+    return at
 
 
 def classify(prompt: list[int] | None, predecessor: Predecessor | None) -> Lineage:

@@ -13,7 +13,7 @@ from gateway.store import db
 from gateway.store import records as store_records
 from gateway.store.call_record import CallRecord
 from gateway.store.export import iter_trajectories
-from gateway.store.lineage import Predecessor, classify
+from gateway.store.lineage import Predecessor, classify, common_prefix
 from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
 from gateway.store.records import LineageCache, write_calls
@@ -22,6 +22,32 @@ from gateway.store.training import load_groups
 from tests.support.factories import make_record
 from tests.support.lineage_writes import BATCHINGS, conversation, set_reward, write_batched
 from tests.support.stored import insert_old_calls
+
+
+def _naive_prefix(a: list[int], b: list[int]) -> int:
+    shared = 0
+    while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+        shared += 1
+    return shared
+
+
+@pytest.mark.parametrize("length", [0, 1, 255, 256, 257, 700, 2_500])
+def test_common_prefix_is_the_first_differing_id_wherever_it_falls(length: int) -> None:
+    """Against the id-by-id definition: a difference at every position of short lists and around every block
+    boundary of long ones, one list a prefix of the other, and equal lists. Ids past 256, so equal ids are distinct
+    objects (as parsed from JSON) and equality, not identity, is what matches."""
+    base = [100_000 + (i * 7919) % 50_000 for i in range(length)]
+    positions = set(range(min(length, 40))) | {p for k in range(0, length + 1, 256) for p in (k - 1, k, k + 1)}
+    for at in sorted(p for p in positions if 0 <= p < length):
+        other = [int(str(i)) for i in base]  # equal values, new objects
+        other[at] += 1
+        assert common_prefix(base, other) == at == _naive_prefix(base, other)
+        assert common_prefix(other, base + [1, 2]) == at
+    assert common_prefix(base, [int(str(i)) for i in base]) == length
+    assert common_prefix(base, base + [5, 6, 7]) == length
+    assert common_prefix(base + [5, 6, 7], base) == length
+    assert common_prefix(base[: length // 2], base) == length // 2
+    assert common_prefix([], base) == 0
 
 
 def _predecessor(record: CallRecord, tool_call: bool = False) -> Predecessor:
