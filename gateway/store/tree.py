@@ -6,12 +6,14 @@ same trajectory) and then resumes its own history; parallel branches continue th
 edited message continues the turn before it. Taking "the previous call" as the parent makes each of those a break;
 taking the furthest-extended recorded call keeps every continuation on its own exact tokens.
 
-The lookup is one pass over the new prompt's own ids, never over earlier calls' ids: every call stores `tokens_len`
-(its prompt + completion length) and `tokens_key` (a hash of those ids). A new call hashes its prompt incrementally
-and reads the digest at each candidate's length; a candidate is extended when the digests match. Work per call: the
-prompt's length in hashed ids plus one digest per distinct candidate length (the trajectory's calls), and the keys
-live in the database, so every gateway process finds the same parent. Ties (two recorded calls with the same ids)
-go to the lowest (seq, choice), so the choice does not depend on arrival order.
+The lookup reads the new prompt's own ids, never earlier calls' ids: every call stores `tokens_len` (its prompt +
+completion length) and `tokens_key` (a hash of those ids). A new call hashes its prompt up to the longest candidate
+length that fits and compares that digest first: a call that extends the newest call of its agent (every turn of a
+linear agent) is placed with one pass and one digest, however many calls came before. Otherwise it hashes its prompt
+incrementally and reads the digest at each candidate's length; a candidate is extended when the digests match. Work
+per call then: at most twice the prompt's length in hashed ids plus one digest per distinct candidate length (the
+trajectory's calls). The keys live in the database, so every gateway process finds the same parent. Ties (two
+recorded calls with the same ids) go to the lowest (seq, choice), so the choice does not depend on arrival order.
 
 A root (a call extending nothing) keeps the reason gateway.store.lineage gives against the previous call, refined by
 the requests' messages: `new_root` when it shares no message with it (a sub-agent with its own system prompt, a fresh
@@ -97,9 +99,10 @@ def place(
     packed: tuple[bytes | None, bytes | None] | None = None,
 ) -> tuple[Candidate | None, tuple[int, bytes] | None]:
     """The call's parent among `candidates` (as find_parent) and its own (tokens_len, tokens_key) (as own_key, None
-    without a completion), from one pass of the hash over its ids: the digests at the candidates' lengths are the
-    prefixes of the same stream that ends in its own key. `packed`: the prompt and completion as encode_ids packed
-    them, where the caller has them already (the writer packs a record's ids once for its row, its cache and this)."""
+    without a completion), from one pass of the hash over its ids (two when the longest candidate that fits is not
+    its parent): the digests at the candidates' lengths are the prefixes of the same stream that ends in its own key.
+    `packed`: the prompt and completion as encode_ids packed them, where the caller has them already (the writer
+    packs a record's ids once for its row, its cache and this)."""
     if prompt is None:
         return None, None
     by_length: dict[int, list[Candidate]] = {}
@@ -108,6 +111,20 @@ def place(
             by_length.setdefault(candidate.tokens_len, []).append(candidate)
     packed_prompt, packed_completion = packed or (encode_ids(prompt), encode_ids(completion))
     ids = memoryview(packed_prompt or b"")
+    if by_length:
+        # The longest candidate that fits first: a call usually extends the newest call of its agent, which is that
+        # one, and then a single digest finds it. A digest per candidate length instead grew with the trajectory's
+        # calls (~2.5 µs each: 0.13 ms a call after 48 turns). On a miss the shorter lengths are tried in one pass.
+        longest = max(by_length)
+        hasher = hashlib.blake2b(ids[: longest * 4], digest_size=KEY_BYTES)
+        if work is not None:
+            work.ids_hashed += longest
+            work.digests += 1
+        digest = hasher.copy().digest()
+        matches = [c for c in by_length[longest] if c.tokens_key == digest]
+        if matches:
+            parent = min(matches, key=lambda c: (c.seq, c.choice_index))
+            return parent, _own_key(hasher, ids[longest * 4 :], prompt, completion, packed_completion)
     hasher = hashlib.blake2b(digest_size=KEY_BYTES)
     at = 0
     best: Candidate | None = None
@@ -121,11 +138,18 @@ def place(
         matches = [c for c in by_length[length] if c.tokens_key == digest]
         if matches:
             best = min(matches, key=lambda c: (c.seq, c.choice_index))
+    return best, _own_key(hasher, ids[at * 4 :], prompt, completion, packed_completion)
+
+
+def _own_key(
+    hasher: Any, rest: memoryview, prompt: Sequence[int], completion: Sequence[int] | None, packed: bytes | None
+) -> tuple[int, bytes] | None:
+    """The call's own (tokens_len, tokens_key): `hasher` holds the prompt's ids before `rest`."""
     if completion is None:
-        return best, None
-    hasher.update(ids[at * 4 :])
-    hasher.update(packed_completion or b"")
-    return best, (len(prompt) + len(completion), hasher.digest())
+        return None
+    hasher.update(rest)
+    hasher.update(packed or b"")
+    return len(prompt) + len(completion), hasher.digest()
 
 
 def root_anchor(

@@ -22,7 +22,7 @@ from gateway.store.models import Call, Trajectory
 from gateway.store.reads import trajectory_view
 from gateway.store.records import LineageCache, write_calls
 from gateway.store.training import load_groups
-from gateway.store.tree import Candidate, LookupWork, branches, find_parent, own_key
+from gateway.store.tree import Candidate, LookupWork, branches, find_parent, own_key, place
 from tests.support.factories import make_record
 
 ROLES = {"system": 1, "user": 2, "assistant": 3, "tool": 4}
@@ -257,7 +257,7 @@ def test_branch_ids_follow_first_children() -> None:
 
 def test_the_lookup_hashes_each_prompt_id_once_however_many_turns_came_before() -> None:
     """Work per call, counted: ids hashed never exceed the new prompt's own length (no earlier call's ids are read),
-    and one digest per distinct candidate length."""
+    and a turn that extends the newest call (the longest that fits) takes one digest, not one per earlier call."""
     messages = [sys("A long-running agent.")]
     candidates: list[Candidate] = []
     for turn in range(1, 65):
@@ -267,13 +267,41 @@ def test_the_lookup_hashes_each_prompt_id_once_however_many_turns_came_before() 
         parent = find_parent(prompt, candidates, work)
         assert (parent.seq if parent else None) == (turn - 1 if turn > 1 else None)
         assert work.ids_hashed <= len(prompt)
-        assert work.digests == len(candidates)
+        assert work.digests == min(len(candidates), 1)
         reply = f"done {turn}"
         completion = [*_text(reply), END]
         key = own_key(prompt, completion)
         assert key is not None
         candidates.append(Candidate(turn, 0, key[0], key[1]))
         messages.append(bot(reply))
+
+
+def test_a_call_that_does_not_extend_the_longest_candidate_still_finds_its_parent() -> None:
+    """A supervisor resuming after its sub-agent's longer call: the longest candidate that fits is the sub-agent's,
+    which it does not extend, so the shorter lengths are tried (one digest each) and its own last call is the parent,
+    the lowest (seq, choice) among equal ids; its own key is the same whichever way it was found."""
+    system = sys("Supervisor.")
+    first = render([system, user("q")])
+    first_reply = [*_text("delegate"), END]
+    supervisor = own_key(first, first_reply)
+    twin = own_key(first, first_reply)  # the same ids recorded again (a retry): a tie on the lowest (seq, choice)
+    helper_prompt = render([sys("Helper."), user("task")])
+    helper = own_key(helper_prompt, [*_text("the result"), END])
+    assert supervisor is not None and twin is not None and helper is not None
+    prompt = render([system, user("q"), bot("delegate"), user("the helper says: result")])
+    assert supervisor[0] < helper[0] <= len(prompt)
+    candidates = [Candidate(3, 0, *helper), Candidate(2, 1, *twin), Candidate(2, 0, *supervisor)]
+    work = LookupWork()
+    parent, key = place(prompt, [7], candidates, work)
+    assert parent == Candidate(2, 0, *supervisor)
+    assert work.digests == 1 + 2  # the longest first, then each distinct length
+    assert work.ids_hashed <= 2 * len(prompt)
+    assert key == place(prompt, [7], [], None)[1] == own_key(prompt, [7])
+    # Without the helper's call the longest candidate is its parent: found at once, the tie still to the lowest.
+    work = LookupWork()
+    tied = [Candidate(2, 1, *twin), Candidate(2, 0, *supervisor)]
+    assert place(prompt, [7], tied, work) == (Candidate(2, 0, *supervisor), key)
+    assert work.digests == 1
 
 
 def compacted_after_a_sub_agent(trajectory_id: str = "traj-1") -> list[CallRecord]:
