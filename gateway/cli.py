@@ -91,7 +91,7 @@ def uvicorn_config(
 GC_THRESHOLDS = (10_000, 10, 10)
 
 
-def _tune_gc() -> None:
+def tune_gc() -> None:
     """Keep the cyclic garbage collector off the hot path. Measured on `bench/gateway_overhead.py`: with Python's
     defaults the gateway paused for 0.5-4 ms some 250 times in a 30 s run and a full collection, walking every
     object the process built at start-up (SQLAlchemy's metadata, FastAPI's routes, the modules), took 115-211 ms. What
@@ -115,7 +115,7 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
         settings.port = args.port
     _setup_logging(args.log_level)
     app = create_app(settings)
-    _tune_gc()
+    tune_gc()
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -1,4 +1,4 @@
-"""`trajgate serve` keeps the cyclic garbage collector off the hot path (gateway/cli.py `_tune_gc`): what the app
+"""`trajgate serve` keeps the cyclic garbage collector off the hot path (gateway/cli.py `tune_gc`): what the app
 holds once built is frozen out of the collector's sight, no garbage is frozen with it, and young collections are
 rarer. Run in a child process: the settings are process-wide."""
 
@@ -12,7 +12,7 @@ from gateway.cli import GC_THRESHOLDS
 
 SCRIPT = """
 import gc, json, tempfile, weakref
-from gateway.cli import _tune_gc
+from gateway.cli import tune_gc
 from gateway.app import create_app
 from gateway.runs.settings import Settings
 
@@ -25,7 +25,7 @@ class Cycle:
 garbage = Cycle()
 probe = weakref.ref(garbage)
 del garbage
-_tune_gc()
+tune_gc()
 print(json.dumps({"threshold": gc.get_threshold(), "frozen": gc.get_freeze_count(), "garbage_kept": probe() is not None}))
 """
 
