@@ -106,7 +106,7 @@ _PREFIX_BLOCK = 256
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading ids `a` and `b` share. Called for every record on the writer thread (against its predecessor)
     and for every token_in turn on the event loop, on prompts of thousands of ids: a Python loop over each id cost
-    ~0.1 µs a token (0.3 ms a record at 2,500 ids), the slices a few ns."""
+    ~33 ns an id (97 µs at 2,900 ids), the slices ~11 (33 µs)."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the common case: one extends the other
         return n
