@@ -649,11 +649,14 @@ def summarise_repeats(runs: list[dict[str, Any]]) -> tuple[list[str], bool]:
     all_ok = all_ok and all(captured)
     rows.append(["capture check", *("PASS" if c else "MISMATCH" for c in captured), "", "", "every run",
                  verdict(all(captured))])
+    return lines + text_table(header, rows), all_ok
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell, a rule under the header: one run's table and the repeats' summary."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-    lines.append("  ".join("-" * w for w in widths))
-    lines.extend("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-    return lines, all_ok
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), "  ".join("-" * w for w in widths)]
+    return lines + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
@@ -1120,15 +1123,11 @@ def _table(args: argparse.Namespace, plan: Plan, c1: dict[str, Samples], st: dic
 
     header = ["scenario", "direct", "thin FastAPI+aiohttp", "trajgate", "thin added", "trajgate added",
               "trajgate/thin", "goal", ""]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print()
     print(f"gateway overhead, capture on (Postgres), one run; c=1/s=1: raw-socket keep-alive client, "
           f"{len(c1['gateway'].latency_ns):,} requests/target, {len(st['gateway'].latency_ns):,} streams/target; "
           f"c={args.connections}/s={args.connections}: {c64['gateway'].tool}, {c64['gateway'].seconds:.1f} s/target")
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print("\n".join(text_table(header, rows)))
     failures = {name: dict(s.failed) for name, s in {**c1, **{f"stream {k}": v for k, v in st.items()}}.items()
                 if s.failed}
     load_errors = {f"{kind} {n}": r.errors for kind, loads in (("c", c64), ("s", s64)) for n, r in loads.items()
