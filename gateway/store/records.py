@@ -14,6 +14,7 @@ import binascii
 import math
 import threading
 import weakref
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -216,6 +217,45 @@ def _documents(bulk: _Bulk, rows: list[dict[str, Any]]) -> Iterator[str]:
     yield from _documents(bulk, rows[middle:])
 
 
+class _Stored(NamedTuple):
+    """A stored call as settling, lineage and tree placement read it, once per row of each trajectory a batch
+    touches. A plain tuple, not SQLAlchemy's Row: a Row answers an attribute through `__getattr__` after a failed
+    lookup (~740 ns; an index or a NamedTuple field ~50 ns), and these rows are read ~20 times each per batch, which
+    made the writer's CPU a record grow with the trajectory's length (bench/writer_cpu.py --turns)."""
+
+    trajectory_id: str
+    seq: int
+    choice_index: int
+    id: str
+    created_at: datetime
+    parent_seq: int | None
+    messages_parent_seq: int | None
+    retry_count: int
+    idempotency_key: str | None
+    request_hash: bytes | None
+    first_seq: int | None
+    first_retry_count: int | None
+    tree_parent_seq: int | None
+    tree_parent_choice: int | None
+    tokens_len: int | None
+    tokens_key: bytes | None
+
+    @property
+    def first(self) -> tuple[int, int]:
+        """The earliest attempt (seq, retry_count) the row stands for (gateway.store.attempts): itself when the
+        row names none (written before revision 0007). The two columns are written together."""
+        if self.first_seq is None or self.first_retry_count is None:
+            return (self.seq, self.retry_count)
+        return (self.first_seq, self.first_retry_count)
+
+    @property
+    def tree_parent(self) -> tuple[int, int] | None:
+        """Its recorded tree parent (seq, choice), None for a root; the two columns are written together."""
+        if self.tree_parent_seq is None or self.tree_parent_choice is None:
+            return None
+        return (self.tree_parent_seq, self.tree_parent_choice)
+
+
 class _Statements(NamedTuple):
     runs: Executable
     groups: _Bulk
@@ -325,24 +365,9 @@ def _statements(dialect: str) -> _Statements:
         .order_by(_trajectories.c.trajectory_id)
         .with_for_update()
     )
-    stored = select(
-        _calls.c.trajectory_id,
-        _calls.c.seq,
-        _calls.c.choice_index,
-        _calls.c.id,
-        _calls.c.created_at,
-        _calls.c.parent_seq,
-        _calls.c.messages_parent_seq,
-        _calls.c.retry_count,
-        _calls.c.idempotency_key,
-        _calls.c.request_hash,
-        _calls.c.first_seq,
-        _calls.c.first_retry_count,
-        _calls.c.tree_parent_seq,
-        _calls.c.tree_parent_choice,
-        _calls.c.tokens_len,
-        _calls.c.tokens_key,
-    ).where(_one_of(_calls.c.trajectory_id, "ids", dialect))
+    stored = select(*(_calls.c[name] for name in _Stored._fields)).where(
+        _one_of(_calls.c.trajectory_id, "ids", dialect)
+    )
     return _Statements(
         runs=insert(_runs).on_conflict_do_nothing(index_elements=["name"]),
         groups=_bulk(_groups, _GROUP_KEYS, dialect, groups_conflict),
@@ -737,8 +762,9 @@ def _lineages(
     """
     key_order = keeps_key_order(conn.dialect.name)
     trajectory_ids = sorted({record.trajectory_id for record in calls})
-    stored: dict[str, dict[tuple[int, int], Any]] = {t: {} for t in trajectory_ids}
-    for row in conn.execute(statements.stored, {"ids": trajectory_ids}):
+    stored: dict[str, dict[tuple[int, int], _Stored]] = {t: {} for t in trajectory_ids}
+    for fetched in conn.execute(statements.stored, {"ids": trajectory_ids}):
+        row = _Stored._make(fetched)
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
 
     by_trajectory: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
@@ -850,7 +876,7 @@ class _TrajectoryView:
         self,
         conn: Connection,
         trajectory_id: str,
-        rows: dict[tuple[int, int], Any],
+        rows: dict[tuple[int, int], _Stored],
         records: list[CallRecord],
         replaced: set[int],
         digests: dict[str, bytes | None],
@@ -889,8 +915,8 @@ class _TrajectoryView:
 
     def previous_of(self, seq: int) -> Predecessor | None:
         """The choice-0 call just before `seq`: what a call without a named predecessor is classified against."""
-        earlier = [s for s in self._choice0 if s < seq]
-        return self.predecessor_at(earlier[-1], 0) if earlier else None
+        before = bisect_left(self._choice0, seq)
+        return self.predecessor_at(self._choice0[before - 1], 0) if before else None
 
     def full_calls(self) -> RebuiltCalls:
         """Every stored call of the trajectory in full (late arrivals re-place stored calls by their whole prompt)."""
@@ -904,7 +930,7 @@ class _TrajectoryView:
         first = first_message(own)
         if first is None:
             return None
-        for earlier in reversed([s for s in self._choice0 if s < seq]):
+        for earlier in reversed(self._choice0[: bisect_left(self._choice0, seq)]):
             if (earlier, 0) in self._in_batch:
                 theirs = first_message(self._digests[self._in_batch[(earlier, 0)].id])
             else:
@@ -939,7 +965,7 @@ class _TrajectoryView:
         return self._firsts[seq]
 
 
-def _stored_candidates(rows: dict[tuple[int, int], Any], records: list[CallRecord]) -> list[Candidate]:
+def _stored_candidates(rows: dict[tuple[int, int], _Stored], records: list[CallRecord]) -> list[Candidate]:
     """The stored calls of the trajectory that can be a tree parent (they have ids) and that no incoming record
     replaces; each incoming record joins the list once placed (`_in_tree`)."""
     incoming = {(record.seq, record.choice_index) for record in records}
@@ -1020,7 +1046,7 @@ def _root_reason(
 def _reparent_late(
     conn: Connection,
     trajectory_id: str,
-    rows: dict[tuple[int, int], Any],
+    rows: dict[tuple[int, int], _Stored],
     records: list[CallRecord],
     candidates: list[Candidate],
     replaced: set[int],
@@ -1045,7 +1071,7 @@ def _reparent_late(
         if row.tree_parent_seq is None and any(seq < key[0] and choice == 0 for seq, choice, _ in incoming):
             suspects.append((key, row))
             continue
-        parent = (row.tree_parent_seq, row.tree_parent_choice) if row.tree_parent_seq is not None else None
+        parent = row.tree_parent
         held = lengths.get(parent, 0) if parent is not None else 0
         if row.tree_parent_seq in replaced or any(
             seq < key[0] and _better_parent((seq, choice), n, row.tokens_len, parent, held)
@@ -1092,7 +1118,9 @@ def _better_parent(
     return length > held or (length == held and parent is not None and candidate < parent)
 
 
-def _settle(rows: dict[tuple[int, int], Any], calls: list[CallRecord], hashes: dict[_Seq, bytes | None]) -> Settlement:
+def _settle(
+    rows: dict[tuple[int, int], _Stored], calls: list[CallRecord], hashes: dict[_Seq, bytes | None]
+) -> Settlement:
     """One trajectory's incoming records folded into its stored calls; each seq is seen through its newest row."""
     incoming: dict[int, Attempt] = {}
     for record in calls:
@@ -1104,13 +1132,12 @@ def _settle(rows: dict[tuple[int, int], Any], calls: list[CallRecord], hashes: d
         return _apart(rows, incoming)
     stored: dict[int, Attempt] = {}
     for (seq, _), row in sorted(rows.items(), key=lambda item: _aware(item[1].created_at)):
-        first = None if row.first_seq is None else (row.first_seq, row.first_retry_count)
         created_at = _aware(row.created_at).timestamp()
-        stored[seq] = _attempt(seq, row.request_hash, row.retry_count, created_at, row.idempotency_key, first)
+        stored[seq] = _attempt(seq, row.request_hash, row.retry_count, created_at, row.idempotency_key, row.first)
     return settle(stored.values(), incoming.values())
 
 
-def _unrelated(rows: dict[tuple[int, int], Any], incoming: dict[int, Attempt]) -> bool:
+def _unrelated(rows: dict[tuple[int, int], _Stored], incoming: dict[int, Attempt]) -> bool:
     """Whether no incoming attempt can be an attempt of another call, stored or incoming: none is at a stored seq
     and none shares its request hash with a stored row or another incoming attempt (gateway.store.attempts matches
     attempts by hash only). The usual case: an agent's next turn, whose request differs from every earlier one."""
@@ -1123,19 +1150,16 @@ def _unrelated(rows: dict[tuple[int, int], Any], incoming: dict[int, Attempt]) -
     return not any(row.request_hash in distinct for row in rows.values())
 
 
-def _apart(rows: dict[tuple[int, int], Any], incoming: dict[int, Attempt]) -> Settlement:
+def _apart(rows: dict[tuple[int, int], _Stored], incoming: dict[int, Attempt]) -> Settlement:
     """What `settle` gives for unrelated attempts (`_unrelated`), without matching each one against every stored
     call of the trajectory: nothing dropped or removed, each incoming attempt its own first, each stored seq the
     first its newest row holds (the last by created_at in stored order, as _settle's stable sort leaves it)."""
-    newest: dict[int, Any] = {}
+    newest: dict[int, _Stored] = {}
     for (seq, _), row in rows.items():
         held = newest.get(seq)
         if held is None or _aware(row.created_at) >= _aware(held.created_at):
             newest[seq] = row
-    first = {
-        seq: (seq, row.retry_count) if row.first_seq is None else (row.first_seq, row.first_retry_count)
-        for seq, row in newest.items()
-    }
+    first = {seq: row.first for seq, row in newest.items()}
     first.update((seq, (attempt.first_seq, attempt.first_retry_count)) for seq, attempt in incoming.items())
     return Settlement(first=first)
 
@@ -1149,14 +1173,13 @@ def _attempt(
 
 
 def _update_firsts(
-    conn: Connection, trajectory_id: str, rows: dict[tuple[int, int], Any], settlement: Settlement
+    conn: Connection, trajectory_id: str, rows: dict[tuple[int, int], _Stored], settlement: Settlement
 ) -> None:
     """A stored call that an earlier attempt (arriving late) joined now stands for that attempt too."""
     changed: set[int] = set()
     for (seq, _), row in rows.items():
         first = settlement.first.get(seq)
-        held = (row.first_seq, row.first_retry_count) if row.first_seq is not None else (seq, row.retry_count)
-        if first is not None and held != first:
+        if first is not None and row.first != first:
             changed.add(seq)
     for seq in sorted(changed):
         first_seq, first_retry_count = settlement.first[seq]
@@ -1172,7 +1195,7 @@ def _predecessor_at(
     trajectory_id: str,
     key: tuple[int, int],
     in_batch: dict[tuple[int, int], CallRecord],
-    rows: dict[tuple[int, int], Any],
+    rows: dict[tuple[int, int], _Stored],
     rebuilt: RebuiltCalls | None,
     digests: dict[str, bytes | None],
 ) -> Predecessor | None:

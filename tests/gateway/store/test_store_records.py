@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import random
 from datetime import UTC, datetime
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -340,13 +339,23 @@ def test_unrelated_attempts_settle_as_the_full_matching_settles_them(monkeypatch
         for seq in rng.sample(range(12), rng.randint(0, 6)):
             first = rng.choice([None, (seq, 0), (max(seq - 1, 0), 0)])
             for choice in range(rng.choice([1, 1, 2])):
-                rows[(seq, choice)] = SimpleNamespace(
+                rows[(seq, choice)] = records._Stored(
+                    trajectory_id="t",
+                    seq=seq,
+                    choice_index=choice,
+                    id=f"{seq}-{choice}",
                     created_at=datetime.fromtimestamp(1_700_000_000 + rng.choice([seq, 20]), UTC),
+                    parent_seq=None,
+                    messages_parent_seq=None,
                     request_hash=rng.choice(bodies),
                     retry_count=rng.randint(0, 2),
                     idempotency_key=rng.choice([None, None, "k"]),
                     first_seq=None if first is None else first[0],
                     first_retry_count=None if first is None else first[1],
+                    tree_parent_seq=None,
+                    tree_parent_choice=None,
+                    tokens_len=None,
+                    tokens_key=None,
                 )
         batch = [
             make_record("t", seq, choice_index=choice, retry_count=rng.randint(0, 2), created_at=1_700_000_000 + seq)
