@@ -28,6 +28,10 @@ many records `write_calls` was given (N when only the spilled records are replay
 `--turns L ...` measures how the work per record grows with a trajectory's length: agents of L turns (the `multi`
 shape's growing history, 40 new prompt ids and 16 completion ids a turn on a 200-id system prompt), each sample over
 one whole trajectory of every agent in the batch, and the ratio to the shortest L.
+
+`--no-cache` writes without the writer's lineage cache, so every predecessor is rebuilt from the database: what a
+gateway's writer does when another gateway wrote the call before (gateways behind a load balancer alternating turns),
+or after a restart.
 """
 
 from __future__ import annotations
@@ -202,7 +206,12 @@ class PhaseTimer:
 
 
 def measure(
-    engine: Engine, cache: LineageCache, shape: str | Batches, batch: int, count: int, profile: cProfile.Profile | None
+    engine: Engine,
+    cache: LineageCache | None,
+    shape: str | Batches,
+    batch: int,
+    count: int,
+    profile: cProfile.Profile | None,
 ) -> float:
     """CPU microseconds per record over `count` batches, after one warm-up batch. `shape`: a name in SHAPES or the
     generator itself."""
@@ -222,7 +231,7 @@ def measure(
     return cpu / records * 1e6
 
 
-def phases(engine: Engine, cache: LineageCache, shape: str, batch: int, count: int) -> None:
+def phases(engine: Engine, cache: LineageCache | None, shape: str, batch: int, count: int) -> None:
     """Print the phases' ms per batch and share of `write_calls`, over `count` batches after one warm-up batch."""
     batches = list(SHAPES[shape](batch, count + 1))
     timer = PhaseTimer()
@@ -275,14 +284,14 @@ def spill(engine: Engine, total: int, queue_size: int) -> None:
           f"{written[0]:,} records, {writer.counters.records_replayed:,} replayed from the log", flush=True)
 
 
-def scaling(engine: Engine, turns: list[int], batches: list[int], repeat: int) -> None:
+def scaling(engine: Engine, turns: list[int], batches: list[int], repeat: int, cold: bool) -> None:
     """CPU per record of agents whose trajectories hold `turns` calls, each measured over a whole trajectory (the
     growing history of `multi`), and its ratio to the shortest: how the writer's work per record grows with the calls
     a trajectory already holds."""
     for batch in batches:
         first = None
         for length in turns:
-            cache = LineageCache()
+            cache = None if cold else LineageCache()
             per_record = min(measure(engine, cache, _turns(length), batch, length, None) for _ in range(repeat))
             first = first or per_record
             print(f"{engine.dialect.name} {length:4} turns batch {batch:3}: {per_record:6.0f} us/record CPU over the "
@@ -297,7 +306,7 @@ def run(url: str, args: argparse.Namespace) -> None:
     tune_gc()
     if args.turns:
         try:
-            scaling(engine, args.turns, args.batches, args.repeat)
+            scaling(engine, args.turns, args.batches, args.repeat, args.no_cache)
         finally:
             engine.dispose()
         return
@@ -307,7 +316,7 @@ def run(url: str, args: argparse.Namespace) -> None:
         finally:
             engine.dispose()
         return
-    cache = LineageCache()  # the writer's, one per process
+    cache = None if args.no_cache else LineageCache()  # the writer's, one per process
     profile = cProfile.Profile(time.thread_time) if args.profile else None  # CPU, not waits
     try:
         for shape in args.shapes:
@@ -337,6 +346,8 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true", help="time the phases of write_calls instead (see above)")
     parser.add_argument("--spill", nargs=2, type=int, metavar=("N", "Q"),
                         help="time the writer's catch-up after N records with a queue of Q instead (see above)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="write without the writer's lineage cache, as when another gateway wrote each predecessor")
     parser.add_argument("--turns", nargs="+", type=int, metavar="L",
                         help="instead: agents of L turns (multi's growing history), each measured over the whole "
                              "trajectory, per batch size (see above)")

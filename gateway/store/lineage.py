@@ -29,7 +29,7 @@ the call extends it or has no predecessor). Storage: a call stores only its prom
 the predecessor's prompt + completion (`prefix_len` tokens, taken from the row at `parent_seq`), or with its call-tree
 parent's where that is longer (gateway.store.records: a supervisor resuming after a sub-agent), so a trajectory's
 stored ids grow with its length, not with the square of its turns; `Rebuilder` puts full prompts back together from
-any earlier seq.
+any earlier seq, a trajectory in order, and `StoredCalls` one call along its chain of storage parents.
 The request's chat messages are stored the same way against the same predecessor (gateway.store.messages): only the
 messages past those it shares with the predecessor's request, `messages_prefix_len` of them from
 `messages_parent_seq`. That holds even when the ids do not extend (a template that drops tool calls still sees the
@@ -38,8 +38,11 @@ messages grow by appending), so it has its own pair of columns.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from gateway.store.arrays import decode_ids
 
 EXTENDS = "extends"
 FIRST_CALL = "first_call"
@@ -204,3 +207,91 @@ class Rebuilder:
     def messages(self, seq: int) -> list[Any] | None:
         """Full request messages of choice 0 at `seq`, if it was fed."""
         return self._messages.get(seq)
+
+
+_Key = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCall:
+    """One call as linear storage holds it: its own ids (packed) and messages past what it takes from a parent."""
+
+    prompt: bytes | None
+    completion: bytes | None
+    parent_seq: int | None
+    prefix_len: int | None
+    request: dict[str, Any] | None = None
+    messages_parent_seq: int | None = None
+    messages_prefix_len: int | None = None
+
+
+class StoredCalls:
+    """A trajectory's stored calls, keyed by (seq, choice_index), each put back together in full only when asked for.
+
+    `Rebuilder` restores every call in order, each full prompt a fresh copy of its parent's: work of the order of the
+    calls times the prompt's length. The writer rebuilds a stored predecessor whenever its lineage cache does not hold
+    it (another gateway wrote it, or this one restarted), once per batch, so that cost every call of a long
+    trajectory. Here one call is rebuilt along its chain of storage parents by extending one list in place: work of
+    the order of its own prompt (and what the chain truncates). The rules and the errors are `Rebuilder`'s: a parent
+    is choice 0 of an earlier seq, and a broken chain raises LookupError, when that call is asked for.
+    """
+
+    def __init__(self, calls: dict[_Key, StoredCall]) -> None:
+        self._calls = calls
+        self._prompts: dict[_Key, list[int] | None] = {}
+        self._requests: dict[_Key, dict[str, Any] | None] = {}
+
+    def prompt(self, key: _Key) -> list[int] | None:
+        """The call's full prompt ids (None if it has none, or no call is stored at `key`). Do not modify it."""
+        if key not in self._calls:
+            return None
+        if key not in self._prompts:
+            chain = self._chain(key, lambda call: call.parent_seq if call.prefix_len else None)
+            full = decode_ids(self._calls[chain[0]].prompt)
+            for parent, child in zip(chain, chain[1:]):
+                completion = decode_ids(self._calls[parent].completion)
+                prefix_len = self._calls[child].prefix_len or 0
+                if full is None or completion is None or len(full) + len(completion) < prefix_len:
+                    raise LookupError(
+                        f"call at seq {child[0]} refers to seq {parent[0]}, which is missing or too short"
+                    )
+                full.extend(completion)
+                del full[prefix_len:]
+                full.extend(decode_ids(self._calls[child].prompt) or [])
+            self._prompts[key] = full
+        return self._prompts[key]
+
+    def request(self, key: _Key) -> dict[str, Any] | None:
+        """The call's full request, its keys in stored order (None if no call is stored at `key`). Do not modify it."""
+        if key not in self._calls:
+            return None
+        if key not in self._requests:
+            chain = self._chain(key, lambda call: call.messages_parent_seq if call.messages_prefix_len else None)
+            request = self._calls[key].request
+            if len(chain) > 1:
+                root = (self._calls[chain[0]].request or {}).get("messages")
+                messages = list(root) if isinstance(root, list) else None
+                for parent, child in zip(chain, chain[1:]):
+                    stored = self._calls[child].request
+                    own = (stored or {}).get("messages")
+                    prefix_len = self._calls[child].messages_prefix_len or 0
+                    if messages is None or len(messages) < prefix_len or not isinstance(own, list):
+                        raise LookupError(
+                            f"call at seq {child[0]} refers to the messages of seq {parent[0]}, which are missing"
+                        )
+                    del messages[prefix_len:]
+                    messages.extend(own)
+                request = {**(request or {}), "messages": messages}
+            self._requests[key] = request
+        return self._requests[key]
+
+    def _chain(self, key: _Key, parent_of: Callable[[StoredCall], int | None]) -> list[_Key]:
+        """The call's storage parents, from the first that is stored whole down to the call itself."""
+        chain = [key]
+        while (parent_seq := parent_of(self._calls[chain[-1]])) is not None:
+            parent = (parent_seq, 0)
+            if parent >= chain[-1] or parent not in self._calls:  # Rebuilder: fed first, or missing
+                raise LookupError(f"call at seq {chain[-1][0]} refers to seq {parent_seq}, which is missing")
+            chain.append(parent)
+        chain.reverse()
+        return chain

@@ -53,10 +53,10 @@ def recorded_turns(engine: Engine, trajectory_id: str, keys: Sequence[str]) -> t
         ).all()
         if not rows:
             return {}, True
-        prompts = rebuild_calls(conn, trajectory_id, requests=False).prompts
+        stored = rebuild_calls(conn, trajectory_id, requests=False)
     found: dict[str, RecordedTurn] = {}
     for row in rows:
-        prompt = prompts.get((row.seq, row.choice_index))
+        prompt = stored.prompt((row.seq, row.choice_index))
         completion = decode_ids(row.completion_token_ids)
         if prompt and completion:
             found[row.history_key] = RecordedTurn(row.seq, row.choice_index, prompt, completion)

@@ -4,6 +4,7 @@ full prompt back exactly, on both backends. The tool conversation is the one rec
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -13,7 +14,8 @@ from gateway.store import db
 from gateway.store import records as store_records
 from gateway.store.call_record import CallRecord
 from gateway.store.export import iter_trajectories
-from gateway.store.lineage import Predecessor, classify, common_prefix
+from gateway.store.arrays import encode_ids
+from gateway.store.lineage import Predecessor, Rebuilder, StoredCall, StoredCalls, classify, common_prefix
 from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
 from gateway.store.records import LineageCache, write_calls
@@ -315,3 +317,97 @@ def test_a_named_predecessor_that_is_not_stored_falls_back_to_the_previous_seq(e
     # Its named predecessor is no call of the trajectory, but its prompt still extends turn 1: a sibling of turn 2.
     stored = _stored(engine, "traj-1")[2]
     assert (stored.merge_reason, stored.tree_parent_seq, stored.tree_parent_choice) == ("extends", 1, 0)
+
+
+def _stored_trajectory(rng: random.Random) -> dict[tuple[int, int], StoredCall]:
+    """Generated linear storage: each call's ids and messages past a prefix of an earlier choice 0's (or whole, as
+    rows before revision 0004/0006), sometimes cut inside it, several choices a seq, and now and then a broken link:
+    a parent that is missing, later, too short, or has no completion."""
+    calls: dict[tuple[int, int], StoredCall] = {}
+    tokens: dict[int, list[int]] = {}  # choice 0's full prompt + completion per seq
+    messages: dict[int, list[Any]] = {}
+    for seq in sorted(rng.sample(range(1, 30), rng.randint(1, 12))):
+        for choice in range(rng.choice([1, 1, 1, 2, 3])):
+            earlier = [s for s in tokens if s < seq]
+            parent_seq, prefix_len, prompt = None, 0, [rng.randrange(100) for _ in range(rng.randint(0, 6))]
+            if earlier and rng.random() < 0.8:
+                parent_seq = rng.choice(earlier)
+                prefix_len = rng.randint(1, len(tokens[parent_seq])) if tokens[parent_seq] else 0
+            if rng.random() < 0.03:  # broken: missing, not earlier, or longer than the parent holds
+                parent_seq, prefix_len = rng.choice([(99, 1), (seq, 1), (parent_seq, 10_000)])
+            full_prompt = (tokens[parent_seq][:prefix_len] if parent_seq in tokens and prefix_len else []) + prompt
+            completion = None if rng.random() < 0.05 else [rng.randrange(100) for _ in range(rng.randint(0, 4))]
+            own = [{"role": "user", "content": f"{seq}.{choice}.{i}"} for i in range(rng.randint(0, 3))]
+            messages_parent, messages_prefix = None, 0
+            if [s for s in messages if s < seq] and rng.random() < 0.8:
+                messages_parent = rng.choice([s for s in messages if s < seq])
+                messages_prefix = rng.randint(0, len(messages[messages_parent]))
+            if rng.random() < 0.03:
+                messages_parent, messages_prefix = rng.choice([(99, 1), (seq, 1), (messages_parent, 10_000)])
+            request: dict[str, Any] | None = {"model": "m", "messages": own, "n": choice + 1}
+            if rng.random() < 0.03:
+                request = rng.choice([None, {"model": "m"}])
+            calls[(seq, choice)] = StoredCall(
+                encode_ids(prompt), None if completion is None else encode_ids(completion), parent_seq, prefix_len,
+                request, messages_parent, messages_prefix,
+            )
+            if choice == 0:
+                tokens[seq] = full_prompt + (completion or [])
+                parent_messages = messages.get(messages_parent or -1, [])
+                messages[seq] = parent_messages[:messages_prefix] + own
+    return calls
+
+
+def _rebuilt_in_order(calls: dict[tuple[int, int], StoredCall]) -> dict[tuple[int, int], Any]:
+    """What Rebuilder gives each call fed in (seq, choice) order from the first broken one on: the LookupError type."""
+    rebuilder, out, broken = Rebuilder(), {}, False
+    for key in sorted(calls):
+        call = calls[key]
+        if broken:
+            out[key] = None  # Rebuilder stops at the first broken call; not compared
+            continue
+        try:
+            prompt = rebuilder.prompt(
+                *key, decode(call.prompt), decode(call.completion), call.parent_seq, call.prefix_len
+            )
+            request = rebuilder.request(*key, call.request, call.messages_parent_seq, call.messages_prefix_len)
+            out[key] = (prompt, request)
+        except LookupError:
+            out[key], broken = LookupError, True
+    return out
+
+
+def decode(blob: bytes | None) -> list[int] | None:
+    from gateway.store.arrays import decode_ids
+
+    return decode_ids(blob)
+
+
+def test_one_stored_call_rebuilds_as_the_whole_trajectory_in_order_does() -> None:
+    """StoredCalls rebuilds a call along its storage chain only; over generated trajectories (cut prefixes, several
+    choices, rows stored whole, broken links) each call comes back as Rebuilder gives it, a broken chain raises
+    LookupError, and asking in any order (memoized, a list extended in place) changes nothing."""
+    rng = random.Random(11)
+    compared = broken = 0
+    for _ in range(400):
+        calls = _stored_trajectory(rng)
+        expected = _rebuilt_in_order(calls)
+        stored = StoredCalls(calls)
+        for key in rng.sample(sorted(calls), len(calls)) * 2:
+            want = expected[key]
+            if want is None:
+                continue
+            try:
+                got: Any = (stored.prompt(key), stored.request(key))
+            except LookupError:
+                got = LookupError
+            if want is LookupError:
+                # Rebuilder fails on the first broken call of the trajectory; StoredCalls only on a call whose own
+                # chain is broken, so where Rebuilder first fails, so does it.
+                assert got is LookupError, key
+                broken += 1
+            else:
+                assert got == want, key
+                compared += 1
+    assert compared > 2000 and broken > 20
+    assert StoredCalls({}).prompt((1, 0)) is None and StoredCalls({}).request((1, 0)) is None
