@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import Engine, select
 
-from gateway.store.lineage import Rebuilder
+from gateway.store.lineage import StoredCall, StoredCalls
 from gateway.store.models import Call
 
 
@@ -32,7 +32,7 @@ def recorded_exchange(engine: Engine, call_id: str) -> RecordedExchange | None:
     """The call (choice 0) with this id, its request rebuilt from the linear message storage; None if not written.
 
     A stored request may hold only the messages past those its predecessor's request shares, so the trajectory's
-    earlier calls are read too, in order, to put them back.
+    earlier calls are read too, and the request is put back along its chain of storage parents.
     """
     with engine.connect() as conn:
         found = conn.execute(select(Call.trajectory_id, Call.seq).where(Call.id == call_id)).first()
@@ -50,15 +50,16 @@ def recorded_exchange(engine: Engine, call_id: str) -> RecordedExchange | None:
                 Call.created_at,
                 Call.messages_parent_seq,
                 Call.messages_prefix_len,
-            )
-            .where(Call.trajectory_id == found.trajectory_id, Call.seq <= found.seq, Call.choice_index == 0)
-            .order_by(Call.seq)
+            ).where(Call.trajectory_id == found.trajectory_id, Call.seq <= found.seq, Call.choice_index == 0)
         ).all()
-    rebuilder = Rebuilder()
-    for row in rows:
-        request = rebuilder.request(row.seq, 0, row.request, row.messages_parent_seq, row.messages_prefix_len)
-        if row.id == call_id:
-            return RecordedExchange(
-                row.id, row.run, row.endpoint, row.status_code, request, row.response, row.created_at
-            )
-    return None
+    row = next((row for row in rows if row.id == call_id), None)
+    if row is None:
+        return None
+    stored = StoredCalls(
+        {
+            (r.seq, 0): StoredCall(None, None, None, None, r.request, r.messages_parent_seq, r.messages_prefix_len)
+            for r in rows
+        }
+    )
+    request = stored.request((row.seq, 0))
+    return RecordedExchange(row.id, row.run, row.endpoint, row.status_code, request, row.response, row.created_at)

@@ -261,6 +261,11 @@ class StoredCalls:
             self._prompts[key] = full
         return self._prompts[key]
 
+    def completion(self, key: _Key) -> list[int] | None:
+        """The call's completion ids (None if it has none, or no call is stored at `key`)."""
+        call = self._calls.get(key)
+        return None if call is None else decode_ids(call.completion)
+
     def request(self, key: _Key) -> dict[str, Any] | None:
         """The call's full request, its keys in stored order (None if no call is stored at `key`). Do not modify it."""
         if key not in self._calls:

@@ -701,20 +701,27 @@ def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
+# Built once: constructing a select and its cache key costs more than running it on a short trajectory, and these
+# run for every batch whose predecessor the lineage cache does not hold (another gateway wrote it).
+_IDS_COLUMNS = ("seq", "choice_index", "prompt_token_ids", "completion_token_ids", "parent_seq", "prefix_len")
+_REQUEST_COLUMNS = ("request", "messages_parent_seq", "messages_prefix_len")
+_REBUILD = {
+    requests: select(*(_calls.c[name] for name in _IDS_COLUMNS + (_REQUEST_COLUMNS if requests else ()))).where(
+        _calls.c.trajectory_id == bindparam("trajectory_id")
+    )
+    for requests in (False, True)
+}
+_RESPONSE = select(_calls.c.response).where(
+    _calls.c.trajectory_id == bindparam("trajectory_id"),
+    _calls.c.seq == bindparam("seq"),
+    _calls.c.choice_index == bindparam("choice_index"),
+)
+
+
 def rebuild_calls(conn: Connection, trajectory_id: str, requests: bool = True) -> StoredCalls:
     """Every stored call of the trajectory, each rebuilt in full (its prompt ids and, unless `requests` is false: the
     schema below revision 0006 has no message columns, its request) when asked for, keyed by (seq, choice_index)."""
-    columns = [
-        _calls.c.seq,
-        _calls.c.choice_index,
-        _calls.c.prompt_token_ids,
-        _calls.c.completion_token_ids,
-        _calls.c.parent_seq,
-        _calls.c.prefix_len,
-    ]
-    if requests:
-        columns += [_calls.c.request, _calls.c.messages_parent_seq, _calls.c.messages_prefix_len]
-    rows = conn.execute(select(*columns).where(_calls.c.trajectory_id == trajectory_id)).all()
+    rows = conn.execute(_REBUILD[requests], {"trajectory_id": trajectory_id}).all()
     # Unpacked, not read by attribute: a Row's attribute costs ~15 times a tuple field's (see _Stored).
     return StoredCalls({(row[0], row[1]): StoredCall(*row[2:]) for row in rows})
 
@@ -1184,16 +1191,12 @@ def _predecessor_at(
     if key not in rows or rebuilt is None:
         return None
     seq, choice = key
-    stored = conn.execute(
-        select(_calls.c.response, _calls.c.completion_token_ids).where(
-            _calls.c.trajectory_id == trajectory_id, _calls.c.seq == seq, _calls.c.choice_index == choice
-        )
-    ).one()
+    response = conn.execute(_RESPONSE, {"trajectory_id": trajectory_id, "seq": seq, "choice_index": choice}).scalar_one()
     return Predecessor(
         seq,
         rebuilt.prompt(key),
-        decode_ids(stored.completion_token_ids),
-        _answered_tool_call(stored.response, choice),
+        rebuilt.completion(key),
+        _answered_tool_call(response, choice),
         message_digests(rebuilt.request(key), keeps_key_order(conn.dialect.name)),
     )
 

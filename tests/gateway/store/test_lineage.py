@@ -12,9 +12,9 @@ from sqlalchemy import Engine, func, select, text
 
 from gateway.store import db
 from gateway.store import records as store_records
+from gateway.store.arrays import decode_ids, encode_ids
 from gateway.store.call_record import CallRecord
 from gateway.store.export import iter_trajectories
-from gateway.store.arrays import encode_ids
 from gateway.store.lineage import Predecessor, Rebuilder, StoredCall, StoredCalls, classify, common_prefix
 from gateway.store.models import Call
 from gateway.store.reads import trajectory_view
@@ -368,19 +368,13 @@ def _rebuilt_in_order(calls: dict[tuple[int, int], StoredCall]) -> dict[tuple[in
             continue
         try:
             prompt = rebuilder.prompt(
-                *key, decode(call.prompt), decode(call.completion), call.parent_seq, call.prefix_len
+                *key, decode_ids(call.prompt), decode_ids(call.completion), call.parent_seq, call.prefix_len
             )
             request = rebuilder.request(*key, call.request, call.messages_parent_seq, call.messages_prefix_len)
             out[key] = (prompt, request)
         except LookupError:
             out[key], broken = LookupError, True
     return out
-
-
-def decode(blob: bytes | None) -> list[int] | None:
-    from gateway.store.arrays import decode_ids
-
-    return decode_ids(blob)
 
 
 def test_one_stored_call_rebuilds_as_the_whole_trajectory_in_order_does() -> None:
@@ -408,6 +402,8 @@ def test_one_stored_call_rebuilds_as_the_whole_trajectory_in_order_does() -> Non
                 broken += 1
             else:
                 assert got == want, key
+                assert stored.completion(key) == decode_ids(calls[key].completion)
                 compared += 1
     assert compared > 2000 and broken > 20
     assert StoredCalls({}).prompt((1, 0)) is None and StoredCalls({}).request((1, 0)) is None
+    assert StoredCalls({}).completion((1, 0)) is None
