@@ -290,6 +290,22 @@ class StoredCalls:
             self._requests[key] = request
         return self._requests[key]
 
+    def every_call(self) -> dict[_Key, tuple[list[int] | None, dict[str, Any] | None]]:
+        """Every call's full prompt and request, rebuilt in (seq, choice) order by `Rebuilder`: for rebuilding them
+        all, where walking each call's chain from its root would take the square of the calls in steps. Raises
+        LookupError at the first broken chain, as `Rebuilder` does."""
+        rebuilder, every = Rebuilder(), {}
+        for key in sorted(self._calls):
+            call = self._calls[key]
+            prompt = rebuilder.prompt(
+                *key, decode_ids(call.prompt), decode_ids(call.completion), call.parent_seq, call.prefix_len
+            )
+            every[key] = (
+                prompt,
+                rebuilder.request(*key, call.request, call.messages_parent_seq, call.messages_prefix_len),
+            )
+        return every
+
     def _chain(self, key: _Key, parent_of: Callable[[StoredCall], int | None]) -> list[_Key]:
         """The call's storage parents, from the first that is stored whole down to the call itself."""
         chain = [key]

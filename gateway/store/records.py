@@ -1221,7 +1221,7 @@ def materialize_prompts(conn: Connection) -> int:
         conn,
         _calls.c.parent_seq,
         False,
-        lambda rebuilt, key: {"prompt_token_ids": encode_ids(rebuilt.prompt(key)), "parent_seq": None, "prefix_len": 0},
+        lambda prompt, _: {"prompt_token_ids": encode_ids(prompt), "parent_seq": None, "prefix_len": 0},
     )
 
 
@@ -1233,7 +1233,7 @@ def materialize_requests(conn: Connection) -> int:
         conn,
         _calls.c.messages_parent_seq,
         True,
-        lambda rebuilt, key: {"request": rebuilt.request(key), "messages_parent_seq": None, "messages_prefix_len": 0},
+        lambda _, request: {"request": request, "messages_parent_seq": None, "messages_prefix_len": 0},
     )
 
 
@@ -1241,13 +1241,13 @@ def _materialize(
     conn: Connection,
     parent: Any,
     requests: bool,
-    values: Callable[[StoredCalls, tuple[int, int]], dict[str, Any]],
+    values: Callable[[list[int] | None, dict[str, Any] | None], dict[str, Any]],
 ) -> int:
-    """Rewrite every row whose `parent` column is set with the `values` its rebuilt trajectory gives it."""
+    """Rewrite every row whose `parent` column is set with the `values` its full prompt and request give it."""
     trajectory_ids = conn.execute(select(_calls.c.trajectory_id).where(parent.is_not(None)).distinct()).scalars().all()
     count = 0
     for trajectory_id in trajectory_ids:
-        rebuilt = rebuild_calls(conn, trajectory_id, requests=requests)
+        every = rebuild_calls(conn, trajectory_id, requests=requests).every_call()
         compact = conn.execute(
             select(_calls.c.seq, _calls.c.choice_index).where(
                 _calls.c.trajectory_id == trajectory_id, parent.is_not(None)
@@ -1261,7 +1261,7 @@ def _materialize(
                     _calls.c.seq == row.seq,
                     _calls.c.choice_index == row.choice_index,
                 )
-                .values(**values(rebuilt, (row.seq, row.choice_index)))
+                .values(**values(*every[(row.seq, row.choice_index)]))
             )
             count += 1
     return count
