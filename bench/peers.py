@@ -9,6 +9,11 @@ this gateway's writer) and with two (the reward waits for the other gateway's ne
 beat rate on Postgres.
 
     .venv/bin/python bench/peers.py [--episodes 200]
+    .venv/bin/python bench/peers.py --beats 1000    # instead: the gateway's CPU per heartbeat
+
+`--beats N` times N heartbeats (`gateway.store.peers.beat`, as the gateway sends ten a second whether busy or idle)
+against the throwaway cluster: CPU (this thread's) and wall time per beat, for the beat as sent nine times in ten and
+for the one per alive window that also deletes long-silent gateways' rows.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ if str(REPO) not in sys.path:
 
 import httpx  # noqa: E402
 
+from gateway.store.db import make_engine, upgrade  # noqa: E402
+from gateway.store.peers import beat  # noqa: E402
 from tests.support.fake_upstream import FakeUpstream  # noqa: E402
 from tests.support.gateway_harness import RunningGateway, running_gateway  # noqa: E402
 from tests.support.openai_calls import client_body  # noqa: E402
@@ -55,12 +62,38 @@ def summary(name: str, values: list[float]) -> str:
     return f"{name:<44} p50 {statistics.median(ordered):7.1f} ms   p99 {p99:7.1f} ms   ({len(values)} rewards)"
 
 
+def beats(url: str, count: int) -> None:
+    """Print the CPU and wall time per heartbeat, best of three samples of `count` beats each."""
+    upgrade(url)
+    engine = make_engine(url)
+    try:
+        for forget, label in ((None, "a beat"), (1000.0, "a beat that also forgets silent gateways")):
+            samples = []
+            for _ in range(3):
+                cpu, wall = time.thread_time(), time.perf_counter()
+                for _ in range(count):
+                    beat(engine, "bench", lambda moment: moment, forget)
+                samples.append((time.thread_time() - cpu, time.perf_counter() - wall))
+            cpu_s, wall_s = min(samples)
+            print(f"{label:<44} {1e6 * cpu_s / count:6.0f} us CPU   {1e6 * wall_s / count:6.0f} us wall   "
+                  f"(best of 3 x {count})")
+    finally:
+        engine.dispose()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--episodes", type=int, default=200)
+    parser.add_argument("--beats", type=int, metavar="N", help="instead: time N heartbeats (see above)")
     args = parser.parse_args()
     cluster = PgCluster()
     cluster.start()
+    if args.beats:
+        try:
+            beats(create_database(cluster.url()), args.beats)
+        finally:
+            cluster.destroy()
+        return
     upstream = FakeUpstream().start()
     try:
         url = create_database(cluster.url())

@@ -72,12 +72,17 @@ class Peers:
         # A beat's moment and the writer's mark taken right after it: published once the mark is reached.
         self._pending: tuple[int, int] | None = None
         self._failing = False
+        self._forget_at = 0.0  # (time.monotonic) the next beat that deletes long-silent gateways' rows
 
     async def beat(self) -> None:
         """One heartbeat; a database that is away is logged once and tried again at the next beat."""
+        forget_after_s = None
+        if time.monotonic() >= self._forget_at:  # once per alive window: the rows it deletes are 100 windows old
+            forget_after_s = self._alive_s * FORGET_AFTER_ALIVE
+            self._forget_at = time.monotonic() + self._alive_s
         try:
             await asyncio.to_thread(
-                store.beat, self._engine, self.gateway_id, self._flushed_through, self._alive_s * FORGET_AFTER_ALIVE,
+                store.beat, self._engine, self.gateway_id, self._flushed_through, forget_after_s,
                 self._routes_read_at(),
             )
         except SQLAlchemyError as exc:
