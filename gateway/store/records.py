@@ -748,8 +748,9 @@ def _lineages(
     key_order = keeps_key_order(conn.dialect.name)
     trajectory_ids = sorted({record.trajectory_id for record in calls})
     stored: dict[str, dict[tuple[int, int], _Stored]] = {t: {} for t in trajectory_ids}
-    for fetched in conn.execute(statements.stored, {"ids": trajectory_ids}):
-        row = _Stored._make(fetched)
+    # Fetched whole (`all`): iterating the result fetches row by row through SQLAlchemy's Python layers, ~1.5 µs a
+    # row more, and a batch of long trajectories reads thousands (bench/writer_cpu.py --turns).
+    for row in map(_Stored._make, conn.execute(statements.stored, {"ids": trajectory_ids}).all()):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
 
     by_trajectory: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
@@ -757,7 +758,12 @@ def _lineages(
         by_trajectory[record.trajectory_id].append(record)
     give_way()
     settlements = {t: _settle(stored[t], by_trajectory[t], hashes) for t in trajectory_ids}
-    firsts = {(t, seq): first for t, settlement in settlements.items() for seq, first in settlement.first.items()}
+    # The earliest attempt each kept record's row stands for (only theirs: a settlement covers every stored call).
+    firsts = {
+        (r.trajectory_id, r.seq): settlements[r.trajectory_id].first[r.seq]
+        for r in calls
+        if r.seq not in settlements[r.trajectory_id].dropped
+    }
     kept: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
     for record in calls:
         give_way()
@@ -781,7 +787,7 @@ def _lineages(
         incoming = {(r.seq, r.choice_index) for r in records}
         orphans = [
             key
-            for key, row in rows.items()
+            for key, row in (rows.items() if replaced else ())  # (nothing replaced, the usual case: no orphan)
             if (row.parent_seq in replaced or row.messages_parent_seq in replaced)
             and key not in incoming
             and key[0] not in removed
