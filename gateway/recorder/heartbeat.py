@@ -59,6 +59,7 @@ class Peers:
         alive_s: float,
         wait_s: float,
         routes_read_at: Callable[[], float | None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"[-128:]
         self.enabled = engine.dialect.name == "postgresql"
@@ -72,14 +73,16 @@ class Peers:
         # A beat's moment and the writer's mark taken right after it: published once the mark is reached.
         self._pending: tuple[int, int] | None = None
         self._failing = False
-        self._forget_at = 0.0  # (time.monotonic) the next beat that deletes long-silent gateways' rows
+        self._clock = clock  # what the window between two deletes of long-silent gateways' rows is timed on
+        self._forget_at = 0.0  # on that clock: the next beat that deletes them
 
     async def beat(self) -> None:
         """One heartbeat; a database that is away is logged once and tried again at the next beat."""
         forget_after_s = None
-        if time.monotonic() >= self._forget_at:  # once per alive window: the rows it deletes are 100 windows old
+        now = self._clock()
+        if now >= self._forget_at:  # once per alive window: the rows it deletes are 100 windows old
             forget_after_s = self._alive_s * FORGET_AFTER_ALIVE
-            self._forget_at = time.monotonic() + self._alive_s
+            self._forget_at = now + self._alive_s
         try:
             await asyncio.to_thread(
                 store.beat, self._engine, self.gateway_id, self._flushed_through, forget_after_s,

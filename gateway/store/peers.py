@@ -90,7 +90,7 @@ def beat(
     own); the caller asks for that now and then, not at every beat.
 
     Ten beats a second, whether or not the gateway is busy, so each is two statements in autocommit (the clock and
-    the moment in one): a transaction of four statements cost ~1.4 ms of the gateway's CPU a beat, this ~0.7
+    the moment in one): a transaction of four statements cost ~1.2 ms of the gateway's CPU a beat, this ~0.6-0.7
     (bench/README.md, "the heartbeat"). Nothing needs the beat's statements to be atomic: the moment is a sequence's
     value, taken outside any transaction's rollback, and the row is one upsert."""
     with _autocommit(engine) as conn:
