@@ -82,8 +82,11 @@ class WriterStats(WriterCounters):
     db_up: bool = True
 
 
-# At most this many calls in flight, the writer gives way to the event loop (RecordWriter._gives_way).
+# At most this many calls in flight, the writer gives way to the event loop (RecordWriter._pause).
 FEW_CALLS_IN_FLIGHT = 4
+# The shortest pause: asleep at all, the thread hands the GIL and the core to the event loop (the kernel's timer slack
+# makes it ~50 µs); a sleep of 0 would take the GIL straight back.
+MIN_PAUSE_S = 0.000_001
 
 class _Entry(NamedTuple):
     """A record on its way to the database, and where the log holds it."""
@@ -118,8 +121,8 @@ class RecordWriter:
         calls_in_flight: Callable[[], int] = lambda: 0,
     ) -> None:
         self._engine = engine
-        # How the writer thread shares the event loop's core: it pauses for `pause_s` after each `slice_s` of
-        # writing a batch from the queue while it keeps up (gateway.store.courtesy); 0 never pauses.
+        # How the writer thread shares the event loop's core: it pauses for up to `pause_s` after each `slice_s` of
+        # writing a batch from the queue (gateway.store.courtesy, `_pause`); a slice of 0 never pauses.
         self._slice_s = slice_s
         self._pause_s = pause_s
         self._calls_in_flight = calls_in_flight
@@ -349,7 +352,7 @@ class RecordWriter:
                 batch = self._next_batch()
                 if batch:
                     self._inflight = batch
-                    with giving_way(self._slice_s if self._gives_way() else 0.0, self._pause_s):
+                    with giving_way(self._slice_s, self._pause):
                         written = self.db_up and self._write(
                             [entry.record for entry in batch], [entry.line for entry in batch]
                         )
@@ -371,18 +374,18 @@ class RecordWriter:
             self._replay_spool()
         self._spool.rotate()
 
-    def _gives_way(self) -> bool:
-        """Whether this batch is written in slices with pauses for the event loop (gateway.store.courtesy). Only when few
-        calls are in flight, where a stretch of the writer's work is a call's delay: with many, each call mostly
-        waits its turn anyway, and the pauses' cost (a sleep, the GIL handed back and forth) would come out of the
-        gateway's throughput. And only while the writer keeps up: with a batch's worth queued behind this one,
-        pausing would let a saturated loop starve it, since a thread that gave the GIL up gets it back from a busy
-        loop only at the interpreter's forced switch (every 5 ms)."""
-        return (
-            self._slice_s > 0
-            and self._queue.qsize() < self._batch_size
-            and self._calls_in_flight() <= FEW_CALLS_IN_FLIGHT
-        )
+    def _pause(self) -> float:
+        """How long the writer pauses for the event loop at the end of a slice (gateway.store.courtesy), asked at each
+        slice's end. Only while few calls are in flight, where a stretch of the writer's work is a call's delay: with
+        many, each call mostly waits its turn anyway, and the pauses' cost (a sleep, the GIL handed back and forth)
+        would come out of the gateway's throughput. The pause shortens as records queue behind the batch, to a
+        moment (`MIN_PAUSE_S`) at a batch's worth: a writer that falls behind at low concurrency still hands the GIL
+        over at every slice, where one that stopped pausing held it for up to the interpreter's switch interval (5 ms)
+        at each of the event loop's system calls, and one that kept the whole pause fell further behind."""
+        if self._calls_in_flight() > FEW_CALLS_IN_FLIGHT:
+            return 0.0
+        behind = min(1.0, self._queue.qsize() / self._batch_size)
+        return max(MIN_PAUSE_S, self._pause_s * (1.0 - behind))
 
     def _next_batch(self) -> list[_Entry]:
         if self._held and not self._stopping.is_set() and time.monotonic() >= self._next_held_retry:

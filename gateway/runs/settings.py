@@ -150,11 +150,15 @@ class Settings(BaseSettings):
         ge=0,
         description="How long the writer thread runs before pausing for the event loop, in µs (0: it never pauses). "
         "It shares the event loop's core: a shorter slice delays calls less while a batch is written, and records "
-        "reach the database a little later. It pauses only while few calls are in flight and it keeps up "
-        "(gateway/store/courtesy.py).",
+        "reach the database a little later. It pauses only while few calls are in flight, and for less the more "
+        "records wait behind the batch (gateway/store/courtesy.py).",
     )
     writer_pause_us: int = Field(
-        200, ge=1, le=100_000, description="How long each of those pauses is, in µs."
+        200,
+        ge=1,
+        le=100_000,
+        description="How long each of those pauses is, in µs, with nothing queued behind the batch; with a batch's "
+        "worth queued, a moment.",
     )
     max_header_bytes: int = Field(65_536, ge=1024, description="Largest request head (431 above).")
     request_read_timeout_s: float = Field(

@@ -7,23 +7,29 @@ does not help, because the writer takes the GIL back at each of the event loop's
 `giving_way` block the thread sleeps for a moment whenever it has run a slice since it last did, at the yield points
 its work passes (`give_way`), and the event loop takes the core and the GIL in that gap.
 
-The pauses are not free (a sleep, the GIL handed back and forth), and a thread that gives the GIL up gets it back from
-a busy event loop only at the interpreter's forced switch (every 5 ms). So the writer gives way only while few calls
-are in flight and little is queued behind the batch it writes (gateway.recorder.writer.RecordWriter._gives_way).
+The pauses are not free (a sleep, the GIL handed back and forth), so the writer gives way only while few calls are in
+flight, and for less the more records are queued behind the batch it writes, down to a moment: asleep at all, it hands
+the GIL over (gateway.recorder.writer.RecordWriter._pause). Both change within one batch, so the pause is asked at the
+end of each slice. A writer that stopped pausing once behind kept the GIL for up to the interpreter's switch interval
+(5 ms) at each of the event loop's system calls, and at c=1 it was behind for good: the gateway's c=1 p99 was that.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+
+def _no_pause() -> float:
+    return 0.0
 
 
 class _Opt(threading.local):
     # Class defaults, so a thread outside any block reads them without the cost of a missing attribute.
     slice_s = 0.0
-    pause_s = 0.0
+    pause: Callable[[], float] = staticmethod(_no_pause)
     since = 0.0
 
 
@@ -31,15 +37,16 @@ _thread = _Opt()
 
 
 @contextmanager
-def giving_way(slice_s: float, pause_s: float) -> Iterator[None]:
-    """Within the block, `give_way` on this thread sleeps `pause_s` after each `slice_s` of running (a slice of 0:
-    never). Other threads are unaffected."""
-    previous = (_thread.slice_s, _thread.pause_s)
-    _thread.slice_s, _thread.pause_s, _thread.since = slice_s, pause_s, time.perf_counter()
+def giving_way(slice_s: float, pause: Callable[[], float]) -> Iterator[None]:
+    """Within the block, `give_way` on this thread sleeps `pause()` seconds after each `slice_s` of running (a slice
+    of 0: never; a pause of 0: not this time). `pause` is asked at the end of each slice, not once for the block,
+    because whether the event loop needs the core changes within one batch. Other threads are unaffected."""
+    previous = (_thread.slice_s, _thread.pause)
+    _thread.slice_s, _thread.pause, _thread.since = slice_s, pause, time.perf_counter()
     try:
         yield
     finally:
-        _thread.slice_s, _thread.pause_s = previous
+        _thread.slice_s, _thread.pause = previous
 
 
 def give_way() -> None:
@@ -48,5 +55,7 @@ def give_way() -> None:
     if not slice_s:
         return
     if time.perf_counter() - _thread.since >= slice_s:
-        time.sleep(_thread.pause_s)
+        seconds = _thread.pause()
+        if seconds > 0:
+            time.sleep(seconds)
         _thread.since = time.perf_counter()

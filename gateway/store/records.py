@@ -467,6 +467,7 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
     groups: dict[str, dict[str, Any]] = {}
     trajectories: dict[str, dict[str, Any]] = {}
     for record in calls:
+        give_way()
         runs.setdefault(record.run, {"name": record.run, "base_model": record.base_model, "config": {}})
         group = groups.setdefault(
             record.group_id,
@@ -488,10 +489,16 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
         trajectory["created_at"] = min(trajectory["created_at"], record.created_at)
 
     statements = _statements(engine.dialect.name)
+    # Between two statements, as between two records, the writer gives way: each statement's execution (SQLAlchemy's
+    # and psycopg's Python around the round trip) is 0.2-0.3 ms of the writer's CPU, and five of them back to back
+    # were the longest stretches a call waited for the GIL behind the writer at c=1 (bench/gateway_overhead.py).
     with engine.begin() as conn:
+        give_way()
         with _prepared(conn):
             conn.execute(statements.runs, [runs[k] for k in sorted(runs)])
+            give_way()
             _insert_rows(conn, statements.groups, [groups[k] for k in sorted(groups)])
+            give_way()
             _insert_rows(
                 conn,
                 statements.trajectories,
@@ -500,11 +507,13 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
                     for _, row in sorted(trajectories.items())
                 ],
             )
+        give_way()
         if conn.dialect.name == "postgresql":
             # One writer at a time per trajectory, so two gateways never derive a call's stored prefix from a
             # predecessor the other is replacing, and each settles retries against the other's committed attempts
             # (gateway.store.attempts). The untrainable update below locks these rows anyway.
             conn.execute(statements.lock, {"ids": sorted(trajectories)})
+            give_way()
         # Unprepared: they join the batch against tables that grow (see make_engine).
         digests: dict[str, bytes | None] = {}
         packed: dict[str, _Packed] = {}
@@ -520,8 +529,11 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
                     _insert_rows(conn, statements.calls, rows)
                 else:
                     _execute_many(conn, statements.calls.rowwise, rows)
+        give_way()
         conn.execute(statements.reopen, {"group_ids": sorted(groups)})
+        give_way()
         conn.execute(statements.untrainable, {"ids": sorted(trajectories)})
+        give_way()
     if cache is None:
         return
     for record in calls:
@@ -750,14 +762,18 @@ def _lineages(
     stored: dict[str, dict[tuple[int, int], _Stored]] = {t: {} for t in trajectory_ids}
     # Fetched whole (`all`): iterating the result fetches row by row through SQLAlchemy's Python layers, ~1.5 µs a
     # row more, and a batch of long trajectories reads thousands (bench/writer_cpu.py --turns).
-    for row in map(_Stored._make, conn.execute(statements.stored, {"ids": trajectory_ids}).all()):
+    found = conn.execute(statements.stored, {"ids": trajectory_ids}).all()
+    give_way()
+    for row in map(_Stored._make, found):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row
 
     by_trajectory: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
     for record in calls:
         by_trajectory[record.trajectory_id].append(record)
-    give_way()
-    settlements = {t: _settle(stored[t], by_trajectory[t], hashes) for t in trajectory_ids}
+    settlements: dict[str, Settlement] = {}
+    for trajectory_id in trajectory_ids:
+        give_way()
+        settlements[trajectory_id] = _settle(stored[trajectory_id], by_trajectory[trajectory_id], hashes)
     # The earliest attempt each kept record's row stands for (only theirs: a settlement covers every stored call).
     firsts = {
         (r.trajectory_id, r.seq): settlements[r.trajectory_id].first[r.seq]
