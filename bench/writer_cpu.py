@@ -11,6 +11,7 @@ SQLAlchemy, psycopg and the lineage work, not the server's) costs gateway throug
     .venv/bin/python bench/writer_cpu.py --url sqlite:////tmp/writer-cpu.db
     .venv/bin/python bench/writer_cpu.py --profile /tmp/writer.prof --shapes single --batches 64
     .venv/bin/python bench/writer_cpu.py --phases              # where the transaction's time goes, per batch
+    .venv/bin/python bench/writer_cpu.py --stretches --shapes single   # the longest a call waits behind a batch
 
 `--phases` times (wall clock, so waits on the database count) the parts of `write_calls` by wrapping the functions of
 gateway.store.records that do each, every one timed exclusive of the others it calls: the plain insert (everything
@@ -19,6 +20,9 @@ not listed below: building the rows, the upserts, the commit), retry settlement 
 digests and shared prefixes, reading the batch's stored rows), tree placement (`_in_tree` and a root's own agent) and
 late arrivals (`_reparent_late`, and rebuilding a trajectory's stored calls, which orphans of a replaced call need).
 The wrappers add a little time of their own, counted in the phase they wrap.
+
+`--stretches` measures the writer's CPU between two of its yield points (`give_way`, where it pauses for the event loop
+at low concurrency, gateway.store.courtesy): the longest a call can wait for the GIL behind a batch being written.
 
 `--spill N Q` measures the writer's catch-up after an overload instead: N `single` records submitted to a
 RecordWriter (the real one: spool, queue, replay) whose queue holds Q and which is not yet running, so N − Q spill to
@@ -57,6 +61,7 @@ from gateway.cli import tune_gc  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store import records as store_records  # noqa: E402
 from gateway.store.call_record import CallRecord  # noqa: E402
+from gateway.store.courtesy import give_way  # noqa: E402
 from gateway.store.records import LineageCache, write_calls  # noqa: E402
 from tests.support.pgcluster import PgCluster, create_database, drop_database  # noqa: E402
 
@@ -253,6 +258,42 @@ def phases(engine: Engine, cache: LineageCache | None, shape: str, batch: int, c
           f"batch = {shown}", flush=True)
 
 
+def stretches(engine: Engine, cache: LineageCache | None, shape: str, batch: int, count: int) -> None:
+    """Print the writer's CPU between two of its yield points (`give_way`), over `count` batches after one warm-up
+    batch: the longest a call can wait for the GIL behind a batch being written (gateway.store.courtesy). Overall
+    p50 / p99 / max, and the stretches that come once a batch by where they start and end, longest median first."""
+    batches = list(SHAPES[shape](batch, count + 1))
+    spans: dict[tuple[str, str], list[float]] = {}
+    at = ["start", 0.0]
+
+    def noting() -> None:
+        now = time.thread_time()
+        caller = sys._getframe(1)
+        here = f"{caller.f_code.co_name}:{caller.f_lineno}"
+        spans.setdefault((str(at[0]), here), []).append(now - float(at[1]))
+        at[:] = [here, now]
+
+    write_calls(engine, batches[0], cache)
+    store_records.give_way = noting  # type: ignore[assignment]
+    try:
+        for records_batch in batches[1:]:
+            at[:] = ["start", time.thread_time()]
+            write_calls(engine, records_batch, cache)
+            noting()  # the stretch from the last yield point to the commit's end
+    finally:
+        store_records.give_way = give_way
+    every = sorted(seconds for found in spans.values() for seconds in found)
+
+    def us(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e6
+
+    print(f"{engine.dialect.name} {shape:6} batch {batch:3}: {len(every):,} stretches, p50 {us(every, 0.5):.0f} / "
+          f"p99 {us(every, 0.99):.0f} / max {every[-1] * 1e6:.0f} us CPU", flush=True)
+    per_batch = [(where, sorted(found)) for where, found in spans.items() if len(found) <= count]
+    for (start, end), found in sorted(per_batch, key=lambda item: -us(item[1], 0.5))[:5]:
+        print(f"    {start} -> {end}: p50 {us(found, 0.5):.0f} us, max {found[-1] * 1e6:.0f} us", flush=True)
+
+
 def spill(engine: Engine, total: int, queue_size: int) -> None:
     """The catch-up of a writer that fell `total - queue_size` records behind (see the module docstring)."""
     import tempfile
@@ -320,9 +361,9 @@ def run(url: str, args: argparse.Namespace) -> None:
     profile = cProfile.Profile(time.thread_time) if args.profile else None  # CPU, not waits
     try:
         for shape in args.shapes:
-            if args.phases:
+            if args.phases or args.stretches:
                 for batch in args.batches:
-                    phases(engine, cache, shape, batch, args.count)
+                    (phases if args.phases else stretches)(engine, cache, shape, batch, args.count)
                 continue
             for batch in args.batches:
                 samples = [measure(engine, cache, shape, batch, args.count, profile) for _ in range(args.repeat)]
@@ -344,6 +385,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="samples per shape and batch size")
     parser.add_argument("--profile", help="write cProfile stats of the measured batches here")
     parser.add_argument("--phases", action="store_true", help="time the phases of write_calls instead (see above)")
+    parser.add_argument("--stretches", action="store_true",
+                        help="instead: the writer's CPU between two of its yield points (see above)")
     parser.add_argument("--spill", nargs=2, type=int, metavar=("N", "Q"),
                         help="time the writer's catch-up after N records with a queue of Q instead (see above)")
     parser.add_argument("--no-cache", action="store_true",
