@@ -302,6 +302,22 @@ def test_a_batch_s_ids_are_one_constant_in_the_plan_not_parsed_per_row(pg_url: s
     assert "::text[]" in plan and "cstring" not in plan, plan
 
 
+@pytest.mark.parametrize(
+    "ids",
+    [[], ["gen-0", "gen-1"], ODD_IDS, ["gen-0", 'a"b', "gen-2"], ["gen-0", "c\\d"], [""], ["NULL"]],
+)
+def test_an_id_list_reaches_postgres_as_itself(pg_url: str, ids: list[str]) -> None:
+    """Plain ids take the literal's fast path (no element escaped), any with a quote or backslash the escaping one:
+    Postgres reads back exactly the list either way."""
+    engine = db.make_engine(pg_url)
+    try:
+        literal = records._TextArray().bind_processor(engine.dialect)(ids)
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT %(ids)s::text[]", {"ids": literal}).scalar_one() == ids
+    finally:
+        engine.dispose()
+
+
 def count_calls_url(url: str) -> int:
     engine = db.make_engine(url)
     try:
