@@ -891,19 +891,20 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
     targets = {name: (conn, conn.request(CHAT, plain_body)) for name, conn in conns.items()}
     # Each target's calls in two halves, ABBA, so drift hits all alike; after each half through the gateway its writer
     # catches up before another target's turn. With blocks of 250 and no wait, the next target's block ran beside the
-    # gateway writing the records of the one before: that put the thin proxy's c=1 p99 at +2.1 ms where on its own it
-    # is +0.75, and the gateway's writer, leaving a block's records to whoever came next, never had to keep up with
-    # its own calls. In halves of 2,500 it must; what it has left at the end of each is printed.
-    catch_up: list[float] = []
+    # gateway writing the records of the one before: that put the thin proxy's c=1 p99 at +2.1 ms where with the
+    # gateway idle it is +0.9-1.4, and the gateway's writer, leaving a block's records to whoever came next, never had
+    # to keep up with its own calls. In halves of 2,500 it must; what it has left at the end of each is printed.
+    def catching_up(seconds: list[float]) -> Callable[[str], None]:
+        def after_block(name: str) -> None:
+            if name == "gateway":
+                seconds.append(drain_writer(gw_base, url))
 
-    def after_block(name: str) -> None:
-        if name == "gateway":
-            catch_up.append(drain_writer(gw_base, url))
+        return after_block
 
+    c1_catch_up: list[float] = []
     t0 = time.monotonic()
     c1 = run_c1(targets, plan.c1_requests, (plan.c1_requests + 1) // 2, plan.c1_warmup, stream=False,
-                after_block=after_block)
-    c1_catch_up, catch_up[:] = list(catch_up), []
+                after_block=catching_up(c1_catch_up))
     gateway_ok += c1["gateway"].ok
     print(f"non-stream c=1: {plan.c1_requests} requests per target in {time.monotonic() - t0:.1f}s (the gateway's "
           f"writer caught up {', '.join(f'{s:.2f}' for s in c1_catch_up)} s after each half)", flush=True)
@@ -911,9 +912,9 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
     # 2. stream, c=1
     stream_targets = {name: (conn, conn.request(CHAT, stream_body)) for name, conn in conns.items()}
     t0 = time.monotonic()
+    st_catch_up: list[float] = []
     st = run_c1(stream_targets, plan.stream_requests, (plan.stream_requests + 1) // 2, plan.c1_warmup // 2,
-                stream=True, after_block=after_block)
-    st_catch_up = list(catch_up)
+                stream=True, after_block=catching_up(st_catch_up))
     gateway_ok += st["gateway"].ok
     print(f"stream c=1: {plan.stream_requests} streams per target in {time.monotonic() - t0:.1f}s (the gateway's "
           f"writer caught up {', '.join(f'{s:.2f}' for s in st_catch_up)} s after each half)", flush=True)

@@ -272,9 +272,9 @@ class _TextArray(UserDefinedType[list[str]]):
     (`%(ids)s::TEXT[]`) so Postgres parses it once, as the parameter's value. psycopg's array dumper handles each
     element in Python, and a batch binds four such lists. (A CAST of a text parameter instead would be parsed again for
     every row a sequential scan filters.) Every element is quoted, so none reads as NULL and commas or braces stay
-    inside. Escaping each element in Python cost ~1 µs an id, ~250 µs for a batch of 256 on each of the four
-    statements (bench/writer_cpu.py --stretches); the usual ids (generated ones, uuids) hold no quote or backslash, so
-    two joins in C build the literal unless one does."""
+    inside. Escaping each element in a Python generator cost ~1 µs an id: with 256 ids the reopen, untrainable, lock
+    and stored statements took 387 / 341 / 315 / 289 µs of the writer's CPU an execution, 263 / 172 / 132 / 197 with
+    the literal joined in C, which the usual ids (generated ones, uuids: no quote or backslash) allow."""
 
     cache_ok = True
     render_bind_cast = True
@@ -498,7 +498,7 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
 
     statements = _statements(engine.dialect.name)
     # Between two statements, as between two records, the writer gives way: each statement's execution (SQLAlchemy's
-    # and psycopg's Python around the round trip) is 0.2-0.3 ms of the writer's CPU, and five of them back to back
+    # and psycopg's Python around the round trip) is 0.1-0.8 ms of the writer's CPU, and five of them back to back
     # were the longest stretches a call waited for the GIL behind the writer at c=1 (bench/gateway_overhead.py).
     with engine.begin() as conn:
         give_way()
