@@ -504,10 +504,9 @@ class TokenIn:
                 await self._stream(call, generate_body, chat_request, keys)
                 return
             generated = await self._post(GENERATE, generate_body, call.lease)
+            shown = for_derender(generated, whole=True)
             derendered = await self._post(
-                DERENDER,
-                {"model": model, "chat_request": chat_request, "generate_response": for_derender(generated)},
-                call.lease,
+                DERENDER, {"model": model, "chat_request": chat_request, "generate_response": shown}, call.lease
             )
         except UpstreamFailure as failure:
             await self.outcome.fail(call, failure.error)
@@ -536,9 +535,16 @@ class TokenIn:
         for choice in response.get("choices") or ():
             if choice.get("logprobs") is not None:
                 choice["logprobs"] = {"content": chat_logprobs(choice["logprobs"], chat_request)}
-            ids = by_index.get(choice.get("index", 0), {}).get("token_ids") or []
+            source = by_index.get(choice.get("index", 0), {})
+            ids = source.get("token_ids") or []
             choice["token_ids"] = ids
             completion_tokens += len(ids)
+            if ended_at_once(source) and isinstance(choice.get("message"), dict):
+                # Derender read the end token's text (`for_derender(whole=True)`); the chat path read none.
+                message = choice["message"]
+                for field in ("content", "reasoning", "reasoning_content"):
+                    if isinstance(message.get(field), str):
+                        message[field] = ""
             # vLLM's chat path reports a tool call this way; non-stream derender says "stop" (streaming agrees).
             if choice.get("finish_reason") == "stop" and (choice.get("message") or {}).get("tool_calls"):
                 choice["finish_reason"] = "tool_calls"
@@ -837,19 +843,38 @@ def merge_generate_chunks(chunks: Sequence[dict[str, Any]]) -> dict[int, dict[st
     return merged
 
 
-def for_derender(generated: dict[str, Any]) -> dict[str, Any]:
+def for_derender(generated: dict[str, Any], whole: bool = False) -> dict[str, Any]:
     """The generate response (or chunk) as derender should see it: without the end-of-turn token a choice stopped on.
 
     vLLM's own chat path leaves that token's text out of the answer; derender would put it into the content
     (`...Celsius.<|im_end|>` when a tool parser keeps special tokens). The logprobs keep their entry for it, as the
-    chat path's do. A stop string (stop_reason text) was not generated as a token, so nothing is taken then."""
+    chat path's do. A stop string (stop_reason text) was not generated as a token, so nothing is taken then.
+
+    A `whole` answer (the non-stream derender) keeps the token when it is a choice's only one: vLLM refuses a choice
+    without ids there, and a model may end its turn at once. `TokenIn._answer` then empties the text derender made
+    of that token (the chat path has none to parse), and derender still gives the token's logprob entry. A choice
+    generate sent without any id is vLLM breaking its own contract: a 502 naming it, not derender's 400 that would
+    blame the client."""
     out = {**generated, "choices": []}
     for choice in generated.get("choices") or ():
         ids = choice.get("token_ids") or []
-        if choice.get("finish_reason") == "stop" and not isinstance(choice.get("stop_reason"), str) and ids:
+        if whole and not ids:
+            message = f"vLLM's generate answered choice {choice.get('index', 0)} without token ids"
+            raise UpstreamFailure(GatewayError(502, message, "upstream_error"))
+        if _ends_on_token(choice) and len(ids) > (1 if whole else 0):
             choice = {**choice, "token_ids": ids[:-1]}
         out["choices"].append(choice)
     return out
+
+
+def _ends_on_token(choice: dict[str, Any]) -> bool:
+    """The choice stopped on an end token (the last of its ids), not on a stop string or a length."""
+    return choice.get("finish_reason") == "stop" and not isinstance(choice.get("stop_reason"), str)
+
+
+def ended_at_once(choice: dict[str, Any]) -> bool:
+    """The model's first token ended its turn: the whole answer is that end token, and its text is empty."""
+    return _ends_on_token(choice) and len(choice.get("token_ids") or ()) == 1
 
 
 def chat_logprobs(derendered: dict[str, Any] | None, chat_request: dict[str, Any]) -> list[dict[str, Any]]:

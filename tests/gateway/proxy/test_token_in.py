@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.http.errors import UpstreamFailure
 from gateway.http.metrics import GatewayMetrics
 from gateway.proxy import token_in
 from gateway.store.lineage import EXTENDS
@@ -114,6 +115,23 @@ def test_coalesced_generate_chunks_and_the_end_token_left_out_of_derender() -> N
     shown = token_in.for_derender(merged)["choices"][0]
     assert shown["token_ids"] == [1, 2, 3] and len(shown["logprobs"]["content"]) == 4
     assert token_in.for_derender(chunk([1, 2], "length"))["choices"][0]["token_ids"] == [1, 2]
+
+
+def test_a_lone_end_token_stays_for_the_whole_answers_derender() -> None:
+    """vLLM's non-stream derender refuses a choice without ids, so a reply that ended at once keeps its end token
+    there; the streaming derender takes the empty chunk; a choice generate sent without ids is vLLM's fault, a 502."""
+    def generated(ids: list[int], finish: str = "stop", stop_reason: Any = None) -> dict[str, Any]:
+        return {"choices": [{"index": 0, "token_ids": ids, "finish_reason": finish, "stop_reason": stop_reason}]}
+
+    assert token_in.for_derender(generated([2]), whole=True)["choices"][0]["token_ids"] == [2]
+    assert token_in.for_derender(generated([5, 2]), whole=True)["choices"][0]["token_ids"] == [5]
+    assert token_in.for_derender(generated([2]))["choices"][0]["token_ids"] == []
+    assert token_in.ended_at_once(generated([2])["choices"][0])
+    assert not token_in.ended_at_once(generated([7], "length")["choices"][0])
+    assert not token_in.ended_at_once(generated([7], stop_reason="\n")["choices"][0])  # a stop string: text, not a token
+    with pytest.raises(UpstreamFailure) as raised:
+        token_in.for_derender(generated([]), whole=True)
+    assert raised.value.error.status == 502 and "choice 0 without token ids" in raised.value.error.message
 
 
 def test_a_vllm_client_error_keeps_its_param_and_code() -> None:
@@ -450,6 +468,44 @@ def test_logprobs_asked_are_chat_modes_and_the_recorded_ids(
     [row] = stored_calls(db_url, trajectory)
     assert [e["logprob"] for e in entries[0]] == row["completion_logprobs"]
     assert len(row["completion_token_ids"]) == len(entries[0])
+
+
+EMPTY = json.loads((FIXTURES / "token_in_empty.json").read_text())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+@pytest.mark.parametrize("logprobs", [False, True], ids=["plain", "logprobs"])
+def test_a_reply_that_ends_at_once_answers_as_chat_mode(
+    token_gateway: RunningGateway, db_url: str, stream: bool, logprobs: bool
+) -> None:
+    """The model's first token ends its turn (recorded from vLLM with that token's logit raised): chat mode answers an
+    empty message, so must token_in, and the end token is recorded for training."""
+    trajectory = f"empty-{uuid.uuid4().hex[:8]}"
+    extra: dict[str, Any] = {"max_tokens": 8, "temperature": 0, "logit_bias": {"2": 100}}
+    if logprobs:
+        extra["logprobs"] = True
+    client = client_for(token_gateway, trajectory)
+    messages = [{"role": "user", "content": "Say hi in French."}]
+    answer = client.chat.completions.create(model=RUN, messages=messages, stream=stream, **extra)  # type: ignore[call-overload]
+    reference = EMPTY["chat_reference"][1 if logprobs else 0]["choices"][0]
+    if stream:
+        chunks = list(answer)
+        texts = [c.choices[0].delta.content for c in chunks if c.choices]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert not "".join(t or "" for t in texts) and finish == [reference["finish_reason"]]
+        entries = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs
+                   for e in c.choices[0].logprobs.content or ()]
+    else:
+        choice = answer.choices[0]
+        assert choice.message.content == reference["message"]["content"] == ""
+        assert choice.finish_reason == reference["finish_reason"] and not choice.message.tool_calls
+        entries = [e.model_dump() for e in (choice.logprobs.content if choice.logprobs else None) or ()]
+        assert answer.usage.completion_tokens == 1
+    assert entries == (reference["logprobs"]["content"] if logprobs else [])
+    token_gateway.flush()
+    [row] = stored_calls(db_url, trajectory)
+    assert row["status_code"] == 200 and row["completion_token_ids"] == reference["token_ids"] == [2]
+    assert len(row["completion_logprobs"]) == 1
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
