@@ -42,13 +42,14 @@ from sqlalchemy import (
     delete,
     func,
     literal_column,
+    null,
     select,
     text,
     update,
 )
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.types import UserDefinedType
 
 from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
@@ -65,7 +66,7 @@ from gateway.store.messages import (
     message_digests,
     shared_messages,
 )
-from gateway.store.models import Call, Group, Run, Trajectory
+from gateway.store.models import Call, Group, Run, Trajectory, utcnow
 from gateway.store.tree import OWN_AGENT_REASONS, Candidate, find_parent, place, root_anchor, root_reason
 
 _runs = cast(Table, Run.__table__)
@@ -197,7 +198,7 @@ def _insert_rows(conn: Connection, bulk: _Bulk, rows: list[dict[str, Any]]) -> N
         return
     compiled = _compile(conn.dialect, bulk.statement, ("rows",))
     for document in _documents(bulk, rows):
-        conn.exec_driver_sql(compiled.sql, {"rows": document})
+        _driver_execute(conn, compiled.sql, {"rows": document})
 
 
 # A JSONB value holds at most 255 MB, and a batch of long agent calls (a 100k-token prompt is 400 KB of ids alone,
@@ -365,7 +366,7 @@ def _statements(dialect: str) -> _Statements:
             _groups.c.state.in_([literal_column(f"'{state}'") for state in ("ready", "trained", "dropped")]),
             unrewarded,
         )
-        .values(state="open", ready_at=None)
+        .values(state=literal_column("'open'"), ready_at=null())
     )
     lock = (
         select(_trajectories.c.trajectory_id)
@@ -476,7 +477,15 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
     trajectories: dict[str, dict[str, Any]] = {}
     for record in calls:
         give_way()
-        runs.setdefault(record.run, {"name": record.run, "base_model": record.base_model, "config": {}})
+        if record.run not in runs:
+            now = utcnow()
+            runs[record.run] = {
+                "name": record.run,
+                "base_model": record.base_model,
+                "config": {},
+                "created_at": now,
+                "updated_at": now,
+            }
         group = groups.setdefault(
             record.group_id,
             {"group_id": record.group_id, "run": record.run, "mode": record.mode, "expected_size": None},
@@ -503,7 +512,8 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
     with engine.begin() as conn:
         give_way()
         with _prepared(conn):
-            conn.execute(statements.runs, [runs[k] for k in sorted(runs)])
+            for name in sorted(runs):
+                _run(conn, statements.runs, runs[name])
             give_way()
             _insert_rows(conn, statements.groups, [groups[k] for k in sorted(groups)])
             give_way()
@@ -520,7 +530,7 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
             # One writer at a time per trajectory, so two gateways never derive a call's stored prefix from a
             # predecessor the other is replacing, and each settles retries against the other's committed attempts
             # (gateway.store.attempts). The untrainable update below locks these rows anyway.
-            conn.execute(statements.lock, {"ids": sorted(trajectories)})
+            _run(conn, statements.lock, {"ids": sorted(trajectories)})
             give_way()
         # Unprepared: they join the batch against tables that grow (see make_engine).
         digests: dict[str, bytes | None] = {}
@@ -538,9 +548,9 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
                 else:
                     _execute_many(conn, statements.calls.rowwise, rows)
         give_way()
-        conn.execute(statements.reopen, {"group_ids": sorted(groups)})
+        _run(conn, statements.reopen, {"group_ids": sorted(groups)})
         give_way()
-        conn.execute(statements.untrainable, {"ids": sorted(trajectories)})
+        _run(conn, statements.untrainable, {"ids": sorted(trajectories)})
         give_way()
     if cache is None:
         return
@@ -609,6 +619,50 @@ def _execute_many(conn: Connection, statement: Executable, rows: list[dict[str, 
     else:
         order = compiled.order
         conn.exec_driver_sql(compiled.sql, [tuple(row[name] for name in order) for row in rows])
+
+
+def _run(conn: Connection, statement: Executable, params: dict[str, Any]) -> Sequence[Sequence[Any]]:
+    """`conn.execute(statement, params).all()` for a statement the writer runs every batch, whose parameters are
+    exactly `params`' keys.
+
+    On Postgres the SQL compiled once (`_compile`) goes straight to psycopg's cursor (`_driver_execute`): SQLAlchemy's
+    execution around it (the compiled-cache lookup, building the parameters, the result's metadata) cost 35-60 µs of
+    the writer's CPU a statement, about as much as psycopg's own, and a batch runs eight, so that at low traffic,
+    where a batch holds a record or two, they were a third of its CPU. SQLite keeps the generic path: its id lists
+    are expanding IN lists, rendered per execution, and its datetimes come back as text for SQLAlchemy to parse."""
+    if conn.dialect.name != "postgresql":
+        result = conn.execute(statement, params)
+        return result.all() if result.returns_rows else ()
+    compiled = _compile(conn.dialect, statement, tuple(params))
+    values = dict(params)
+    for name, processor in compiled.processors:
+        values[name] = processor(values[name])
+    return _driver_execute(conn, compiled.sql, values)
+
+
+def _driver_execute(conn: Connection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """Execute compiled SQL on the connection's psycopg cursor, inside `conn`'s transaction; its rows as tuples.
+
+    A driver error is raised as SQLAlchemy would raise it (`DBAPIError.instance` picks IntegrityError, DataError,
+    OperationalError... by the driver's class), because the writer tells a record the database refuses from a
+    database that is down by those classes (gateway.recorder.spool_lines.is_record_error); a lost connection is
+    invalidated, as SQLAlchemy does, so the pool does not hand it out again."""
+    dbapi = conn.connection.dbapi_connection
+    assert dbapi is not None
+    driver_error = conn.dialect.loaded_dbapi.Error
+    cursor = dbapi.cursor()
+    try:
+        cursor.execute(sql, params)
+        return list(cursor.fetchall()) if cursor.description is not None else []
+    except driver_error as err:
+        lost = conn.dialect.is_disconnect(err, dbapi, cursor)
+        if lost:
+            conn.invalidate(err)
+        raise DBAPIError.instance(
+            sql, params, err, driver_error, connection_invalidated=lost, dialect=conn.dialect
+        ) from err
+    finally:
+        cursor.close()
 
 
 def _own_choice(response: dict[str, Any] | None, choice_index: int) -> dict[str, Any] | None:
@@ -770,7 +824,7 @@ def _lineages(
     stored: dict[str, dict[tuple[int, int], _Stored]] = {t: {} for t in trajectory_ids}
     # Fetched whole (`all`): iterating the result fetches row by row through SQLAlchemy's Python layers, ~1.5 µs a
     # row more, and a batch of long trajectories reads thousands (bench/writer_cpu.py --turns).
-    found = conn.execute(statements.stored, {"ids": trajectory_ids}).all()
+    found = _run(conn, statements.stored, {"ids": trajectory_ids})
     give_way()
     for row in map(_Stored._make, found):
         stored[row.trajectory_id][(row.seq, row.choice_index)] = row

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Engine, select, text
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
 
+from gateway.recorder.spool_lines import is_record_error
 from gateway.store import db, records
 from gateway.store.arrays import decode_ids, decode_logprobs
 from gateway.store.models import Call, Group, Run, Trajectory
@@ -314,6 +315,29 @@ def test_an_id_list_reaches_postgres_as_itself(pg_url: str, ids: list[str]) -> N
         literal = records._TextArray().bind_processor(engine.dialect)(ids)
         with engine.connect() as conn:
             assert conn.exec_driver_sql("SELECT %(ids)s::text[]", {"ids": literal}).scalar_one() == ids
+    finally:
+        engine.dispose()
+
+
+def test_the_writer_s_driver_errors_are_sqlalchemy_s(pg_url: str) -> None:
+    """The writer's statements go to psycopg's cursor (records._driver_execute), past SQLAlchemy's execution, whose
+    exception classes the writer sorts failures by: a value the database refuses must still read as the record's
+    fault (set aside), a lost connection as the database's (spooled, retried) and be invalidated, not pooled again."""
+    engine = db.make_engine(pg_url)
+    try:
+        with engine.connect() as conn, pytest.raises(DataError) as refused:
+            records._driver_execute(conn, "SELECT %(v)s::int", {"v": "not a number"})
+        assert is_record_error(refused.value)
+        with engine.connect() as conn:
+            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            with engine.connect() as other:
+                other.exec_driver_sql(f"SELECT pg_terminate_backend({pid})")
+            with pytest.raises(OperationalError) as lost:
+                records._driver_execute(conn, "SELECT 1", {})
+            assert lost.value.connection_invalidated and conn.invalidated
+        assert not is_record_error(lost.value)
+        with engine.connect() as conn:  # the pool hands out a live connection again
+            assert records._driver_execute(conn, "SELECT %(v)s::int", {"v": "7"}) == [(7,)]
     finally:
         engine.dispose()
 
