@@ -24,6 +24,7 @@ from functools import cache, partial
 from typing import Any, NamedTuple, cast
 
 import orjson
+from psycopg.pq import ExecStatus
 from sqlalchemy import (
     JSON,
     ColumnElement,
@@ -653,7 +654,9 @@ def _driver_execute(conn: Connection, sql: str, params: dict[str, Any]) -> list[
     cursor = dbapi.cursor()
     try:
         cursor.execute(sql, params)
-        return list(cursor.fetchall()) if cursor.description is not None else []
+        # Asked of the result's status: `cursor.description` builds a column object per column to say the same.
+        result = cursor.pgresult
+        return list(cursor.fetchall()) if result is not None and result.status == ExecStatus.TUPLES_OK else []
     except driver_error as err:
         lost = conn.dialect.is_disconnect(err, dbapi, cursor)
         if lost:
