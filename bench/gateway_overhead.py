@@ -747,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writer-cpu", type=int, metavar="N",
                         help="with --writer-process: pin the writer process to CPU N (default: the gateway's CPU, "
                              "which it inherits); the upstream's CPU is the spare core of this layout")
+    parser.add_argument("--writer-nice", type=int, default=0, metavar="N",
+                        help="run the gateway with TRAJGATE_WRITER_NICE=N: its writer thread (and process) N lower in "
+                             "OS priority than the event loop")
     parser.add_argument("--upstream-suffix", default="/v1",
                         help="appended to the fake upstream's address for TRAJGATE_UPSTREAM_URL (default /v1)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
@@ -841,6 +844,8 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
     )
     if args.writer_process:
         env["TRAJGATE_WRITER_PROCESS"] = "true"
+    if args.writer_nice:
+        env["TRAJGATE_WRITER_NICE"] = str(args.writer_nice)
     trajgate = Path(sys.executable).parent / "trajgate"
     command = [str(trajgate)] if trajgate.exists() else [sys.executable, "-m", "gateway.cli"]
     t0 = time.monotonic()
@@ -853,7 +858,8 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
         print(f"gateway did not start: {exc}\n--- gateway log ---\n{procs.log_tail('gateway')}", file=sys.stderr)
         return 1
     print(f"trajgate serve up in {time.monotonic() - t0:.1f}s (pid {gateway.pid}, CPU {GATEWAY_CPU}); "
-          f"client on CPU {GATEWAY_CPU}; upstream and postgres on CPU {UPSTREAM_CPU}", flush=True)
+          f"client on CPU {GATEWAY_CPU}; upstream and postgres on CPU {UPSTREAM_CPU}"
+          + (f"; writer nice {args.writer_nice}" if args.writer_nice else ""), flush=True)
     if args.writer_process:
         deadline = time.monotonic() + 20
         while not (children := _writer_processes(gateway.pid)) and time.monotonic() < deadline:

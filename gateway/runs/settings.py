@@ -142,8 +142,9 @@ class Settings(BaseSettings):
         0,
         ge=0,
         le=19,
-        description="How much lower the writer process's OS priority is than the gateway's: higher delays answers less "
-        "on a busy core and lets records reach the database later.",
+        description="How much lower the writer's OS priority is than the event loop's (its thread's, on Linux, and its "
+        "process's with writer_process): higher delays answers less on a busy core, and on a saturated one lets records "
+        "spill to the log and reach the database later (bench/README.md).",
     )
     writer_slice_us: int = Field(
         50,

@@ -82,6 +82,27 @@ async def test_records_submitted_from_an_event_loop_all_arrive_once(engine: Engi
     assert writer.stats().spool_bytes == 0  # every record committed, so the log was removed
 
 
+def test_writer_nice_lowers_the_writer_thread_alone(engine: Engine, spool_dir: Path) -> None:
+    """TRAJGATE_WRITER_NICE renices the writer thread (Linux schedules threads one by one), not the event loop's
+    thread nor the process; and the writer still writes."""
+    if sys.platform != "linux":
+        pytest.skip("a thread's own priority is lowered only on Linux")
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    writer = RecordWriter(engine, spool_dir, nice=7, **FAST)
+    writer.start()
+    try:
+        records = _records(20)
+        for record in records:
+            writer.submit(record)
+        assert writer.flush(20)
+        assert writer._thread is not None and writer._thread.native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, writer._thread.native_id) == min(19, base + 7)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == base  # this thread, the event loop's in the gateway
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    finally:
+        writer.close()
+
+
 async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: Path) -> None:
     cluster = PgCluster()
     cluster.start()
