@@ -628,8 +628,9 @@ def _run(conn: Connection, statement: Executable, params: dict[str, Any]) -> Seq
 
     On Postgres the SQL compiled once (`_compile`) goes straight to psycopg's cursor (`_driver_execute`): SQLAlchemy's
     execution around it (the compiled-cache lookup, building the parameters, the result's metadata) cost 35-60 µs of
-    the writer's CPU a statement, about as much as psycopg's own, and a batch runs eight, so that at low traffic,
-    where a batch holds a record or two, they were a third of its CPU. SQLite keeps the generic path: its id lists
+    the writer's CPU a statement, about as much as psycopg's own, and a batch runs eight: at low traffic, where a
+    batch holds a record or two, that is most of its work (one record's batch: 1,055 µs of CPU, 874 through the
+    cursor; bench/writer_cpu.py --shapes single --batches 1). SQLite keeps the generic path: its id lists
     are expanding IN lists, rendered per execution, and its datetimes come back as text for SQLAlchemy to parse."""
     if conn.dialect.name != "postgresql":
         result = conn.execute(statement, params)
