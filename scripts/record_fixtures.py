@@ -419,22 +419,27 @@ TOKEN_IN_LOGPROBS = [{"logprobs": True, "top_logprobs": 2}, {"logprobs": True}]
 TOKEN_IN_N = {"n": 2, "temperature": 0.8, "seed": 1, "max_tokens": 8}
 
 
+# A reply that ends at once: the end of turn (SmolLM2's <|im_end|>, id 2) forced as the first token.
+TOKEN_IN_EMPTY = [{"max_tokens": 8, "temperature": 0, "logit_bias": {"2": 100}, **extra} for extra in ({}, {"logprobs": True})]
+
+
 def record_token_in_calls(rec: Recorder) -> None:
-    """token_in calls with `logprobs`/`top_logprobs` and with `n: 2`, each streamed and not, recorded through the
-    gateway like the tool loop; beside them, chat mode's answer to the same greedy logprobs requests, straight from
-    vLLM, which the gateway's logprobs must equal."""
+    """token_in calls with `logprobs`/`top_logprobs`, with `n: 2`, and whose reply ends at once, each streamed and not,
+    recorded through the gateway like the tool loop; beside the first and the last, chat mode's answers to the same
+    greedy requests, straight from vLLM, which the gateway's must equal."""
     import uuid
 
     import openai
 
     from tests.support.token_in_agent import RUN
 
-    reference = [json.loads(rec._raw("POST", "/v1/chat/completions", chat(TOKEN_IN_PROMPT, **extra))[2])
-                 for extra in TOKEN_IN_LOGPROBS]
-    for name, calls in (
-        ("token_in_logprobs", [{"max_tokens": 24, "temperature": 0, **extra} for extra in TOKEN_IN_LOGPROBS]),
-        ("token_in_n", [TOKEN_IN_N]),
+    for name, calls, compared in (
+        ("token_in_logprobs", [{"max_tokens": 24, "temperature": 0, **extra} for extra in TOKEN_IN_LOGPROBS], True),
+        ("token_in_n", [TOKEN_IN_N], False),
+        ("token_in_empty", TOKEN_IN_EMPTY, True),
     ):
+        reference = [json.loads(rec._raw("POST", "/v1/chat/completions", chat(TOKEN_IN_PROMPT, **extra))[2])
+                     for extra in calls] if compared else None
         with _recording_gateway(rec) as (gateway, proxy):
             for stream in (False, True):
                 for extra in calls:
@@ -446,43 +451,12 @@ def record_token_in_calls(rec: Recorder) -> None:
                     if stream:
                         list(answer)
         fixture: dict[str, Any] = {"name": name, "path": None, "exchanges": proxy.recorded}
-        if name == "token_in_logprobs":
+        if reference is not None:
             fixture["chat_reference"] = reference
         fixture["vllm_version"] = rec.vllm_version
         (rec.out_dir / f"{name}.json").write_text(json.dumps(fixture, indent=1) + "\n")
         rec.recorded[name] = fixture
         print(f"{name}: {[(e['path'], e['status']) for e in proxy.recorded]}", flush=True)
-
-
-# A reply that ends at once: the end of turn (SmolLM2's <|im_end|>, id 2) forced as the first token.
-TOKEN_IN_EMPTY = [{"max_tokens": 8, "temperature": 0, "logit_bias": {"2": 100}, **extra} for extra in ({}, {"logprobs": True})]
-
-
-def record_token_in_empty(rec: Recorder) -> None:
-    """token_in calls whose model ends its turn with its first token, streamed and not, recorded through the gateway;
-    beside them chat mode's answers to the same requests straight from vLLM, which the gateway's must equal."""
-    import uuid
-
-    import openai
-
-    from tests.support.token_in_agent import RUN
-
-    reference = [json.loads(rec._raw("POST", "/v1/chat/completions", chat(TOKEN_IN_PROMPT, **extra))[2])
-                 for extra in TOKEN_IN_EMPTY]
-    with _recording_gateway(rec) as (gateway, proxy):
-        for stream in (False, True):
-            for extra in TOKEN_IN_EMPTY:
-                url = f"{gateway.url}/eval/t/token_in_empty-{uuid.uuid4().hex[:8]}/v1"
-                client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
-                answer = client.chat.completions.create(model=RUN, messages=TOKEN_IN_PROMPT, stream=stream, **extra)
-                if stream:
-                    list(answer)
-    name = "token_in_empty"
-    fixture = {"name": name, "path": None, "exchanges": proxy.recorded, "chat_reference": reference}
-    fixture["vllm_version"] = rec.vllm_version
-    (rec.out_dir / f"{name}.json").write_text(json.dumps(fixture, indent=1) + "\n")
-    rec.recorded[name] = fixture
-    print(f"{name}: {[(e['path'], e['status']) for e in proxy.recorded]}", flush=True)
 
 
 def record_responses(rec: Recorder) -> None:
@@ -564,7 +538,6 @@ def record_all(rec: Recorder) -> None:
     record_scale_out(rec)
     record_token_in(rec)
     record_token_in_calls(rec)
-    record_token_in_empty(rec)
     record_responses(rec)
     record_messages(rec)
     record_tree(rec)
@@ -674,7 +647,7 @@ def main() -> None:
     parser.add_argument(
         "--only",
         choices=(
-            "all", "scale_out", "token_in", "token_in_calls", "token_in_empty", "responses", "messages", "tree", "tree_handoff",
+            "all", "scale_out", "token_in", "token_in_calls", "responses", "messages", "tree", "tree_handoff",
             "ui_token_text", "teacher",
         ),  # fmt: skip
         default="all",
@@ -685,7 +658,6 @@ def main() -> None:
         "scale_out": record_scale_out,
         "token_in": record_token_in,
         "token_in_calls": record_token_in_calls,
-        "token_in_empty": record_token_in_empty,
         "responses": record_responses,
         "messages": record_messages,
         "tree": record_tree,
