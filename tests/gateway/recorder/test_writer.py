@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, select
 
+from gateway.recorder import threads
 from gateway.recorder.spool import Syncer
 from gateway.recorder.spool_lines import read_spool_line, spool_line
 from gateway.recorder.writer import RecordWriter
@@ -82,11 +83,10 @@ async def test_records_submitted_from_an_event_loop_all_arrive_once(engine: Engi
     assert writer.stats().spool_bytes == 0  # every record committed, so the log was removed
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is set only on Linux (the next test)")
 def test_writer_nice_lowers_the_writer_thread_alone(engine: Engine, spool_dir: Path) -> None:
     """TRAJGATE_WRITER_NICE renices the writer thread (Linux schedules threads one by one), not the event loop's
     thread nor the process; and the writer still writes."""
-    if sys.platform != "linux":
-        pytest.skip("a thread's own priority is lowered only on Linux")
     base = os.getpriority(os.PRIO_PROCESS, 0)
     writer = RecordWriter(engine, spool_dir, nice=7, **FAST)
     writer.start()
@@ -101,6 +101,19 @@ def test_writer_nice_lowers_the_writer_thread_alone(engine: Engine, spool_dir: P
         assert sorted(_ids(engine)) == sorted(r.id for r in records)
     finally:
         writer.close()
+
+
+def test_off_linux_the_writer_keeps_its_priority_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Elsewhere setpriority takes a process id, which a thread id would name: nothing is reniced, and the log says
+    why the setting has no effect."""
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(threads.sys, "platform", "darwin")
+    monkeypatch.setattr(threads.os, "setpriority", lambda *args: calls.append(args))
+    with caplog.at_level(logging.WARNING, logger="trajgate.threads"):
+        threads.lower_os_priority(19)
+    assert calls == [] and "only on Linux" in caplog.text
 
 
 async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: Path) -> None:

@@ -331,7 +331,7 @@ def test_the_writer_s_driver_errors_are_sqlalchemy_s(pg_url: str) -> None:
         with engine.connect() as conn:
             pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
             with engine.connect() as other:
-                other.exec_driver_sql(f"SELECT pg_terminate_backend({pid})")
+                other.exec_driver_sql(f"SELECT pg_terminate_backend({pid}, 10000)")  # returns once it has exited
             with pytest.raises(OperationalError) as lost:
                 records._driver_execute(conn, "SELECT 1", {})
             assert lost.value.connection_invalidated and conn.invalidated
