@@ -751,6 +751,12 @@ class StreamRelay:
             self.head = {k: chunk.get(k) for k in ("id", "object", "created", "model")}
             for out in chunk.get("choices") or ():
                 out["token_ids"] = choice.get("token_ids")
+                # vLLM's chat path opens every stream with the role and an empty content; derender sends the role
+                # with the first text, or with none when the first token ended the turn, where the SDKs would then
+                # assemble a message whose content is None instead of chat mode's "".
+                delta = out.get("delta")
+                if isinstance(delta, dict) and "role" in delta and delta.get("content") is None:
+                    delta["content"] = ""
                 # Streaming derender says `tool_calls` once a call was streamed, whatever ended the generation; vLLM's
                 # chat path only when it stopped, so a call cut by max_tokens ends with `length` there.
                 if out.get("finish_reason") == "tool_calls" and choice.get("finish_reason") not in (None, "stop"):

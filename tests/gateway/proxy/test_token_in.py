@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from gateway.http.errors import UpstreamFailure
 from gateway.http.metrics import GatewayMetrics
@@ -490,9 +491,14 @@ def test_a_reply_that_ends_at_once_answers_as_chat_mode(
     reference = EMPTY["chat_reference"][1 if logprobs else 0]["choices"][0]
     if stream:
         chunks = list(answer)
-        texts = [c.choices[0].delta.content for c in chunks if c.choices]
+        # The message the SDK assembles, as an agent reads it: chat mode's stream opens with the role and content "".
+        state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+        for chunk in chunks:
+            state.handle_chunk(chunk)
+        [assembled] = state.get_final_completion().choices
+        assert assembled.message.content == reference["message"]["content"] == ""
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-        assert not "".join(t or "" for t in texts) and finish == [reference["finish_reason"]]
+        assert finish == [reference["finish_reason"]]
         entries = [e.model_dump() for c in chunks if c.choices and c.choices[0].logprobs
                    for e in c.choices[0].logprobs.content or ()]
     else:
