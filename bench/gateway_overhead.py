@@ -282,7 +282,7 @@ def writer_state(base: str, text: str | None = None) -> dict[str, float]:
     text = metrics_text(base) if text is None else text
     names = {"trajgate_writer_queue_depth": "queue", "trajgate_records_logged_total": "logged",
              "trajgate_records_written_total": "written", "trajgate_records_spooled_total": "spooled",
-             "trajgate_records_replayed_total": "replayed"}
+             "trajgate_records_replayed_total": "replayed", "trajgate_writer_relief_turns_total": "relief"}
     return {key: float(m[1]) for name, key in names.items()
             if (m := re.search(rf"^{name} ([0-9.e+]+)$", text, re.M))}
 
@@ -747,9 +747,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--writer-cpu", type=int, metavar="N",
                         help="with --writer-process: pin the writer process to CPU N (default: the gateway's CPU, "
                              "which it inherits); the upstream's CPU is the spare core of this layout")
-    parser.add_argument("--writer-nice", type=int, default=0, metavar="N",
+    parser.add_argument("--writer-nice", type=int, default=None, metavar="N",
                         help="run the gateway with TRAJGATE_WRITER_NICE=N: its writer thread (and process) N lower in "
-                             "OS priority than the event loop")
+                             "OS priority than the event loop (default: the gateway's, 19, with its relief thread; 0: "
+                             "one writer thread at the event loop's priority)")
     parser.add_argument("--upstream-suffix", default="/v1",
                         help="appended to the fake upstream's address for TRAJGATE_UPSTREAM_URL (default /v1)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
@@ -844,7 +845,7 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
     )
     if args.writer_process:
         env["TRAJGATE_WRITER_PROCESS"] = "true"
-    if args.writer_nice:
+    if args.writer_nice is not None:
         env["TRAJGATE_WRITER_NICE"] = str(args.writer_nice)
     trajgate = Path(sys.executable).parent / "trajgate"
     command = [str(trajgate)] if trajgate.exists() else [sys.executable, "-m", "gateway.cli"]
@@ -859,7 +860,7 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
         return 1
     print(f"trajgate serve up in {time.monotonic() - t0:.1f}s (pid {gateway.pid}, CPU {GATEWAY_CPU}); "
           f"client on CPU {GATEWAY_CPU}; upstream and postgres on CPU {UPSTREAM_CPU}"
-          + (f"; writer nice {args.writer_nice}" if args.writer_nice else ""), flush=True)
+          + (f"; writer nice {args.writer_nice}" if args.writer_nice is not None else ""), flush=True)
     if args.writer_process:
         deadline = time.monotonic() + 20
         while not (children := _writer_processes(gateway.pid)) and time.monotonic() < deadline:
@@ -1034,8 +1035,11 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
     for window in ("c64", "s64"):
         before, after = writer_at[f"before {window}"], writer_at[f"after {window}"]
         spilled = after.get("spooled", 0) - before.get("spooled", 0)
+        relief = after.get("relief", 0) - before.get("relief", 0)
         kept_up.append(f"{window}: queue {after.get('queue', 0):,.0f} at the end, {spilled:,.0f} spilled, "
-                       f"caught up {catch_up_s[window]:.1f} s later" + ("  <- records spilled" if spilled else ""))
+                       f"caught up {catch_up_s[window]:.1f} s later"
+                       + (f", {relief:,.0f} relief turns" if relief else "")
+                       + ("  <- records spilled" if spilled else ""))
     print(f"writer during the gateway's c={args.connections}/s={args.connections} windows: " + "; ".join(kept_up))
     print()
     match = rows == served and gateway_ok <= rows <= gateway_ok + gateway_in_flight

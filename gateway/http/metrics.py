@@ -88,6 +88,11 @@ class _WriterCollector(Collector):
         yield CounterMetricFamily(
             "trajgate_spool_errors", "Appends to the spool that failed (EMFILE, a full disk)", stats["spool_errors"]
         )
+        yield CounterMetricFamily(
+            "trajgate_writer_relief_turns",
+            "Times a backlog had the writer's loop taken over by its normal-priority thread (TRAJGATE_WRITER_NICE > 0)",
+            stats["relief_turns"],
+        )
 
 
 class _ReplicaCollector(Collector):

@@ -1,6 +1,6 @@
 """The gateway's threads carry their names into the OS, so `top -H`, `ps -L` and the benchmark's per-thread CPU
 figures say which of them (writer, fsync, database pool) uses the time; Python 3.11 keeps names to itself. The writer
-thread may also lower its own OS priority."""
+thread may also lower its own OS priority, and then shares its loop with a thread that did not (`Baton`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger("trajgate.threads")
 
@@ -42,3 +44,52 @@ def lower_os_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
     except OSError as exc:
         log.warning("cannot lower the priority of %s: %s", threading.current_thread().name, exc)
+
+
+class Baton:
+    """Two threads taking turns at one loop, one turn at a time, so the loop keeps its order and its state as if one
+    thread ran it: a thread of low OS priority runs it (`turn`) until the other, of normal priority, `claim`s it for as
+    long as it needs; while the claim stands the first starts no turn. A thread cannot raise its priority again once
+    lowered (unprivileged), so the loop moves between threads instead."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held = False
+        self._claimed = False
+
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """One turn, once no turn is running and no claim stands."""
+        with self._cond:
+            while self._held or self._claimed:
+                self._cond.wait()
+            self._held = True
+        try:
+            yield
+        finally:
+            self._release(claimed=False)
+
+    @contextmanager
+    def claim(self) -> Iterator[None]:
+        """Hold the loop from the end of the running turn until the block ends."""
+        with self._cond:
+            self._claimed = True
+            while self._held:
+                self._cond.wait()
+            self._held = True
+        try:
+            yield
+        finally:
+            self._release(claimed=True)
+
+    @property
+    def claimed(self) -> bool:
+        """Whether the claiming thread holds the loop or waits for it."""
+        return self._claimed
+
+    def _release(self, claimed: bool) -> None:
+        with self._cond:
+            self._held = False
+            if claimed:
+                self._claimed = False
+            self._cond.notify_all()

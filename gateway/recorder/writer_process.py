@@ -5,7 +5,8 @@ the writer's batches are the whole of its latency tail (p99 1.0 ms with their da
 with it). Where the machine has a core to spare, a process of its own takes that work off the event loop's GIL and
 core. On one core shared with the event loop (the benchmark's layout) it cannot help: at the same priority it
 takes the core as the thread did, and at a lower one (`TRAJGATE_WRITER_NICE`) records reach the database later
-under load (bench/README.md has the figures). So it is off by default.
+under load, with no relief thread to take over as the writer thread has (bench/README.md has the figures). So it is
+off by default.
 
 The writer thread keeps everything else (the queue, batching, the write-ahead log, retries and replay): for each
 batch it sends the records' spool lines down a pipe and waits, without the GIL, for the answer: stored, the

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -98,9 +99,90 @@ def test_writer_nice_lowers_the_writer_thread_alone(engine: Engine, spool_dir: P
         assert writer._thread is not None and writer._thread.native_id is not None
         assert os.getpriority(os.PRIO_PROCESS, writer._thread.native_id) == min(19, base + 7)
         assert os.getpriority(os.PRIO_PROCESS, 0) == base  # this thread, the event loop's in the gateway
+        assert writer._relief is not None and writer._relief.native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, writer._relief.native_id) == base  # the relief keeps the process's
         assert sorted(_ids(engine)) == sorted(r.id for r in records)
+        assert writer.counters.relief_turns == 0  # 20 records are no backlog
     finally:
         writer.close()
+    assert not writer._relief.is_alive()  # close wakes it to stop
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a lowered writer and its relief exist only on Linux")
+def test_a_backlog_hands_the_lowered_writer_s_loop_to_its_relief(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the lowered writer crawls through a batch (held here in its first write, as on a core that gives it no
+    share), records past a quarter of the queue have the relief claim the loop; it writes from the end of that batch
+    until less than a batch waits, and every record lands once."""
+    writer = RecordWriter(engine, spool_dir, nice=19, queue_size=40, batch_size=4, **FAST)
+    in_batch, go_on = threading.Event(), threading.Event()
+    write = writer._write
+
+    def slow_first(records: Sequence[CallRecord], lines: Sequence[bytes | None]) -> bool:
+        if not in_batch.is_set():
+            in_batch.set()
+            go_on.wait(10)
+        return write(records, lines)
+
+    monkeypatch.setattr(writer, "_write", slow_first)
+    writer.start()
+    records = _records(30)
+    try:
+        writer.submit(records[0])
+        assert in_batch.wait(10)
+        for record in records[1:]:
+            writer.submit(record)
+        wait_until(lambda: writer._baton.claimed, 10, "the relief claiming the loop")
+        assert writer.stats().queue_depth == 29 and writer.counters.records_written == 0
+        go_on.set()
+        assert writer.flush(20)
+        assert writer.counters.relief_turns == 1 and writer.counters.records_spooled == 0
+        assert writer.counters.records_written == 30 and sorted(_ids(engine)) == sorted(r.id for r in records)
+    finally:
+        go_on.set()
+        writer.close()
+
+
+def test_the_baton_runs_one_turn_at_a_time_and_a_claim_goes_first() -> None:
+    """A claim waits for the turn in progress, and no turn starts while a claim stands: the loop never runs on two
+    threads at once."""
+    baton = threads.Baton()
+    inside: list[str] = []
+    leave_turn, leave_claim = threading.Event(), threading.Event()
+
+    def turn(name: str, leave: threading.Event) -> None:
+        with baton.turn():
+            inside.append(name)
+            leave.wait(10)
+            inside.remove(name)
+
+    def claim() -> None:
+        with baton.claim():
+            inside.append("claim")
+            assert inside == ["claim"]
+            leave_claim.wait(10)
+            inside.remove("claim")
+
+    first = threading.Thread(target=turn, args=("first", leave_turn))
+    first.start()
+    wait_until(lambda: inside == ["first"], 10, "the first turn")
+    claiming = threading.Thread(target=claim)
+    claiming.start()
+    wait_until(lambda: baton.claimed, 10, "the claim")
+    no_wait = threading.Event()
+    no_wait.set()
+    second = threading.Thread(target=turn, args=("second", no_wait))
+    second.start()
+    assert inside == ["first"]
+    leave_turn.set()
+    wait_until(lambda: inside == ["claim"], 10, "the claim once the first turn ended")
+    assert second.is_alive() and inside == ["claim"]  # no turn while the claim stands
+    leave_claim.set()
+    claiming.join(10)
+    second.join(10)
+    first.join(10)
+    assert not baton.claimed and inside == [] and not second.is_alive()
 
 
 def test_off_linux_the_writer_keeps_its_priority_and_says_so(
