@@ -8,10 +8,10 @@ and batches the database cannot take while it is away, are dropped from memory (
 later by replaying the spool, as is whatever a killed process left. Every write is an idempotent upsert (see
 gateway.store.records), which is what makes replaying a record that was already stored harmless. With
 TRAJGATE_WRITER_PROCESS the thread hands each batch's database work to a process of its own
-(gateway.recorder.writer_process) and waits without the GIL; everything else stays here. With TRAJGATE_WRITER_NICE the
-thread runs at a lower OS priority, and a second thread of normal priority takes its loop over while a backlog builds
-(`_relieve`). Records that can never be
-written (the database rejects their data) go to `rejected/` in the spool directory for an operator to inspect.
+(gateway.recorder.writer_process) and waits without the GIL; everything else stays here. With TRAJGATE_WRITER_NICE
+the thread runs at a lower OS priority, and a second thread of normal priority takes its loop over while records pile
+up (`_relieve`). Records that can never be written (the database rejects their data) go to `rejected/` in the spool
+directory for an operator to inspect.
 
 What the writer has done is counted in one `WriterCounters`, which `stats` hands out as a snapshot with where it
 stands (queue depth, spool bytes, database up): /metrics reads that, nothing copies the fields one by one.
@@ -130,14 +130,14 @@ class RecordWriter:
         # loop's core the scheduler (Linux's EEVDF) does not always let the loop, woken by a call's bytes, take the
         # core from a writer thread of equal priority that is writing a batch: at c=1 and s=1 that was most of the
         # milliseconds the slowest 1 % of calls lost (bench/README.md). At 19 the loop always goes first, and a
-        # writer on a saturated core gets little of it: records then spill to the log and reach the database late.
+        # writer on a saturated core gets little of it: the relief thread writes then.
         self._nice = nice
         # The batch loop runs on one thread at a time (`Baton`): the writer thread, and with `nice` its relief, which
         # keeps the process's priority and takes the loop over while records pile up (`_relieve`): at nice 19 the
         # writer gets little of a saturated core, and the database would fall ever further behind the answers.
         self._baton = Baton()
         self._relief: threading.Thread | None = None
-        self._backlog = threading.Event()  # set by `submit` when the queue passes `_relieve_at` or spills
+        self._backlog = threading.Event()  # set by `submit` when records pile up, and by `close`
         # How the writer thread shares the event loop's core: it pauses for up to `pause_s` after each `slice_s` of
         # writing a batch from the queue (gateway.store.courtesy, `_pause`); a slice of 0 never pauses.
         self._slice_s = slice_s
@@ -400,20 +400,23 @@ class RecordWriter:
 
     def _relieve(self) -> None:
         """The relief of a writer thread running at a lower OS priority: it keeps the process's priority, sleeps until
-        `submit` sees a backlog (`_relieve_at` records or a quarter of the queue's bytes queued, the queue full, or
-        two batches queued with many calls in flight), then takes the loop over from the end of the writer's batch
-        until less than a batch waits, nothing has spilled and few calls are in flight, and hands it back. At nice 19 the writer took an event loop's c=1 added p99 from +2.2 to +1.0 ms, and
-        on a saturated core got 9 µs a request against the 57 it needs (bench/README.md): the relief writes then."""
+        `submit` sees records pile up (`_relieve_at` records or a quarter of the queue's bytes queued, the queue full,
+        or two batches queued with many calls in flight), then takes the loop over from the end of the writer's batch
+        until less than a batch waits, nothing has spilled and few calls are in flight, and hands it back; on `close`
+        it drains the queue. At nice 19 the writer took c=1's added p99 from +2.3 to +0.9 ms, and on a saturated core
+        got 9 µs a request against the 57 it needs (bench/README.md): the relief writes then."""
         name_os_thread()
-        while not self._stopping.is_set():
+        while True:
             self._backlog.wait()
+            with self._baton.claim():
+                if not self._stopping.is_set():
+                    self._count(WriterCounters(relief_turns=1))
+                while self._stopping.is_set() or self._behind_still():
+                    if not self._step():  # stopping, and the queue is empty
+                        break
+                self._backlog.clear()
             if self._stopping.is_set():
                 return
-            with self._baton.claim():
-                self._count(WriterCounters(relief_turns=1))
-                while not self._stopping.is_set() and self._behind_still():
-                    self._step()
-                self._backlog.clear()
 
     def _behind_still(self) -> bool:
         """Whether the relief keeps the loop: a batch or more waits, records spilled, or many calls are in flight."""

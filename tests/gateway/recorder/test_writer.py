@@ -144,6 +144,46 @@ def test_a_backlog_hands_the_lowered_writer_s_loop_to_its_relief(
         writer.close()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="a lowered writer and its relief exist only on Linux")
+def test_closing_a_lowered_writer_drains_its_queue_on_the_relief(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On close (a gateway shutting down) the relief drains what is queued at the process's priority, after the
+    batch the lowered writer is in: a shutdown does not wait on a thread a busy core gives no share."""
+    writer = RecordWriter(engine, spool_dir, nice=19, queue_size=40, batch_size=4, **FAST)
+    in_batch, go_on = threading.Event(), threading.Event()
+    writers: list[str] = []
+    write = writer._write
+
+    def slow_first(records: Sequence[CallRecord], lines: Sequence[bytes | None]) -> bool:
+        writers.append(threading.current_thread().name)
+        if not in_batch.is_set():
+            in_batch.set()
+            go_on.wait(10)
+        return write(records, lines)
+
+    monkeypatch.setattr(writer, "_write", slow_first)
+    writer.start()
+    records = _records(9)  # fewer than `_relieve_at`: no backlog
+    try:
+        writer.submit(records[0])
+        assert in_batch.wait(10)
+        for record in records[1:]:
+            writer.submit(record)
+        closing = threading.Thread(target=writer.close)
+        closing.start()
+        wait_until(lambda: writer._baton.claimed, 10, "the relief claiming the loop to drain it")
+        go_on.set()
+        closing.join(30)
+        assert not closing.is_alive()
+    finally:
+        go_on.set()
+        writer.close()
+    assert writers[0] == "trajgate-writer" and set(writers[1:]) == {"trajgate-relief"}
+    assert writer.counters.relief_turns == 0 and writer.counters.records_written == 9
+    assert sorted(_ids(engine)) == sorted(r.id for r in records)
+
+
 def test_the_baton_runs_one_turn_at_a_time_and_a_claim_goes_first() -> None:
     """A claim waits for the turn in progress, and no turn starts while a claim stands: the loop never runs on two
     threads at once."""
