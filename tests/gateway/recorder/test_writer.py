@@ -108,6 +108,24 @@ def test_writer_nice_lowers_the_writer_thread_alone(engine: Engine, spool_dir: P
     assert not writer._relief.is_alive()  # close wakes it to stop
 
 
+class _HeldFirstWrite:
+    """The writer's first batch held in its write until `go_on` is set, as a core that gives a lowered writer no share
+    would hold it; `writers` names the thread of every write."""
+
+    def __init__(self, writer: RecordWriter, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.in_batch, self.go_on = threading.Event(), threading.Event()
+        self.writers: list[str] = []
+        self._write = writer._write
+        monkeypatch.setattr(writer, "_write", self.write)
+
+    def write(self, records: Sequence[CallRecord], lines: Sequence[bytes | None]) -> bool:
+        self.writers.append(threading.current_thread().name)
+        if not self.in_batch.is_set():
+            self.in_batch.set()
+            self.go_on.wait(10)
+        return self._write(records, lines)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="a lowered writer and its relief exist only on Linux")
 def test_a_backlog_hands_the_lowered_writer_s_loop_to_its_relief(
     engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
@@ -116,21 +134,13 @@ def test_a_backlog_hands_the_lowered_writer_s_loop_to_its_relief(
     share), records past a quarter of the queue have the relief claim the loop; it writes from the end of that batch
     until less than a batch waits, and every record lands once."""
     writer = RecordWriter(engine, spool_dir, nice=19, queue_size=40, batch_size=4, **FAST)
-    in_batch, go_on = threading.Event(), threading.Event()
-    write = writer._write
-
-    def slow_first(records: Sequence[CallRecord], lines: Sequence[bytes | None]) -> bool:
-        if not in_batch.is_set():
-            in_batch.set()
-            go_on.wait(10)
-        return write(records, lines)
-
-    monkeypatch.setattr(writer, "_write", slow_first)
+    held = _HeldFirstWrite(writer, monkeypatch)
     writer.start()
     records = _records(30)
+    go_on = held.go_on
     try:
         writer.submit(records[0])
-        assert in_batch.wait(10)
+        assert held.in_batch.wait(10)
         for record in records[1:]:
             writer.submit(record)
         wait_until(lambda: writer._baton.claimed, 10, "the relief claiming the loop")
@@ -138,6 +148,7 @@ def test_a_backlog_hands_the_lowered_writer_s_loop_to_its_relief(
         go_on.set()
         assert writer.flush(20)
         assert writer.counters.relief_turns == 1 and writer.counters.records_spooled == 0
+        assert held.writers[:2] == ["trajgate-writer", "trajgate-relief"]  # the relief wrote the next batch
         assert writer.counters.records_written == 30 and sorted(_ids(engine)) == sorted(r.id for r in records)
     finally:
         go_on.set()
@@ -151,23 +162,13 @@ def test_closing_a_lowered_writer_drains_its_queue_on_the_relief(
     """On close (a gateway shutting down) the relief drains what is queued at the process's priority, after the
     batch the lowered writer is in: a shutdown does not wait on a thread a busy core gives no share."""
     writer = RecordWriter(engine, spool_dir, nice=19, queue_size=40, batch_size=4, **FAST)
-    in_batch, go_on = threading.Event(), threading.Event()
-    writers: list[str] = []
-    write = writer._write
-
-    def slow_first(records: Sequence[CallRecord], lines: Sequence[bytes | None]) -> bool:
-        writers.append(threading.current_thread().name)
-        if not in_batch.is_set():
-            in_batch.set()
-            go_on.wait(10)
-        return write(records, lines)
-
-    monkeypatch.setattr(writer, "_write", slow_first)
+    held = _HeldFirstWrite(writer, monkeypatch)
     writer.start()
     records = _records(9)  # fewer than `_relieve_at`: no backlog
+    go_on, writers = held.go_on, held.writers
     try:
         writer.submit(records[0])
-        assert in_batch.wait(10)
+        assert held.in_batch.wait(10)
         for record in records[1:]:
             writer.submit(record)
         closing = threading.Thread(target=writer.close)
