@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 log = logging.getLogger("trajgate.threads")
 
@@ -57,39 +57,30 @@ class Baton:
         self._held = False
         self._claimed = False
 
-    @contextmanager
-    def turn(self) -> Iterator[None]:
+    def turn(self) -> AbstractContextManager[None]:
         """One turn, once no turn is running and no claim stands."""
-        with self._cond:
-            while self._held or self._claimed:
-                self._cond.wait()
-            self._held = True
-        try:
-            yield
-        finally:
-            self._release(claimed=False)
+        return self._hold(claim=False)
 
-    @contextmanager
-    def claim(self) -> Iterator[None]:
+    def claim(self) -> AbstractContextManager[None]:
         """Hold the loop from the end of the running turn until the block ends."""
-        with self._cond:
-            self._claimed = True
-            while self._held:
-                self._cond.wait()
-            self._held = True
-        try:
-            yield
-        finally:
-            self._release(claimed=True)
+        return self._hold(claim=True)
 
     @property
     def claimed(self) -> bool:
         """Whether the claiming thread holds the loop or waits for it."""
         return self._claimed
 
-    def _release(self, claimed: bool) -> None:
+    @contextmanager
+    def _hold(self, claim: bool) -> Iterator[None]:
         with self._cond:
-            self._held = False
-            if claimed:
-                self._claimed = False
-            self._cond.notify_all()
+            self._claimed = self._claimed or claim
+            while self._held or (self._claimed and not claim):
+                self._cond.wait()
+            self._held = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held = False
+                self._claimed = self._claimed and not claim
+                self._cond.notify_all()

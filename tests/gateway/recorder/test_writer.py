@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import Engine, select
 
 from gateway.recorder import threads
+from gateway.recorder import writer as writer_module
 from gateway.recorder.spool import Syncer
 from gateway.recorder.spool_lines import read_spool_line, spool_line
 from gateway.recorder.writer import RecordWriter
@@ -237,6 +238,26 @@ def test_off_linux_the_writer_keeps_its_priority_and_says_so(
     with caplog.at_level(logging.WARNING, logger="trajgate.threads"):
         threads.lower_os_priority(19)
     assert calls == [] and "only on Linux" in caplog.text
+
+
+def test_off_linux_a_lowered_writer_has_no_relief(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the writer thread cannot lower its priority, a relief would be a second writer for nothing: none starts,
+    and the one writer thread still writes."""
+    monkeypatch.setattr(writer_module.sys, "platform", "darwin")
+    monkeypatch.setattr(threads.os, "setpriority", lambda *args: pytest.fail("reniced off Linux"))
+    writer = RecordWriter(engine, spool_dir, nice=19, **FAST)
+    writer.start()
+    try:
+        records = _records(5)
+        for record in records:
+            writer.submit(record)
+        assert writer.flush(20)
+        assert writer._relief is None and "trajgate-relief" not in {t.name for t in threading.enumerate()}
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    finally:
+        writer.close()
 
 
 async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: Path) -> None:
