@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -63,6 +64,7 @@ def build_state(settings: Settings) -> GatewayState:
         nice=settings.writer_nice,
         # (read by the writer thread once started, after `proxy` below exists)
         calls_in_flight=lambda: sum(replica.in_flight for replica in proxy.replicas.all),
+        quiet_for=lambda: time.monotonic() - proxy.replicas.touched,
     )
     policy_router = PolicyRouter(settings.base_model)
     auth = Auth(settings.agent_keys, settings.admin_key)

@@ -152,8 +152,8 @@ class Settings(BaseSettings):
         ge=0,
         description="How long the writer thread runs before pausing for the event loop, in µs (0: it never pauses). "
         "It shares the event loop's core: a shorter slice delays calls less while a batch is written, and records "
-        "reach the database a little later. It pauses only while few calls are in flight, and for less the more "
-        "records wait behind the batch (gateway/store/courtesy.py).",
+        "reach the database a little later. It pauses only while few calls are in flight, not once the gateway has "
+        "been quiet for 0.1 s, and for less the more records wait behind the batch (gateway/store/courtesy.py).",
     )
     writer_pause_us: int = Field(
         200,

@@ -8,10 +8,11 @@ does not help, because the writer takes the GIL back at each of the event loop's
 its work passes (`give_way`), and the event loop takes the core and the GIL in that gap.
 
 The pauses are not free (a sleep, the GIL handed back and forth), so the writer gives way only while few calls are in
-flight, and for less the more records are queued behind the batch it writes, down to a moment: asleep at all, it hands
-the GIL over (gateway.recorder.writer.RecordWriter._pause). Both change within one batch, so the pause is asked at the
-end of each slice. A writer that stopped pausing once behind kept the GIL for up to the interpreter's switch interval
-(5 ms) at each of the event loop's system calls, and at c=1 it was behind for good: the gateway's c=1 p99 was that.
+flight and the gateway is not quiet, and for less the more records are queued behind the batch it writes, down to a
+moment: asleep at all, it hands the GIL over (gateway.recorder.writer.RecordWriter._pause). Both change within one
+batch, so the pause is asked at the end of each slice. A writer that stopped pausing once behind kept the GIL for up to
+the interpreter's switch interval (5 ms) at each of the event loop's system calls, and at c=1 it was behind for good:
+the gateway's c=1 p99 was that.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 from sqlalchemy import Engine
 
 from gateway.recorder import writer as writer_module
-from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, MIN_PAUSE_S, RecordWriter
+from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, MIN_PAUSE_S, QUIET_S, RecordWriter
 from gateway.store import courtesy
 from gateway.store import records as records_module
 from gateway.store.call_record import CallRecord
@@ -205,5 +205,27 @@ def test_a_writer_gives_way_only_while_few_calls_are_in_flight(
         RecordWriter(engine, tmp_path / "spool", flush_interval_s=0.01, slice_s=0.5, calls_in_flight=lambda: in_flight),
         10,
     )
+    assert count_calls(engine) == 10
+    assert bool(clock.pauses) is pauses
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "quiet_for", "pauses"), [(0, QUIET_S, False), (0, QUIET_S / 2, True), (1, 10 * QUIET_S, True)]
+)
+def test_a_writer_does_not_give_way_to_a_quiet_gateway(
+    engine: Engine, clock: Clock, tmp_path: Path, in_flight: int, quiet_for: float, pauses: bool
+) -> None:
+    """No call in flight and none started or ended for QUIET_S: a writer catching up has nobody to give way to. A call
+    in flight, or one that just ended (an agent's next turn follows), still gets the pauses."""
+    clock.ticking = True
+    writer = RecordWriter(
+        engine,
+        tmp_path / "spool",
+        flush_interval_s=0.01,
+        slice_s=0.5,
+        calls_in_flight=lambda: in_flight,
+        quiet_for=lambda: quiet_for,
+    )
+    write_through(writer, 10)
     assert count_calls(engine) == 10
     assert bool(clock.pauses) is pauses

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ from gateway.runs.settings import load_settings
 from gateway.store import db
 from gateway.store.runs import upsert_run
 from gateway.store.training import acquire_run_lease, commit_step, loaded_versions
+from gateway.upstream import replicas as replicas_module
 from gateway.upstream.replicas import Replicas
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.fake_vllm_admin import FakeAdmin
@@ -107,6 +109,23 @@ def test_new_trajectories_go_to_the_least_loaded_replica(fakes: list[FakeUpstrea
     busy.release()  # releasing twice counts once
     assert (a.in_flight, b.in_flight) == (0, 1)
     assert replicas.pick("t4", "smollm2") is a
+
+
+def test_a_lease_and_its_release_mark_when_the_gateway_was_last_busy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record writer reads `touched` to tell a quiet gateway (nothing in flight for a while) from one between two
+    calls; a second release of the same lease is no activity."""
+    now = [5.0]
+    monkeypatch.setattr(replicas_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    replicas = Replicas(["http://127.0.0.1:9/v1"])
+    assert replicas.touched == 0.0
+    lease = replicas.lease("t1", None)
+    assert replicas.touched == 5.0
+    now[0] = 7.5
+    lease.release()
+    assert replicas.touched == 7.5
+    now[0] = 9.0
+    lease.release()
+    assert replicas.touched == 7.5
 
 
 def test_sticky_map_is_bounded(fakes: list[FakeUpstream]) -> None:
