@@ -4,6 +4,8 @@ The writer shares a core and the GIL with the event loop, so its CPU per record 
 SQLAlchemy, psycopg and the lineage work, not the server's) costs gateway throughput directly. Shapes:
   * single: every record its own trajectory and group (bench/gateway_overhead.py's traffic: no attribution, so each
     call gets a generated trajectory), a short chat prompt and a 16-token answer;
+  * gateway: as single, with bench/gateway_overhead.py's own call as the gateway records it (its 4-message request,
+    the recorded answer as stored);
   * few: trajectories of 3 calls, one turn of each per batch, so every later turn finds its predecessor stored;
   * multi: 24-turn agent trajectories (a growing chat history), one turn of each per batch.
 
@@ -24,10 +26,13 @@ The wrappers add a little time of their own, counted in the phase they wrap.
 `--stretches` measures the writer's CPU between two of its yield points (`give_way`, where it pauses for the event loop
 at low concurrency, gateway.store.courtesy): the longest a call can wait for the GIL behind a batch being written.
 
-`--spill N Q` measures the writer's catch-up after an overload instead: N `single` records submitted to a
-RecordWriter (the real one: spool, queue, replay) whose queue holds Q and which is not yet running, so N − Q spill to
-the write-ahead log; then it starts and the script waits until all are stored: wall time, the process's CPU, and how
-many records `write_calls` was given (N when only the spilled records are replayed from the log).
+`--spill N Q` measures the writer's catch-up after an overload instead: N records of the first of `--shapes`
+submitted to a RecordWriter (the real one: spool, queue, replay; the gateway's default priority, slices and pauses)
+whose queue holds Q and which is not yet running, so N − Q spill to the write-ahead
+log; then it starts and the script waits until all are stored: wall time, the process's CPU, and how many records
+`write_calls` was given (N when only the spilled records are replayed from the log). Twice per `--repeat`, one after
+the other: with the gateway between calls (none in flight, the last just ended: the writer gives way at each slice) and
+quiet (none for a while, as after a burst: it does not, RecordWriter._pause).
 
 `--turns L ...` measures how the work per record grows with a trajectory's length: agents of L turns (the `multi`
 shape's growing history, 40 new prompt ids and 16 completion ids a turn on a 200-id system prompt), each sample over
@@ -43,13 +48,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import functools
+import math
 import random
 import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script from anywhere, like the other benchmarks
@@ -123,6 +132,33 @@ def single(batch: int, count: int) -> Iterator[list[CallRecord]]:
         yield out
 
 
+def gateway_call(batch: int, count: int) -> Iterator[list[CallRecord]]:
+    """bench/gateway_overhead.py's call as the gateway records it: the same client request (a 4-message chat), the
+    recorded answer as stored (slim, its ids and logprobs in their own columns), each call its own trajectory."""
+    from bench.fast_upstream import FIXTURES, load_fixtures, pick_chat_fixture
+    from bench.gateway_overhead import client_bodies
+    from gateway.proxy.capture import choices_from_response, slim_response
+
+    fixtures = load_fixtures(FIXTURES)
+    recorded = fixtures[pick_chat_fixture(fixtures, 16)]["response"]
+    request = orjson.loads(client_bodies(fixtures)[1])
+    choice = choices_from_response(recorded, "chat")[0]
+    completion, logprobs = (choice.completion_token_ids or [])[:16], (choice.logprobs or [])[:16]
+    usage = {"prompt_tokens": len(choice.prompt_token_ids or ()), "completion_tokens": len(completion)}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    rng = random.Random(2)
+    for _ in range(count):
+        out = []
+        for _ in range(batch):
+            trajectory = f"gen-{uuid.uuid4().hex}"
+            record = _record(rng, trajectory, trajectory, 0, request["messages"], list(choice.prompt_token_ids or ()))
+            out.append(replace(
+                record, request=orjson.loads(orjson.dumps(request)), response=slim_response(recorded),
+                completion_token_ids=list(completion), completion_logprobs=list(logprobs), usage=dict(usage),
+            ))
+        yield out
+
+
 def _turns(turns: int) -> Batches:
     def batches(batch: int, count: int) -> Iterator[list[CallRecord]]:
         rng = random.Random(1)
@@ -148,7 +184,7 @@ def _turns(turns: int) -> Batches:
     return batches
 
 
-SHAPES: dict[str, Batches] = {"single": single, "few": _turns(3), "multi": _turns(24)}
+SHAPES: dict[str, Batches] = {"single": single, "gateway": gateway_call, "few": _turns(3), "multi": _turns(24)}
 
 
 # The phases of `write_calls` (--phases): what of gateway.store.records each is timed by. The insert is the rest.
@@ -294,13 +330,16 @@ def stretches(engine: Engine, cache: LineageCache | None, shape: str, batch: int
         print(f"    {start} -> {end}: p50 {us(found, 0.5):.0f} us, max {found[-1] * 1e6:.0f} us", flush=True)
 
 
-def spill(engine: Engine, total: int, queue_size: int) -> None:
-    """The catch-up of a writer that fell `total - queue_size` records behind (see the module docstring)."""
+def spill(engine: Engine, shape: str, total: int, queue_size: int, quiet: bool) -> None:
+    """The catch-up of a writer that fell `total - queue_size` records behind (see the module docstring), with the
+    gateway's default writer settings (its priority, slices and pauses)."""
     import tempfile
 
     from gateway.recorder import writer as writer_module
+    from gateway.runs.settings import Settings
 
-    records = [record for batch in single(total, 1) for record in batch]
+    defaults = Settings()
+    records = [record for batch in SHAPES[shape](total, 1) for record in batch]
     written = [0]
 
     def counting(engine: Engine, batch: list[CallRecord], cache: LineageCache | None = None) -> None:
@@ -310,7 +349,11 @@ def spill(engine: Engine, total: int, queue_size: int) -> None:
     writer_module.write_calls = counting  # type: ignore[assignment]
     try:
         with tempfile.TemporaryDirectory() as spool:
-            writer = writer_module.RecordWriter(engine, Path(spool), queue_size=queue_size)
+            writer = writer_module.RecordWriter(
+                engine, Path(spool), queue_size=queue_size, slice_s=defaults.writer_slice_us / 1e6,
+                pause_s=defaults.writer_pause_us / 1e6, nice=defaults.writer_nice,
+                quiet_for=lambda: math.inf if quiet else 0.0,
+            )
             for record in records:
                 writer.submit(record)
             started, cpu = time.monotonic(), time.process_time()
@@ -320,9 +363,11 @@ def spill(engine: Engine, total: int, queue_size: int) -> None:
             writer.close()
     finally:
         writer_module.write_calls = write_calls
-    print(f"{engine.dialect.name} spill: {total:,} records, queue {queue_size:,} ({writer.counters.records_spooled:,} "
-          f"spilled): stored {'all' if stored else 'NOT all'} in {wall:.2f} s, {cpu:.2f} s CPU; write_calls given "
-          f"{written[0]:,} records, {writer.counters.records_replayed:,} replayed from the log", flush=True)
+    state = "quiet" if quiet else "between calls"
+    print(f"{engine.dialect.name} {shape} spill, gateway {state}: {total:,} records, queue {queue_size:,} "
+          f"({writer.counters.records_spooled:,} spilled): stored {'all' if stored else 'NOT all'} in {wall:.2f} s, "
+          f"{cpu:.2f} s CPU; write_calls given {written[0]:,} records, {writer.counters.records_replayed:,} replayed "
+          "from the log", flush=True)
 
 
 def scaling(engine: Engine, turns: list[int], batches: list[int], repeat: int, cold: bool) -> None:
@@ -353,7 +398,9 @@ def run(url: str, args: argparse.Namespace) -> None:
         return
     if args.spill:
         try:
-            spill(engine, *args.spill)
+            for _ in range(args.repeat):  # alternately, so the machine's drift hits both alike
+                for quiet in (False, True):
+                    spill(engine, args.shapes[0], *args.spill, quiet)
         finally:
             engine.dispose()
         return

@@ -836,18 +836,38 @@ def _lineages(
     by_trajectory: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
     for record in calls:
         by_trajectory[record.trajectory_id].append(record)
+    kept: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
+    lineages: dict[str, list[Lineage]] = {}
+    firsts: dict[_Seq, tuple[int, int]] = {}
+    # A trajectory's first call alone in the batch (an unattributed call is a trajectory of its own; every other
+    # trajectory starts so) has nothing to settle, compare with, place among or re-place: none of that machinery,
+    # which was a third of the writer's CPU a record for such calls (bench/writer_cpu.py --shapes gateway).
+    first_calls = [t for t in trajectory_ids if not stored[t] and len(by_trajectory[t]) == 1]
+    general = [t for t in trajectory_ids if stored[t] or len(by_trajectory[t]) != 1]
+    for trajectory_id in first_calls:
+        give_way()
+        record = by_trajectory[trajectory_id][0]
+        kept[trajectory_id].append(record)
+        firsts[(trajectory_id, record.seq)] = (record.seq, record.retry_count)
+        digests[record.id] = message_digests(record.request, key_order)
+        packed[record.id] = _packed(record)
+        lineage = classify(record.prompt_token_ids, None)
+        lineages[trajectory_id] = [
+            _in_tree(lineage, record, packed[record.id], [], None, digests[record.id], None, _no_call)
+        ]
+
     settlements: dict[str, Settlement] = {}
-    for trajectory_id in trajectory_ids:
+    for trajectory_id in general:
         give_way()
         settlements[trajectory_id] = _settle(stored[trajectory_id], by_trajectory[trajectory_id], hashes)
     # The earliest attempt each kept record's row stands for (only theirs: a settlement covers every stored call).
-    firsts = {
-        (r.trajectory_id, r.seq): settlements[r.trajectory_id].first[r.seq]
-        for r in calls
-        if r.seq not in settlements[r.trajectory_id].dropped
-    }
-    kept: dict[str, list[CallRecord]] = {t: [] for t in trajectory_ids}
-    for record in calls:
+    firsts.update(
+        ((t, r.seq), settlements[t].first[r.seq])
+        for t in general
+        for r in by_trajectory[t]
+        if r.seq not in settlements[t].dropped
+    )
+    for record in (r for t in general for r in by_trajectory[t]):
         give_way()
         if record.seq in settlements[record.trajectory_id].dropped:
             continue
@@ -857,9 +877,9 @@ def _lineages(
             digests[record.id] = message_digests(record.request, key_order)
             packed[record.id] = _packed(record)
 
-    lineages: list[Lineage] = []
-    for trajectory_id in trajectory_ids:
+    for trajectory_id in general:
         give_way()
+        lineages[trajectory_id] = []
         records = kept[trajectory_id]
         removed = settlements[trajectory_id].removed
         rows = stored[trajectory_id]
@@ -915,7 +935,7 @@ def _lineages(
                     # Its ids are stored against its tree parent (_in_tree): its messages too, where that shares more
                     # (a supervisor resuming after its sub-agent: its agent's newest call, which the cache holds).
                     lineage = _with_messages(lineage, digests[record.id], view.predecessor_at(at, 0), longer=True)
-                lineages.append(lineage)
+                lineages[trajectory_id].append(lineage)
                 continue
             # A token_in call names the recorded choice its prompt was built on: classify against that one (a retry
             # or a parallel branch of a turn extends the turn before it, not its sibling at the previous seq). Its
@@ -927,7 +947,7 @@ def _lineages(
             lineage = _with_messages(lineage, digests[record.id], storage)
             named_choice = record.predecessor_choice or 0
             anchor = partial(view.same_agent_before, record.seq, digests[record.id])
-            lineages.append(
+            lineages[trajectory_id].append(
                 _in_tree(
                     lineage, record, packed[record.id], candidates, (own, named_choice), digests[record.id], storage,
                     anchor,
@@ -935,7 +955,12 @@ def _lineages(
             )
         _reparent_late(conn, trajectory_id, rows, records, candidates, replaced, view)
     ordered = [r for t in trajectory_ids for r in kept[t]]
-    return ordered, lineages, firsts
+    return ordered, [lineage for t in trajectory_ids for lineage in lineages[t]], firsts
+
+
+def _no_call() -> None:
+    """The earlier call of a trajectory's first call: there is none."""
+    return None
 
 
 class _TrajectoryView:

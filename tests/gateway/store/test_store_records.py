@@ -413,3 +413,40 @@ def test_unrelated_attempts_settle_as_the_full_matching_settles_them(monkeypatch
         full = records._settle(rows, batch, hashes)
         assert (quick.dropped, quick.removed, quick.first) == (full.dropped, full.removed, full.first)
     assert 300 < sum(taken) < len(taken)  # both ways were taken often enough to be compared
+
+
+@pytest.mark.parametrize("retry_count", [0, 2])
+def test_a_first_call_alone_in_its_batch_is_stored_as_with_its_next_call(engine: Engine, retry_count: int) -> None:
+    """A trajectory's first call alone in a batch skips settling and placing (there is nothing to settle it with or
+    place it among): its row, and then its next call's, are what the whole path writes for the two in one batch."""
+
+    def turns(trajectory_id: str) -> list[Any]:
+        first = make_record(trajectory_id, 0, seed=3, retry_count=retry_count, created_at=1_700_000_000.0)
+        second = make_record(
+            trajectory_id,
+            1,
+            seed=4,
+            created_at=1_700_000_001.0,
+            prompt_token_ids=[*first.prompt_token_ids, *first.completion_token_ids, 7, 8],
+            request={"model": "run-a", "messages": [*first.request["messages"], {"role": "user", "content": "more"}]},
+        )
+        return [first, second]
+
+    cache = records.LineageCache()
+    alone = turns("alone")
+    write_calls(engine, alone[:1], cache)
+    assert cache.get("alone", 0, alone[0].id) is not None  # the next turn finds it without reading it back
+    write_calls(engine, alone[1:], cache)
+    write_calls(engine, turns("together"), records.LineageCache())
+
+    def shown(row: dict) -> dict:
+        return {k: v for k, v in row.items() if k not in ("id", "trajectory_id", "request_hash")}
+
+    stored = _calls(engine, "alone")
+    assert [shown(row) for row in stored] == [shown(row) for row in _calls(engine, "together")]
+    assert (stored[0]["merge_reason"], stored[0]["first_retry_count"], stored[0]["tree_parent_seq"]) == (
+        "first_call",
+        retry_count,
+        None,
+    )
+    assert (stored[1]["tree_parent_seq"], stored[1]["parent_seq"], stored[1]["messages_prefix_len"]) == (0, 0, 1)
