@@ -466,8 +466,8 @@ class RecordWriter:
 
         Nor while the gateway is quiet (no call in flight, none started or ended for `QUIET_S`): a writer catching up
         after a burst then has nobody to give way to, and each pause cost it ~10 µs of CPU and ~50 µs of waiting a
-        slice: a catch-up took 20-27 % less CPU without them (bench/writer_cpu.py --spill). The first call after the quiet spell may
-        wait for the GIL up to the switch interval, once: it ends the spell."""
+        slice: a catch-up took 20-27 % less CPU without them (bench/writer_cpu.py --spill). The first call after the
+        quiet spell may wait for the GIL up to the switch interval, once: it ends the spell."""
         in_flight = self._calls_in_flight()
         if in_flight > FEW_CALLS_IN_FLIGHT or (in_flight == 0 and self._quiet_for() >= QUIET_S):
             return 0.0

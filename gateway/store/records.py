@@ -841,7 +841,7 @@ def _lineages(
     firsts: dict[_Seq, tuple[int, int]] = {}
     # A trajectory's first call alone in the batch (an unattributed call is a trajectory of its own; every other
     # trajectory starts so) has nothing to settle, compare with, place among or re-place: none of that machinery,
-    # which was a third of the writer's CPU a record for such calls (bench/writer_cpu.py --shapes gateway).
+    # 10-15 % of the writer's CPU a record for such calls (bench/writer_cpu.py --shapes gateway).
     first_calls = [t for t in trajectory_ids if not stored[t] and len(by_trajectory[t]) == 1]
     general = [t for t in trajectory_ids if stored[t] or len(by_trajectory[t]) != 1]
     for trajectory_id in first_calls:
