@@ -146,7 +146,7 @@ class RecordWriter:
         self._slice_s = slice_s
         self._pause_s = pause_s
         self._calls_in_flight = calls_in_flight
-        self._quiet_for = quiet_for  # seconds since a call last started or ended
+        self._quiet_for = quiet_for  # seconds since a call last ended (read with none in flight)
         self._process = process  # where batches are written; None: on the writer thread itself
         self._spool = Spool(Path(spool_dir), segment_bytes, sync_each=fsync_interval_s == 0, fsync=fsync)
         self._syncer = Syncer(self._sync, fsync_interval_s) if fsync_interval_s > 0 else None

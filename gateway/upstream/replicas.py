@@ -50,8 +50,9 @@ class Replicas:
         if not urls:
             raise ValueError("at least one upstream URL is needed")
         self.all = [Replica(url) for url in urls]
-        # When a call last took or gave back a replica (time.monotonic): with none in flight, how long the gateway
-        # has been quiet (the record writer stops giving way to an event loop that has had nothing to do).
+        # When a call last gave back a replica (time.monotonic). With none in flight every call that started has
+        # ended, so this tells how long the gateway has been quiet (the record writer stops giving way to an event
+        # loop that has had nothing to do); stamped on release only, once per call on the hot path.
         self.touched = 0.0
         self._sticky: OrderedDict[str, Replica] = OrderedDict()
         self._sticky_max = sticky_max
@@ -155,7 +156,6 @@ class Lease:
 
     def __post_init__(self) -> None:
         self.replica.in_flight += 1
-        self.replicas.touched = time.monotonic()
 
     async def post(self, pool: UpstreamPool, url_path: str, data: bytes, root: bool = False) -> UpstreamResponse:
         """POST to the leased replica (`root`: under vLLM's root rather than its /v1 base). A refused connection

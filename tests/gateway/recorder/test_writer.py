@@ -44,6 +44,15 @@ def _records(count: int) -> list[CallRecord]:
     return [make_record(f"t{i // 10}", i % 10, group_id=f"g{i // 40}") for i in range(count)]
 
 
+def _written(writer: RecordWriter, count: int) -> list[CallRecord]:
+    """`count` records submitted to the started `writer`, once it has stored them all."""
+    records = _records(count)
+    for record in records:
+        writer.submit(record)
+    assert writer.flush(20)
+    return records
+
+
 def _ids(engine: Engine) -> list[str]:
     with engine.connect() as conn:
         return list(conn.execute(select(Call.id)).scalars())
@@ -93,10 +102,7 @@ def test_writer_nice_lowers_the_writer_thread_alone(engine: Engine, spool_dir: P
     writer = RecordWriter(engine, spool_dir, nice=7, **FAST)
     writer.start()
     try:
-        records = _records(20)
-        for record in records:
-            writer.submit(record)
-        assert writer.flush(20)
+        records = _written(writer, 20)
         assert writer._thread is not None and writer._thread.native_id is not None
         assert os.getpriority(os.PRIO_PROCESS, writer._thread.native_id) == min(19, base + 7)
         assert os.getpriority(os.PRIO_PROCESS, 0) == base  # this thread, the event loop's in the gateway
@@ -250,10 +256,7 @@ def test_off_linux_a_lowered_writer_has_no_relief(
     writer = RecordWriter(engine, spool_dir, nice=19, **FAST)
     writer.start()
     try:
-        records = _records(5)
-        for record in records:
-            writer.submit(record)
-        assert writer.flush(20)
+        records = _written(writer, 5)
         assert writer._relief is None and "trajgate-relief" not in {t.name for t in threading.enumerate()}
         assert sorted(_ids(engine)) == sorted(r.id for r in records)
     finally:
