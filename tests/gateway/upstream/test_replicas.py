@@ -120,6 +120,7 @@ def test_a_release_marks_when_the_gateway_was_last_busy(monkeypatch: pytest.Monk
     replicas = Replicas(["http://127.0.0.1:9/v1"])
     assert replicas.touched == 0.0
     lease = replicas.lease("t1", None)
+    assert replicas.touched == 0.0  # a call in flight: the writer does not read it then
     now[0] = 7.5
     lease.release()
     assert replicas.touched == 7.5
