@@ -9,7 +9,7 @@ Each package may import its own modules and the layers BELOW it in its stack, ne
     pages                    gateway.ui                            the web UI (uses the runs API's checks and events)
     endpoints                gateway.api, gateway.edge             ordinary endpoints; Messages/Responses translators
     wiring, judge            gateway.http.deps, gateway.judge      the state object + request dependencies; the judge
-    model call               gateway.proxy                         receive -> attribute -> admit -> forward -> record
+    model call               gateway.proxy                         receive, attribute, admit, forward, relay, record
     recorder, upstream       gateway.recorder, gateway.upstream    spool/writer/peers; the vLLM client and replicas
     http plumbing            gateway.http                          errors, auth, limits, metrics, write coalescing
     store                    gateway.store                         the schema and every statement
