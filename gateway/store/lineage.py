@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gateway.store.arrays import decode_ids
 
@@ -68,9 +68,10 @@ REASONS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Predecessor:
-    """What a call is compared against: the predecessor's seq and full ids, and whether it answered a tool call."""
+class Predecessor(NamedTuple):
+    """What a call is compared against: the predecessor's seq and full ids, and whether it answered a tool call.
+
+    A NamedTuple, as `Lineage`: built for every record the writer handles."""
 
     seq: int
     prompt_ids: list[int] | None
@@ -86,9 +87,11 @@ class Predecessor:
         return self.prompt_ids + self.completion_ids
 
 
-@dataclass(frozen=True, slots=True)
-class Lineage:
-    """A call's merge diagnostics and how its prompt is stored: `prefix_len` ids from `parent_seq`, then the rest."""
+class Lineage(NamedTuple):
+    """A call's merge diagnostics and how its prompt is stored: `prefix_len` ids from `parent_seq`, then the rest.
+
+    A NamedTuple, not a frozen dataclass: the writer builds one or more for every record, and a frozen dataclass's
+    `__init__` (an `object.__setattr__` a field) cost ~2.6 µs against a NamedTuple's ~0.8."""
 
     reason: str
     divergence: int | None

@@ -38,7 +38,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from gateway.store.arrays import encode_ids
 from gateway.store.lineage import (
@@ -60,9 +60,9 @@ AnchorT = TypeVar("AnchorT")
 OWN_AGENT_REASONS = frozenset({COMPACTED, COMPLETION_RERENDERED, TEMPLATE_DROPPED_TOOL_CALL, RETRY})
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A recorded call as a possible parent: where it is and what its prompt + completion hash to."""
+class Candidate(NamedTuple):
+    """A recorded call as a possible parent: where it is and what its prompt + completion hash to (a NamedTuple, as
+    gateway.store.lineage.Lineage: one is built for every record the writer places)."""
 
     seq: int
     choice_index: int
