@@ -6,6 +6,7 @@ import math
 import random
 import struct
 
+import pytest
 from sqlalchemy import insert, select
 
 from gateway.store import db
@@ -31,6 +32,24 @@ def test_encoding_is_little_endian_and_compact() -> None:
     assert len(encode_ids(list(range(1000))) or b"") == 4000
     assert encode_ids(None) is None and decode_ids(None) is None
     assert decode_ids(encode_ids([])) == []
+
+
+def test_ids_are_packed_as_int32_whatever_holds_them_and_refused_as_the_spool_expects() -> None:
+    # The write-ahead log keeps a record whose ids cannot be packed as JSON and lets the store refuse it
+    # (gateway.recorder.spool_lines catches exactly TypeError and OverflowError), so those are the errors.
+    extremes = [-(2**31), 2**31 - 1, -1]
+    for ids, values in ((extremes, extremes), ([True, False], [1, 0]), (range(3), [0, 1, 2]), (iter([5, 6]), [5, 6])):
+        assert encode_ids(ids) == struct.pack(f"<{len(values)}i", *values)  # type: ignore[arg-type]
+    for too_big in ([2**31], [-(2**31) - 1], [1, 2**40]):
+        with pytest.raises(OverflowError):
+            encode_ids(too_big)
+    for not_ids in ([1.0], ["1"], [None], [[1]], 5):
+        with pytest.raises(TypeError):
+            encode_ids(not_ids)  # type: ignore[arg-type]
+    # A logprob past float32 packs as an infinity, as it always has; integers are numbers.
+    assert decode_logprobs(encode_logprobs([-1e39, 1e39, 0, -1])) == [-math.inf, math.inf, 0.0, -1.0]
+    with pytest.raises(TypeError):
+        encode_logprobs(["-1.0"])  # type: ignore[list-item]
 
 
 def test_roundtrip_in_memory() -> None:
