@@ -851,7 +851,7 @@ def _lineages(
         digests[record.id] = message_digests(record.request, key_order)
         packed[record.id] = _packed(record)
         # What classify and _in_tree give a call with nothing before it, built at once: a first call, a root, its own
-        # tree key (a NamedTuple and a few calls less: ~7 % of such a record's CPU).
+        # tree key (one NamedTuple and a few calls, where classify and _in_tree took 15 µs: ~8 % of its record).
         tokens = place(record.prompt_token_ids, record.completion_token_ids, (), packed=packed[record.id])[1]
         lineages[trajectory_id] = [Lineage(FIRST_CALL, None, None, 0, tokens=tokens)]
 
