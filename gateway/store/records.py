@@ -67,7 +67,7 @@ from gateway.store.messages import (
     shared_messages,
 )
 from gateway.store.models import Call, Group, Run, Trajectory, utcnow
-from gateway.store.tree import OWN_AGENT_REASONS, Candidate, find_parent, place, root_anchor, root_reason
+from gateway.store.tree import OWN_AGENT_REASONS, Candidate, find_parent, own_key, place, root_anchor, root_reason
 
 _runs = cast(Table, Run.__table__)
 _groups = cast(Table, Group.__table__)
@@ -852,7 +852,7 @@ def _lineages(
         packed[record.id] = _packed(record)
         # What classify and _in_tree give a call with nothing before it, built at once: a first call, a root, its own
         # tree key (one NamedTuple and a few calls, where classify and _in_tree took 15 µs: ~8 % of its record).
-        tokens = place(record.prompt_token_ids, record.completion_token_ids, (), packed=packed[record.id])[1]
+        tokens = own_key(record.prompt_token_ids, record.completion_token_ids, packed[record.id])
         lineages[trajectory_id] = [Lineage(FIRST_CALL, None, None, 0, tokens=tokens)]
 
     settlements: dict[str, Settlement] = {}

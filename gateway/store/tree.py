@@ -78,10 +78,14 @@ class LookupWork:
     digests: int = 0
 
 
-def own_key(prompt: Sequence[int] | None, completion: Sequence[int] | None) -> tuple[int, bytes] | None:
+def own_key(
+    prompt: Sequence[int] | None,
+    completion: Sequence[int] | None,
+    packed: tuple[bytes | None, bytes | None] | None = None,
+) -> tuple[int, bytes] | None:
     """(tokens_len, tokens_key) of a call: the count of its prompt + completion ids and a hash of their packed bytes
-    (as the ids columns hold them); None when it lacks ids (it can then be nobody's parent)."""
-    return place(prompt, completion, ())[1]
+    (as the ids columns hold them); None when it lacks ids (it can then be nobody's parent). `packed`: as `place`."""
+    return place(prompt, completion, (), packed=packed)[1]
 
 
 def find_parent(
