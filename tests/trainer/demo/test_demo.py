@@ -41,7 +41,7 @@ from trainer.demo.cpu_demo import (
     trainer_argv,
     vllm_server,
 )
-from trainer.demo.vllm_cpu import VllmServer, free_port
+from trainer.demo.vllm_cpu import VllmServer, free_port, serving_dtype
 
 
 def _load_agent():  # the example is a script, not part of the package
@@ -285,6 +285,24 @@ def test_vllm_and_the_trainer_get_disjoint_cores(monkeypatch: pytest.MonkeyPatch
     assert server.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert "VLLM_CPU_OMP_THREADS_BIND" not in VllmServer("/nowhere", "m").environment()  # vLLM's own binding
+
+
+def test_vllm_computes_in_float32_where_the_cpu_has_no_bf16(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRAJGATE_VLLM_DTYPE", raising=False)
+    cpuinfo = tmp_path / "cpuinfo"
+    head = "processor\t: 0\nvendor_id\t: AuthenticAMD\n"
+    cpuinfo.write_text(head + "flags\t\t: fpu sse2 avx avx2 fma f16c avx512f\nvmx flags\t: ept amx_bf16\n")
+    assert serving_dtype(cpuinfo) == "float32"  # AVX-512 without bf16; "vmx flags" are not the CPU's
+    cpuinfo.write_text(head + "flags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert serving_dtype(cpuinfo) == "bfloat16"
+    cpuinfo.write_text(head + "flags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+    assert serving_dtype(cpuinfo) == "bfloat16"
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd sve bf16\n")  # ARM
+    assert serving_dtype(cpuinfo) == "bfloat16"
+    assert serving_dtype(tmp_path / "absent") == "bfloat16"
+    monkeypatch.setenv("TRAJGATE_VLLM_DTYPE", "float32")
+    assert serving_dtype(tmp_path / "absent") == "float32"
+    assert "float32" in VllmServer("/nowhere", "m").command()
 
 
 def test_train_cpus_are_a_cpu_list_and_a_bad_one_is_one_line() -> None:
