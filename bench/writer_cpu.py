@@ -53,7 +53,7 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -67,8 +67,10 @@ if str(REPO) not in sys.path:  # run as a script from anywhere, like the other b
 from sqlalchemy import Engine  # noqa: E402
 
 from gateway.cli import tune_gc  # noqa: E402
+from gateway.recorder.spool_lines import packed_arrays  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store import records as store_records  # noqa: E402
+from gateway.store.arrays import PackedArrays  # noqa: E402
 from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.courtesy import give_way  # noqa: E402
 from gateway.store.records import LineageCache, write_calls  # noqa: E402
@@ -255,16 +257,18 @@ def measure(
     profile: cProfile.Profile | None,
 ) -> float:
     """CPU microseconds per record over `count` batches, after one warm-up batch. `shape`: a name in SHAPES or the
-    generator itself."""
+    generator itself. Each record's arrays come packed, as the writer gets them from its write-ahead log line (the
+    event loop packs them, outside this count)."""
     batches = list((SHAPES[shape] if isinstance(shape, str) else shape)(batch, count + 1))
     write_calls(engine, batches[0], cache)
     cpu = 0.0
     records = 0
     for records_batch in batches[1:]:
+        packed = [packed_arrays(record) for record in records_batch]
         if profile is not None:
             profile.enable()
         start = time.thread_time()
-        write_calls(engine, records_batch, cache)
+        write_calls(engine, records_batch, cache, packed)
         cpu += time.thread_time() - start
         if profile is not None:
             profile.disable()
@@ -342,8 +346,13 @@ def spill(engine: Engine, shape: str, total: int, queue_size: int, quiet: bool) 
     records = [record for batch in SHAPES[shape](total, 1) for record in batch]
     written = [0]
 
-    def counting(engine: Engine, batch: list[CallRecord], cache: LineageCache | None = None) -> None:
-        write_calls(engine, batch, cache)
+    def counting(
+        engine: Engine,
+        batch: list[CallRecord],
+        cache: LineageCache | None = None,
+        packed: Sequence[PackedArrays | None] | None = None,
+    ) -> None:
+        write_calls(engine, batch, cache, packed)
         written[0] += len(batch)
 
     writer_module.write_calls = counting  # type: ignore[assignment]

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from gateway.recorder.spool_lines import read_spool_line
+from gateway.recorder.spool_lines import read_spool_record
 from gateway.recorder.threads import name_os_thread
+from gateway.store.arrays import PackedArrays
 from gateway.store.call_record import CallRecord
 
 log = logging.getLogger("trajgate.writer")
@@ -42,8 +43,9 @@ log = logging.getLogger("trajgate.writer")
 # ones are let go and replayed whole, as a dead process's are, so a long outage cannot use up the descriptors.
 HELD_SPILLED = 64
 
-# Stores a batch of records (and their spool lines) in the database: True once stored, False if it is down.
-StoreBatch = Callable[[Sequence[CallRecord], Sequence[bytes | None]], bool]
+# Stores a batch of records (and their spool lines and packed arrays) in the database: True once stored, False if
+# it is down.
+StoreBatch = Callable[[Sequence[CallRecord], Sequence[bytes | None], Sequence[PackedArrays | None]], bool]
 
 _SEGMENT_PREFIX = "spool-"
 _SEGMENT_SUFFIX = ".jsonl"
@@ -452,19 +454,22 @@ def _store_lines(
     count = 0
     batch: list[CallRecord] = []
     kept: list[bytes | None] = []
+    packed: list[PackedArrays | None] = []
     for number, line in enumerate(lines, 1):
         try:
-            batch.append(read_spool_line(line))
-            kept.append(line)
+            record, arrays = read_spool_record(line)
         except (ValueError, TypeError) as exc:
             log.warning("skipping unreadable line %d of %s (torn write?): %s", number, source, exc)
             unreadable()
             continue
+        batch.append(record)
+        kept.append(line)
+        packed.append(arrays)
         if len(batch) == batch_size:
-            if not write(batch, kept):
+            if not write(batch, kept, packed):
                 return None
-            count, batch, kept = count + len(batch), [], []
-    if batch and not write(batch, kept):
+            count, batch, kept, packed = count + len(batch), [], [], []
+    if batch and not write(batch, kept, packed):
         return None
     return count + len(batch)
 

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError, StatementError
 
-from gateway.store.arrays import decode_ids, decode_logprobs, encode_ids, encode_logprobs
+from gateway.store.arrays import PackedArrays, decode_ids, decode_logprobs, encode_ids, encode_logprobs, pack_arrays
 from gateway.store.call_record import CallRecord
 
 _FIELDS = tuple(f.name for f in fields(CallRecord))
@@ -40,17 +40,31 @@ _PACKED: dict[str, tuple[Callable[[Any], bytes | None], Callable[[bytes], list[A
 }
 
 
-def spool_line(record: CallRecord) -> bytes:
+def packed_arrays(record: CallRecord) -> PackedArrays | None:
+    """The record's arrays packed for its line and its row at once; None if the columns cannot hold one of them."""
+    try:
+        return pack_arrays(record.prompt_token_ids, record.completion_token_ids, record.completion_logprobs)
+    except (TypeError, OverflowError):
+        return None
+
+
+def spool_line(record: CallRecord, packed: PackedArrays | None = None) -> bytes:
     """One JSONL line, lossless for every field the database stores. Every record passes here on the response path,
-    so the common case (string keys only, as JSON parsing gives) skips orjson's slower non-string-key mode."""
+    so the common case (string keys only, as JSON parsing gives) skips orjson's slower non-string-key mode.
+    `packed`: the record's arrays as `packed_arrays` gave them, where the caller has them."""
     data = {name: getattr(record, name) for name in _FIELDS}
-    for name, (encode, _) in _PACKED.items():
-        try:
-            packed = encode(data[name])
-        except (TypeError, OverflowError):
-            continue  # unpackable values stay JSON, to be refused by the store and kept in rejected/
-        if packed is not None:
-            data[name] = base64.b64encode(packed).decode()
+    if packed is not None:
+        for name, value in zip(_PACKED, packed, strict=True):
+            if value is not None:
+                data[name] = base64.b64encode(value).decode()
+    else:
+        for name, (encode, _) in _PACKED.items():
+            try:
+                value = encode(data[name])
+            except (TypeError, OverflowError):
+                continue  # unpackable values stay JSON, to be refused by the store and kept in rejected/
+            if value is not None:
+                data[name] = base64.b64encode(value).decode()
     try:
         return orjson.dumps(data, option=orjson.OPT_APPEND_NEWLINE)
     except TypeError:
@@ -59,15 +73,27 @@ def spool_line(record: CallRecord) -> bytes:
 
 def read_spool_line(line: bytes) -> CallRecord:
     """Inverse of `spool_line`; raises ValueError for a line that is not a whole record (a torn append)."""
+    return read_spool_record(line)[0]
+
+
+def read_spool_record(line: bytes) -> tuple[CallRecord, PackedArrays | None]:
+    """`read_spool_line`, and the record's arrays as the line packed them (None if one of them stayed JSON): the bytes
+    its row stores, which the writer need not pack again from the lists."""
     data = orjson.loads(line)  # a torn line is truncated JSON, so it fails here
     if not isinstance(data, dict):
         raise ValueError("not a record")
+    packed: list[bytes | None] = []
     for name, (_, decode) in _PACKED.items():
-        if isinstance(data.get(name), str):
-            data[name] = decode(base64.b64decode(data[name]))
+        value = data.get(name)
+        if isinstance(value, str):
+            blob = base64.b64decode(value)
+            data[name] = decode(blob)
+            packed.append(blob)
+        elif value is None:
+            packed.append(None)
     # Fields added to CallRecord after a line was spooled read as None, so an upgrade can replay an older spool.
     values: dict[str, Any] = {name: data.get(name) for name in _FIELDS}
-    return CallRecord(**values)
+    return CallRecord(**values), PackedArrays(*packed) if len(packed) == len(_PACKED) else None
 
 
 def reason(exc: BaseException) -> str:

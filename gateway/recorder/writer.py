@@ -35,9 +35,10 @@ from typing import NamedTuple
 from sqlalchemy import Engine
 
 from gateway.recorder.spool import Segment, Spool, Syncer
-from gateway.recorder.spool_lines import is_record_error, reason, spool_line
+from gateway.recorder.spool_lines import is_record_error, packed_arrays, reason, spool_line
 from gateway.recorder.threads import Baton, lower_os_priority, name_os_thread
 from gateway.recorder.writer_process import WriterProcess
+from gateway.store.arrays import PackedArrays
 from gateway.store.call_record import CallRecord
 from gateway.store.courtesy import giving_way
 from gateway.store.records import LineageCache, ping, write_calls
@@ -101,6 +102,7 @@ class _Entry(NamedTuple):
     segment: Segment | None  # None: not logged
     offset: int  # of its line in the segment
     line: bytes | None  # None: it could not be made
+    packed: PackedArrays | None  # its arrays, packed for the line and handed to write_calls; None: not packed
 
 
 class RecordWriter:
@@ -244,11 +246,12 @@ class RecordWriter:
     def _log(self, record: CallRecord) -> _Entry:
         """Append one record to the log: its entry, whose segment is None (never an exception) if it could not be."""
         try:
-            line = spool_line(record)
+            packed = packed_arrays(record)
+            line = spool_line(record, packed)
         except Exception as exc:  # whatever the record holds, submit must not raise
             log.error("cannot log call %s: %s", record.id, exc)
             self._count(WriterCounters(records_unlogged=1))
-            return _Entry(record, None, 0, None)
+            return _Entry(record, None, 0, None, None)
         try:
             segment, offset = self._spool.append(line, 1)
         except Exception as exc:  # OSError (EMFILE, a full disk) or anything else: the call is answered regardless
@@ -256,9 +259,9 @@ class RecordWriter:
                 self._log_failing = True
                 log.error("spool append failed; records are kept in memory only until it works again: %s", exc)
             self._count(WriterCounters(records_unlogged=1, spool_errors=1))
-            return _Entry(record, None, 0, line)
+            return _Entry(record, None, 0, line, packed)
         self._log_failing = False
-        return _Entry(record, segment, offset, line)
+        return _Entry(record, segment, offset, line, packed)
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -345,7 +348,7 @@ class RecordWriter:
                 self._settle(len(leftovers))
         held = self._take_held(len(self._held))
         if held:  # the last chance to keep them: a log that fails now loses them
-            self._drop([_Entry(record, None, 0, None) for record in held], keep=False)
+            self._drop([_Entry(record, None, 0, None, None) for record in held], keep=False)
             self._settle(len(held))
         self._spool.rotate()
         if self._syncer is not None:
@@ -437,7 +440,7 @@ class RecordWriter:
                 self._inflight = batch
                 with giving_way(self._slice_s, self._pause):
                     written = self.db_up and self._write(
-                        [entry.record for entry in batch], [entry.line for entry in batch]
+                        [entry.record for entry in batch], [entry.line for entry in batch], [e.packed for e in batch]
                     )
                 if written:
                     self._committed(batch)
@@ -476,7 +479,7 @@ class RecordWriter:
 
     def _next_batch(self) -> list[_Entry]:
         if self._held and not self._stopping.is_set() and time.monotonic() >= self._next_held_retry:
-            return [_Entry(record, None, 0, None) for record in self._take_held(self._batch_size)]
+            return [_Entry(record, None, 0, None, None) for record in self._take_held(self._batch_size)]
         try:
             batch = [self._queue.get(timeout=self._flush_interval_s)]
         except queue.Empty:
@@ -567,28 +570,38 @@ class RecordWriter:
             if replayed:
                 log.info("replayed %d spooled records into the database", replayed)
 
-    def _write(self, records: Sequence[CallRecord], lines: Sequence[bytes | None]) -> bool:
-        """Upsert one batch (`lines`: the records' spool lines, where known); True once every record is in the
-        database (or rejected), False if it is down."""
+    def _write(
+        self, records: Sequence[CallRecord], lines: Sequence[bytes | None], packed: Sequence[PackedArrays | None]
+    ) -> bool:
+        """Upsert one batch (`lines`, `packed`: the records' spool lines and packed arrays, where known); True once
+        every record is in the database (or rejected), False if it is down."""
         try:
-            self._store(records, lines)
+            self._store(records, lines, packed)
         except Exception as exc:
             self._count(WriterCounters(write_errors=1))
             if not is_record_error(exc):
                 self._mark_down(exc)
                 return False
-            return self._isolate(records, lines, exc)
+            return self._isolate(records, lines, packed, exc)
         self._count(WriterCounters(records_written=len(records)))
         return True
 
-    def _store(self, records: Sequence[CallRecord], lines: Sequence[bytes | None]) -> None:
+    def _store(
+        self, records: Sequence[CallRecord], lines: Sequence[bytes | None], packed: Sequence[PackedArrays | None]
+    ) -> None:
         if self._process is None:
-            write_calls(self._engine, records, self._lineage)
+            write_calls(self._engine, records, self._lineage, packed)
             return
         # Lines the hot path made are sent as they are; a record held in memory or replayed without one gets its own.
         self._process.write([spool_line(record) if line is None else line for record, line in zip(records, lines)])
 
-    def _isolate(self, records: Sequence[CallRecord], lines: Sequence[bytes | None], exc: BaseException) -> bool:
+    def _isolate(
+        self,
+        records: Sequence[CallRecord],
+        lines: Sequence[bytes | None],
+        packed: Sequence[PackedArrays | None],
+        exc: BaseException,
+    ) -> bool:
         """Set aside the records the database refuses (so one cannot block the spool forever) by bisecting the
         batch: k bad records among n cost about 2k*log2(n) transactions, not the n of writing row by row, which
         let a 2 % rate of bad records stall capture for half a minute."""
@@ -596,14 +609,15 @@ class RecordWriter:
             self._reject(records[0], exc)
             return True
         middle = len(records) // 2
-        for half, half_lines in ((records[:middle], lines[:middle]), (records[middle:], lines[middle:])):
+        for part in (slice(None, middle), slice(middle, None)):
+            half, half_lines, half_packed = records[part], lines[part], packed[part]
             try:
-                self._store(half, half_lines)
+                self._store(half, half_lines, half_packed)
             except Exception as err:
                 if not is_record_error(err):
                     self._mark_down(err)
                     return False
-                if not self._isolate(half, half_lines, err):
+                if not self._isolate(half, half_lines, half_packed, err):
                     return False
             else:
                 self._count(WriterCounters(records_written=len(half)))
@@ -639,7 +653,7 @@ class RecordWriter:
             if entry.segment is not None:
                 continue
             try:
-                lines.append(spool_line(entry.record))
+                lines.append(spool_line(entry.record, entry.packed))
                 kept.append(entry.record)
             except Exception as exc:  # what could not be serialised for the log cannot be kept on disk either
                 log.error("cannot spool call %s: %s", entry.record.id, exc)

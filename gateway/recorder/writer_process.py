@@ -146,7 +146,7 @@ def main() -> int:
     requests = os.fdopen(0, "rb")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from gateway.recorder.spool_lines import is_record_error, read_spool_line, reason
+    from gateway.recorder.spool_lines import is_record_error, read_spool_record, reason
     from gateway.recorder.threads import name_os_thread
     from gateway.store.db import make_engine
     from gateway.store.records import LineageCache, write_calls
@@ -162,7 +162,8 @@ def main() -> int:
             except EOFError:
                 return 0
             try:
-                write_calls(engine, [read_spool_line(line) for line in payload.split(b"\n") if line], lineage)
+                read = [read_spool_record(line) for line in payload.split(b"\n") if line]
+                write_calls(engine, [record for record, _ in read], lineage, [packed for _, packed in read])
                 answer = b""
             except Exception as exc:  # every failure is the parent's to sort: outage or refused record
                 answer = orjson.dumps({"reason": reason(exc), "record": is_record_error(exc)})

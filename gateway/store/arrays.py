@@ -10,8 +10,25 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
+from typing import NamedTuple
 
 _SWAP = sys.byteorder != "little"
+
+
+class PackedArrays(NamedTuple):
+    """A record's token arrays as its row's columns hold them. Packed once, on the event loop for the record's
+    write-ahead log line, and handed to the writer with the record, which would otherwise pack them again."""
+
+    prompt: bytes | None
+    completion: bytes | None
+    logprobs: bytes | None
+
+
+def pack_arrays(
+    prompt: Sequence[int] | None, completion: Sequence[int] | None, logprobs: Sequence[float] | None
+) -> PackedArrays:
+    """Raises what `encode_ids` and `encode_logprobs` raise for values the columns cannot hold."""
+    return PackedArrays(encode_ids(prompt), encode_ids(completion), encode_logprobs(logprobs))
 
 
 def encode_ids(ids: Sequence[int] | None) -> bytes | None:

@@ -52,7 +52,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.types import UserDefinedType
 
-from gateway.store.arrays import decode_ids, encode_ids, encode_logprobs
+from gateway.store.arrays import PackedArrays, decode_ids, encode_ids, pack_arrays
 from gateway.store.attempts import Attempt, Settlement, request_hash, settle
 from gateway.store.call_record import CallRecord
 from gateway.store.courtesy import give_way
@@ -399,9 +399,9 @@ def _call_row(
     lineage: Lineage,
     hash_: bytes | None = None,
     first: tuple[int, int] | None = None,
-    packed: _Packed | None = None,
+    packed: PackedArrays | None = None,
 ) -> dict[str, Any]:
-    prompt, completion = packed or _packed(record)
+    prompt, completion, logprobs = packed or _packed(record)
     first_seq, first_retry_count = first if first is not None else (record.seq, record.retry_count)
     tokens = lineage.tokens
     return {
@@ -417,7 +417,7 @@ def _call_row(
         "response": _own_choice(record.response, record.choice_index),
         "prompt_token_ids": prompt[lineage.prefix_len * 4 :] if prompt is not None else None,
         "completion_token_ids": completion,
-        "completion_logprobs": encode_logprobs(record.completion_logprobs),
+        "completion_logprobs": logprobs,
         "finish_reason": record.finish_reason,
         "usage": record.usage,
         "status_code": record.status_code,
@@ -447,7 +447,12 @@ def _call_row(
     }
 
 
-def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCache | None = None) -> None:
+def write_calls(
+    engine: Engine,
+    records: Sequence[CallRecord],
+    cache: LineageCache | None = None,
+    packed: Sequence[PackedArrays | None] | None = None,
+) -> None:
     """Upsert the records and the runs, groups and trajectories they name, all in one transaction.
 
     One transaction per batch so a failure leaves nothing half-written and the whole batch can simply be
@@ -455,6 +460,8 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
     shared group and trajectory rows in the same order and do not deadlock each other. `cache`: the newest calls this
     caller wrote (the record writer owns one), so the next call of a trajectory usually finds its predecessor there;
     without one every predecessor is read back from the database, as another process's write would need.
+    `packed`: each record's arrays as `pack_arrays` packed them from its lists (None where not), one per record, so
+    that the writer does not pack again what its write-ahead log line already did.
     """
     if not records:
         return
@@ -466,6 +473,7 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
         if key not in latest or record.created_at >= latest[key].created_at:
             latest[key] = record
     calls = [latest[key] for key in sorted(latest)]
+    given = {id(r): arrays for r, arrays in zip(records, packed, strict=True) if arrays is not None} if packed else {}
     hashes: dict[_Seq, bytes | None] = {}
     for record in calls:
         give_way()
@@ -534,15 +542,15 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
             give_way()
         # Unprepared: they join the batch against tables that grow (see make_engine).
         digests: dict[str, bytes | None] = {}
-        packed: dict[str, _Packed] = {}
-        calls, lineages, firsts = _lineages(conn, statements, calls, hashes, digests, packed, cache)
+        packed_by_id: dict[str, PackedArrays] = {}
+        calls, lineages, firsts = _lineages(conn, statements, calls, hashes, digests, given, packed_by_id, cache)
         with _prepared(conn):
             if calls:
                 rows = []
                 for record, lineage in zip(calls, lineages):
                     give_way()
                     attempt = (record.trajectory_id, record.seq)
-                    rows.append(_call_row(record, lineage, hashes[attempt], firsts[attempt], packed[record.id]))
+                    rows.append(_call_row(record, lineage, hashes[attempt], firsts[attempt], packed_by_id[record.id]))
                 if conn.dialect.name == "postgresql":
                     _insert_rows(conn, statements.calls, rows)
                 else:
@@ -558,7 +566,7 @@ def write_calls(engine: Engine, records: Sequence[CallRecord], cache: LineageCac
         give_way()
         if record.choice_index == 0:
             predecessor = _predecessor_of(record, digests[record.id])
-            cache.remember(record.trajectory_id, predecessor, record.id, packed[record.id])
+            cache.remember(record.trajectory_id, predecessor, record.id, packed_by_id[record.id])
 
 
 class _Compiled(NamedTuple):
@@ -697,16 +705,11 @@ def _predecessor_of(record: CallRecord, messages: bytes | None) -> Predecessor:
     )
 
 
-class _Packed(NamedTuple):
-    """A record's ids as encode_ids packs them, once per record and batch: its row, the tree lookup and the lineage
-    cache each want them, and packing them three times over was a quarter of the writer's instructions per record."""
-
-    prompt: bytes | None
-    completion: bytes | None
-
-
-def _packed(record: CallRecord) -> _Packed:
-    return _Packed(encode_ids(record.prompt_token_ids), encode_ids(record.completion_token_ids))
+def _packed(record: CallRecord) -> PackedArrays:
+    """A record's arrays packed once per record and batch, where the caller did not hand them over: its row, the tree
+    lookup and the lineage cache each want them, and packing them three times over was a quarter of the writer's
+    instructions per record."""
+    return pack_arrays(record.prompt_token_ids, record.completion_token_ids, record.completion_logprobs)
 
 
 class _Entry(NamedTuple):
@@ -746,10 +749,13 @@ class LineageCache:
         )
 
     def remember(
-        self, trajectory_id: str, predecessor: Predecessor, call_id: str, packed: _Packed | None = None
+        self, trajectory_id: str, predecessor: Predecessor, call_id: str, packed: PackedArrays | None = None
     ) -> None:
-        """`packed`: the predecessor's ids packed already, where the caller has them."""
-        prompt, completion = packed or (encode_ids(predecessor.prompt_ids), encode_ids(predecessor.completion_ids))
+        """`packed`: the predecessor's arrays packed already, where the caller has them."""
+        if packed is None:
+            prompt, completion = encode_ids(predecessor.prompt_ids), encode_ids(predecessor.completion_ids)
+        else:
+            prompt, completion = packed.prompt, packed.completion
         entry = _Entry(call_id, predecessor.seq, prompt, completion, predecessor.tool_call, predecessor.messages)
         agent = first_message(predecessor.messages)
         with self._lock:
@@ -809,12 +815,14 @@ def _lineages(
     calls: list[CallRecord],
     hashes: dict[_Seq, bytes | None],
     digests: dict[str, bytes | None],
-    packed: dict[str, _Packed],
+    given: dict[int, PackedArrays],
+    packed: dict[str, PackedArrays],
     cache: LineageCache | None,
 ) -> tuple[list[CallRecord], list[Lineage], dict[_Seq, tuple[int, int]]]:
     """Each record's merge diagnostics and storage prefixes (ids and messages) against its predecessor, in the same
     transaction, and the earliest attempt (first_seq, first_retry_count) each written row stands for; `digests` and
-    `packed` get each kept record's message digests and packed ids, by record id.
+    `packed` get each kept record's message digests and packed arrays, by record id (`given`'s where it has them, by
+    the record's `id()`).
 
     Attempts are first settled into calls (gateway.store.attempts): an attempt older than its call's newest is not
     written, and a stored row whose call now has a newer attempt elsewhere is deleted. Records older than the attempt
@@ -849,10 +857,10 @@ def _lineages(
         kept[trajectory_id].append(record)
         firsts[(trajectory_id, record.seq)] = (record.seq, record.retry_count)
         digests[record.id] = message_digests(record.request, key_order)
-        packed[record.id] = _packed(record)
+        packed[record.id] = given.get(id(record)) or _packed(record)
         # What classify and _in_tree give a call with nothing before it, built at once: a first call, a root, its own
         # tree key (one NamedTuple and a few calls, where classify and _in_tree took 15 µs: ~8 % of its record).
-        tokens = own_key(record.prompt_token_ids, record.completion_token_ids, packed[record.id])
+        tokens = own_key(record.prompt_token_ids, record.completion_token_ids, packed[record.id][:2])
         lineages[trajectory_id] = [Lineage(FIRST_CALL, None, None, 0, tokens=tokens)]
 
     settlements: dict[str, Settlement] = {}
@@ -874,7 +882,7 @@ def _lineages(
         if existing is None or _aware(existing.created_at) <= datetime.fromtimestamp(record.created_at, UTC):
             kept[record.trajectory_id].append(record)
             digests[record.id] = message_digests(record.request, key_order)
-            packed[record.id] = _packed(record)
+            packed[record.id] = given.get(id(record)) or _packed(record)
 
     for trajectory_id in general:
         give_way()
@@ -1071,7 +1079,7 @@ def _stored_candidates(rows: dict[tuple[int, int], _Stored], records: list[CallR
 def _in_tree(
     lineage: Lineage,
     record: CallRecord,
-    packed: _Packed,
+    packed: PackedArrays,
     candidates: list[Candidate],
     named: tuple[int, int] | None,
     own: bytes | None,
@@ -1083,7 +1091,7 @@ def _in_tree(
     predecessor it names (token_in) keeps it; any other is looked up among the trajectory's earlier calls by its
     prompt's ids. A root gets its reason from `_root_reason`. The Lineage is built once, not through `_replace`."""
     earlier = (c for c in candidates if c.seq < record.seq)
-    parent, tokens = place(record.prompt_token_ids, record.completion_token_ids, earlier, packed=packed)
+    parent, tokens = place(record.prompt_token_ids, record.completion_token_ids, earlier, packed=packed[:2])
     if tokens is not None:
         candidates.append(Candidate(record.seq, record.choice_index, *tokens))
     reason, divergence, tree_parent = lineage.reason, lineage.divergence, lineage.tree_parent

@@ -21,10 +21,10 @@ from sqlalchemy import Engine, select
 from gateway.recorder import threads
 from gateway.recorder import writer as writer_module
 from gateway.recorder.spool import Syncer
-from gateway.recorder.spool_lines import read_spool_line, spool_line
+from gateway.recorder.spool_lines import packed_arrays, read_spool_line, read_spool_record, spool_line
 from gateway.recorder.writer import RecordWriter
 from gateway.store import db
-from gateway.store.arrays import decode_logprobs
+from gateway.store.arrays import PackedArrays, decode_logprobs, pack_arrays
 from gateway.store.call_record import CallRecord
 from gateway.store.models import Call
 from gateway.store.records import LineageCache, count_calls, write_calls
@@ -76,6 +76,53 @@ def test_spool_line_round_trips_exactly() -> None:
     assert read_spool_line(spool_line(unpackable)).prompt_token_ids == [2**40]
 
 
+def test_a_spool_line_carries_the_packed_arrays_its_row_stores() -> None:
+    """The writer hands write_calls the arrays its log line packed, and replay the arrays it reads from a line: the
+    very bytes `pack_arrays` gives, the same line whether or not the caller packed them first; none where one array
+    could not be packed (the store then packs the lists, and refuses them)."""
+    record = make_record(completion_tokens=50, seed=3)
+    packed = packed_arrays(record)
+    assert packed == pack_arrays(record.prompt_token_ids, record.completion_token_ids, record.completion_logprobs)
+    assert spool_line(record, packed) == spool_line(record)
+    assert read_spool_record(spool_line(record, packed)) == (record, packed)
+    no_answer = make_record(completion_token_ids=None, completion_logprobs=None)
+    assert read_spool_record(spool_line(no_answer))[1] == (packed_arrays(no_answer).prompt, None, None)
+    unpackable = make_record(prompt_token_ids=[2**40])
+    assert packed_arrays(unpackable) is None and read_spool_record(spool_line(unpackable))[1] is None
+
+
+def test_write_calls_is_handed_the_arrays_the_log_line_packed(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From memory and from a replayed log alike, each record comes with its packed arrays, so the writer does not
+    pack them again (bench/writer_cpu.py)."""
+    handed: dict[str, PackedArrays | None] = {}
+    real_write = writer_module.write_calls
+
+    def noting(
+        engine: Engine,
+        records: list[CallRecord],
+        cache: LineageCache | None = None,
+        packed: Sequence[PackedArrays | None] | None = None,
+    ) -> None:
+        assert packed is not None
+        handed.update(zip((record.id for record in records), packed, strict=True))
+        real_write(engine, records, cache, packed)
+
+    monkeypatch.setattr(writer_module, "write_calls", noting)
+    records = _records(12)
+    writer = RecordWriter(engine, spool_dir, queue_size=4, **FAST)  # 8 of them spill to the log
+    for record in records:
+        writer.submit(record)
+    writer.start()
+    try:
+        assert writer.flush(20)
+    finally:
+        writer.close()
+    assert writer.counters.records_spooled == 8 and sorted(_ids(engine)) == sorted(r.id for r in records)
+    assert handed == {record.id: packed_arrays(record) for record in records}
+
+
 async def test_records_submitted_from_an_event_loop_all_arrive_once(engine: Engine, spool_dir: Path) -> None:
     writer = RecordWriter(engine, spool_dir, **FAST)
     writer.start()
@@ -125,12 +172,14 @@ class _HeldFirstWrite:
         self._write = writer._write
         monkeypatch.setattr(writer, "_write", self.write)
 
-    def write(self, records: Sequence[CallRecord], lines: Sequence[bytes | None]) -> bool:
+    def write(
+        self, records: Sequence[CallRecord], lines: Sequence[bytes | None], packed: Sequence[PackedArrays | None]
+    ) -> bool:
         self.writers.append(threading.current_thread().name)
         if not self.in_batch.is_set():
             self.in_batch.set()
             self.go_on.wait(10)
-        return self._write(records, lines)
+        return self._write(records, lines, packed)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a lowered writer and its relief exist only on Linux")
@@ -328,8 +377,13 @@ def test_a_spill_replays_only_the_records_that_left_memory(
     written: list[str] = []
     real_write = writer_module.write_calls
 
-    def counting(engine: Engine, records: list[CallRecord], cache: LineageCache | None = None) -> None:
-        real_write(engine, records, cache)
+    def counting(
+        engine: Engine,
+        records: list[CallRecord],
+        cache: LineageCache | None = None,
+        packed: Sequence[PackedArrays | None] | None = None,
+    ) -> None:
+        real_write(engine, records, cache, packed)
         written.extend(record.id for record in records)
 
     monkeypatch.setattr(writer_module, "write_calls", counting)
@@ -365,10 +419,15 @@ def test_a_segment_with_spilled_records_stays_until_its_queued_records_are_commi
     [segment] = _segments(spool_dir)
     writer._spool.rotate()  # closed, as the writer's replay pass would leave it
 
-    def first_batch_waits(engine: Engine, batch: list[CallRecord], cache: LineageCache | None = None) -> None:
+    def first_batch_waits(
+        engine: Engine,
+        batch: list[CallRecord],
+        cache: LineageCache | None = None,
+        packed: Sequence[PackedArrays | None] | None = None,
+    ) -> None:
         if batch[0].id == records[0].id:  # the queued batch, from memory
             gate.wait(30)
-        real_write(engine, batch, cache)
+        real_write(engine, batch, cache, packed)
 
     monkeypatch.setattr(writer_module, "write_calls", first_batch_waits)
     count = writer._spool.replay(segment, 4, writer._write, lambda: None)  # the 8 spilled, from this thread
@@ -572,7 +631,12 @@ def test_a_poison_record_is_isolated_without_writing_its_batch_row_by_row(
 
     transactions = []
 
-    def counting(engine: Engine, records: list[CallRecord], cache: LineageCache | None = None) -> None:
+    def counting(
+        engine: Engine,
+        records: list[CallRecord],
+        cache: LineageCache | None = None,
+        packed: Sequence[PackedArrays | None] | None = None,
+    ) -> None:
         transactions.append(len(records))
         write_calls(engine, records, cache)
 
@@ -774,9 +838,14 @@ def test_a_stalled_database_keeps_memory_bounded_and_loses_nothing(engine: Engin
     gate = threading.Event()
     real_write = writer_module.write_calls
 
-    def stalled(engine: Engine, records: list[CallRecord], cache: LineageCache | None = None) -> None:
+    def stalled(
+        engine: Engine,
+        records: list[CallRecord],
+        cache: LineageCache | None = None,
+        packed: Sequence[PackedArrays | None] | None = None,
+    ) -> None:
         gate.wait(30)
-        real_write(engine, records, cache)
+        real_write(engine, records, cache, packed)
 
     writer = RecordWriter(engine, spool_dir, queue_size=50, batch_size=10, **FAST)
     writer_module.write_calls = stalled  # type: ignore[assignment]

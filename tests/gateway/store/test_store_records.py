@@ -13,7 +13,7 @@ from sqlalchemy.exc import DataError, OperationalError
 
 from gateway.recorder.spool_lines import is_record_error
 from gateway.store import db, records
-from gateway.store.arrays import decode_ids, decode_logprobs
+from gateway.store.arrays import decode_ids, decode_logprobs, pack_arrays
 from gateway.store.models import Call, Group, Run, Trajectory
 from gateway.store.records import count_calls, ping, write_calls
 from tests.support.factories import make_record
@@ -201,6 +201,33 @@ def test_duplicates_within_a_batch_keep_the_newest_record(engine: Engine) -> Non
     write_calls(engine, [first, other_choice, second, stale])
     rows = _calls(engine, "traj-1")
     assert sorted((row["choice_index"], row["id"]) for row in rows) == [(0, second.id), (1, other_choice.id)]
+
+
+def test_arrays_handed_over_packed_are_stored_without_packing_them_again(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer hands over each record's arrays as its log line packed them: a trajectory's first call alone in the
+    batch and a longer trajectory's calls alike are stored from them, and only a record handed none is packed."""
+    batch = [make_record("long", seq, seed=seq) for seq in range(3)] + [make_record("alone", 0, seed=9)]
+    packed = [pack_arrays(r.prompt_token_ids, r.completion_token_ids, r.completion_logprobs) for r in batch]
+    packing: list[str] = []
+    real_pack = records.pack_arrays
+
+    def noting(*arrays: Any) -> Any:
+        packing.append("packed")
+        return real_pack(*arrays)
+
+    monkeypatch.setattr(records, "pack_arrays", noting)
+    write_calls(engine, batch, packed=packed)
+    assert packing == []
+    [alone] = _calls(engine, "alone")
+    assert (alone["prompt_token_ids"], alone["completion_token_ids"], alone["completion_logprobs"]) == packed[3]
+    long = _calls(engine, "long")
+    assert [row["completion_logprobs"] for row in long] == [arrays.logprobs for arrays in packed[:3]]
+    later, other = make_record("long", 3), make_record("other", 0)
+    other_packed = real_pack(other.prompt_token_ids, other.completion_token_ids, other.completion_logprobs)
+    write_calls(engine, [later, other], packed=[None, other_packed])
+    assert packing == ["packed"] and count_calls(engine, "long") == 4 and count_calls(engine, "other") == 1
 
 
 def test_untrainable_calls_are_counted_per_trajectory(engine: Engine) -> None:
