@@ -1,15 +1,14 @@
 """What the gateway hands the writer for each upstream call: plain data, cheap to build on the hot path.
 
-Token ids and logprobs stay Python lists here; the store packs them into bytes when it writes. A record
-round-trips through JSON (`to_json` / `from_json`) so it can wait in the disk spool while the database is away.
+Token ids and logprobs stay Python lists here; they are packed into the columns' bytes once, for the record's
+write-ahead log line, and the writer stores those (gateway.store.arrays.PackedArrays). The line
+(gateway.recorder.spool_lines) is how a record waits on disk while the database is away.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
-
-import orjson
 
 
 @dataclass(slots=True)
@@ -50,10 +49,3 @@ class CallRecord:
     predecessor_seq: int | None = None
     predecessor_choice: int | None = None
 
-    def to_json(self) -> bytes:
-        return orjson.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, line: bytes) -> CallRecord:
-        data = orjson.loads(line)
-        return cls(**{f.name: data.get(f.name) for f in fields(cls)})
