@@ -751,6 +751,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the gateway with TRAJGATE_WRITER_NICE=N: its writer thread (and process) N lower in "
                              "OS priority than the event loop (default: the gateway's, 19, with its relief thread; 0: "
                              "one writer thread at the event loop's priority)")
+    parser.add_argument("--gateway-env", action="append", default=[], metavar="TRAJGATE_NAME=VALUE",
+                        help="a setting for the gateway (repeatable), e.g. TRAJGATE_WRITER_BATCH_SIZE=32: the "
+                             "gateway otherwise gets none of this shell's TRAJGATE_ variables, only the benchmark's")
     parser.add_argument("--upstream-suffix", default="/v1",
                         help="appended to the fake upstream's address for TRAJGATE_UPSTREAM_URL (default /v1)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
@@ -760,6 +763,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(raw_argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    for setting in args.gateway_env:
+        if not setting.startswith("TRAJGATE_") or "=" not in setting:
+            parser.error(f"--gateway-env {setting!r}: expected TRAJGATE_NAME=VALUE")
     if args.repeat > 1:
         if args.profile:
             parser.error("--profile profiles one run; use it without --repeat")
@@ -847,6 +853,7 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
         env["TRAJGATE_WRITER_PROCESS"] = "true"
     if args.writer_nice is not None:
         env["TRAJGATE_WRITER_NICE"] = str(args.writer_nice)
+    env.update(setting.split("=", 1) for setting in args.gateway_env)
     trajgate = Path(sys.executable).parent / "trajgate"
     command = [str(trajgate)] if trajgate.exists() else [sys.executable, "-m", "gateway.cli"]
     t0 = time.monotonic()

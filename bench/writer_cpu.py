@@ -53,7 +53,7 @@ import random
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -70,7 +70,6 @@ from gateway.cli import tune_gc  # noqa: E402
 from gateway.recorder.spool_lines import packed_arrays  # noqa: E402
 from gateway.store import db  # noqa: E402
 from gateway.store import records as store_records  # noqa: E402
-from gateway.store.arrays import PackedArrays  # noqa: E402
 from gateway.store.call_record import CallRecord  # noqa: E402
 from gateway.store.courtesy import give_way  # noqa: E402
 from gateway.store.records import LineageCache, write_calls  # noqa: E402
@@ -346,13 +345,8 @@ def spill(engine: Engine, shape: str, total: int, queue_size: int, quiet: bool) 
     records = [record for batch in SHAPES[shape](total, 1) for record in batch]
     written = [0]
 
-    def counting(
-        engine: Engine,
-        batch: list[CallRecord],
-        cache: LineageCache | None = None,
-        packed: Sequence[PackedArrays | None] | None = None,
-    ) -> None:
-        write_calls(engine, batch, cache, packed)
+    def counting(engine: Engine, batch: list[CallRecord], *rest: Any) -> None:
+        write_calls(engine, batch, *rest)
         written[0] += len(batch)
 
     writer_module.write_calls = counting  # type: ignore[assignment]

@@ -93,3 +93,12 @@ def test_repeat_runs_fresh_interpreters_and_writes_every_run_and_the_summary(
 def test_a_run_that_leaves_no_results_stops_the_repeat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gateway_overhead.subprocess, "call", lambda command: 2)
     assert gateway_overhead._repeat(argparse.Namespace(repeat=3, json=None), ["--repeat", "3"]) == 2
+
+
+def test_a_gateway_setting_that_is_not_trajgate_name_value_is_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for bad in ("TRAJGATE_WRITER_BATCH_SIZE", "PATH=/tmp"):
+        with pytest.raises(SystemExit) as exited:
+            gateway_overhead.main(["--gateway-env", bad])
+        assert exited.value.code == 2 and "expected TRAJGATE_NAME=VALUE" in capsys.readouterr().err

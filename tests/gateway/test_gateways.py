@@ -69,9 +69,9 @@ def hold_writes(gw: RunningGateway, monkeypatch: pytest.MonkeyPatch) -> threadin
     gate = threading.Event()
     real_write = writer._write
 
-    def held_write(records: Any, lines: Any) -> bool:
+    def held_write(*batch: Any) -> bool:
         gate.wait(60)
-        return real_write(records, lines)
+        return real_write(*batch)
 
     monkeypatch.setattr(writer, "_write", held_write)
     return gate
@@ -83,9 +83,9 @@ def slow_writes(gw: RunningGateway, monkeypatch: pytest.MonkeyPatch, seed: int) 
     rng = random.Random(seed)
     real_write = writer._write
 
-    def slow_write(records: Any, lines: Any) -> bool:
+    def slow_write(*batch: Any) -> bool:
         time.sleep(rng.uniform(0.1, 0.4))
-        return real_write(records, lines)
+        return real_write(*batch)
 
     monkeypatch.setattr(writer, "_write", slow_write)
 

@@ -398,9 +398,9 @@ def test_previous_response_still_in_the_writers_queue_is_found(
     gate = threading.Event()
     real_write = gateway_writer.write_calls
 
-    def held_write(engine: Any, records: Any, cache: Any = None, packed: Any = None) -> None:
+    def held_write(engine: Any, records: Any, *rest: Any) -> None:
         gate.wait(60)
-        real_write(engine, records, cache, packed)
+        real_write(engine, records, *rest)
 
     monkeypatch.setattr(gateway_writer, "write_calls", held_write)
     sdk = client(gateway, "t-queued")

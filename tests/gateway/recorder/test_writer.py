@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, select
@@ -377,13 +378,8 @@ def test_a_spill_replays_only_the_records_that_left_memory(
     written: list[str] = []
     real_write = writer_module.write_calls
 
-    def counting(
-        engine: Engine,
-        records: list[CallRecord],
-        cache: LineageCache | None = None,
-        packed: Sequence[PackedArrays | None] | None = None,
-    ) -> None:
-        real_write(engine, records, cache, packed)
+    def counting(engine: Engine, records: list[CallRecord], *rest: Any) -> None:
+        real_write(engine, records, *rest)
         written.extend(record.id for record in records)
 
     monkeypatch.setattr(writer_module, "write_calls", counting)
@@ -419,15 +415,10 @@ def test_a_segment_with_spilled_records_stays_until_its_queued_records_are_commi
     [segment] = _segments(spool_dir)
     writer._spool.rotate()  # closed, as the writer's replay pass would leave it
 
-    def first_batch_waits(
-        engine: Engine,
-        batch: list[CallRecord],
-        cache: LineageCache | None = None,
-        packed: Sequence[PackedArrays | None] | None = None,
-    ) -> None:
+    def first_batch_waits(engine: Engine, batch: list[CallRecord], *rest: Any) -> None:
         if batch[0].id == records[0].id:  # the queued batch, from memory
             gate.wait(30)
-        real_write(engine, batch, cache, packed)
+        real_write(engine, batch, *rest)
 
     monkeypatch.setattr(writer_module, "write_calls", first_batch_waits)
     count = writer._spool.replay(segment, 4, writer._write, lambda: None)  # the 8 spilled, from this thread
@@ -631,14 +622,9 @@ def test_a_poison_record_is_isolated_without_writing_its_batch_row_by_row(
 
     transactions = []
 
-    def counting(
-        engine: Engine,
-        records: list[CallRecord],
-        cache: LineageCache | None = None,
-        packed: Sequence[PackedArrays | None] | None = None,
-    ) -> None:
+    def counting(engine: Engine, records: list[CallRecord], *rest: Any) -> None:
         transactions.append(len(records))
-        write_calls(engine, records, cache)
+        write_calls(engine, records, *rest)
 
     monkeypatch.setattr(writer_module, "write_calls", counting)
     writer = RecordWriter(engine, spool_dir, batch_size=256, **FAST)
@@ -838,14 +824,9 @@ def test_a_stalled_database_keeps_memory_bounded_and_loses_nothing(engine: Engin
     gate = threading.Event()
     real_write = writer_module.write_calls
 
-    def stalled(
-        engine: Engine,
-        records: list[CallRecord],
-        cache: LineageCache | None = None,
-        packed: Sequence[PackedArrays | None] | None = None,
-    ) -> None:
+    def stalled(engine: Engine, records: list[CallRecord], *rest: Any) -> None:
         gate.wait(30)
-        real_write(engine, records, cache, packed)
+        real_write(engine, records, *rest)
 
     writer = RecordWriter(engine, spool_dir, queue_size=50, batch_size=10, **FAST)
     writer_module.write_calls = stalled  # type: ignore[assignment]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine
@@ -17,9 +17,8 @@ from gateway.recorder import writer as writer_module
 from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, MIN_PAUSE_S, QUIET_S, RecordWriter
 from gateway.store import courtesy
 from gateway.store import records as records_module
-from gateway.store.arrays import PackedArrays
 from gateway.store.call_record import CallRecord
-from gateway.store.records import LineageCache, count_calls, write_calls
+from gateway.store.records import count_calls, write_calls
 from tests.support.factories import make_record
 
 
@@ -168,14 +167,9 @@ def test_a_writer_that_is_behind_pauses_for_a_moment_only(
     clock.ticking = True
     batches: list[tuple[int, set[float]]] = []  # (records in the batch, the pauses taken while writing it)
 
-    def noting(
-        engine: Engine,
-        records: list[CallRecord],
-        cache: LineageCache | None = None,
-        packed: Sequence[PackedArrays | None] | None = None,
-    ) -> None:
+    def noting(engine: Engine, records: list[CallRecord], *rest: Any) -> None:
         before = len(clock.pauses)
-        write_calls(engine, records, cache)
+        write_calls(engine, records, *rest)
         batches.append((len(records), {seconds for _, seconds in clock.pauses[before:]}))
 
     monkeypatch.setattr(writer_module, "write_calls", noting)
