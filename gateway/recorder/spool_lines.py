@@ -32,7 +32,8 @@ class WriteFailed(Exception):
 
 
 # Token arrays travel as base64 of the store's packed bytes: JSON (orjson) turns a -inf logprob into null, and
-# parsing thousands of JSON numbers per record made replay the bottleneck of catching up after an outage.
+# parsing thousands of JSON numbers per record made replay the bottleneck of catching up after an outage. In
+# PackedArrays' order: spool_line and read_spool_record pair these names with its fields by position.
 _PACKED: dict[str, tuple[Callable[[Any], bytes | None], Callable[[bytes], list[Any] | None]]] = {
     "prompt_token_ids": (encode_ids, decode_ids),
     "completion_token_ids": (encode_ids, decode_ids),

@@ -28,7 +28,7 @@ from gateway.store import db
 from gateway.store.arrays import PackedArrays, decode_logprobs, pack_arrays
 from gateway.store.call_record import CallRecord
 from gateway.store.models import Call
-from gateway.store.records import LineageCache, count_calls, write_calls
+from gateway.store.records import count_calls, write_calls
 from tests.support.factories import make_record
 from tests.support.pgcluster import PgCluster, free_port
 from tests.support.waiting import wait_until
@@ -100,13 +100,7 @@ def test_write_calls_is_handed_the_arrays_the_log_line_packed(
     handed: dict[str, PackedArrays | None] = {}
     real_write = writer_module.write_calls
 
-    def noting(
-        engine: Engine,
-        records: list[CallRecord],
-        cache: LineageCache | None = None,
-        packed: Sequence[PackedArrays | None] | None = None,
-    ) -> None:
-        assert packed is not None
+    def noting(engine: Engine, records: list[CallRecord], cache: Any, packed: Sequence[PackedArrays | None]) -> None:
         handed.update(zip((record.id for record in records), packed, strict=True))
         real_write(engine, records, cache, packed)
 
