@@ -1,8 +1,8 @@
 """What packing token ids costs: `gateway.store.arrays.encode_ids` (struct) against `array("i", ids).tobytes()`.
 
-Every record's ids are packed on the event loop, for its write-ahead log line (gateway.recorder.spool_lines), and
-again by the writer for its row, so their cost a token counts twice per call, on prompts of up to tens of thousands of
-ids. Prints ns an id for each way at several lengths and their ratio, measured in one run.
+Every record's ids are packed once, on the event loop, for its write-ahead log line (gateway.recorder.spool_lines);
+the writer stores those bytes in its row. That is on the hot path of every call, on prompts of up to tens of thousands
+of ids. Prints ns an id for each way at several lengths and their ratio, measured in one run.
 
     .venv/bin/python bench/pack_ids.py [--lengths 16 71 3000 30000]
 """

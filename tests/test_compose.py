@@ -473,7 +473,7 @@ def test_gpu_reservations(services: dict[str, Any]) -> None:
             assert not devices, f"{name} must run without a GPU"
 
 
-def test_vllm_services(services: dict[str, Any]) -> None:
+def test_vllm_services(services: dict[str, Any], raw_services: dict[str, Any], env_example: dict[str, str]) -> None:
     assert re.fullmatch(r"vllm/vllm-openai:v\d+\.\d+\.\d+(-\S+)?", services["vllm"]["image"]), "pin a release tag"
     for name in VLLM_SERVICES:
         svc = services[name]
@@ -489,6 +489,9 @@ def test_vllm_services(services: dict[str, Any]) -> None:
     cpu = services["vllm-cpu"]
     args = as_args(cpu["command"])
     assert flag(args, "--dtype") == "bfloat16" and "--enforce-eager" in args
+    # float32 for a CPU without bf16 instructions, through .env
+    float32 = resolve(raw_services["vllm-cpu"], {**env_example, "VLLM_CPU_DTYPE": "float32"})
+    assert flag(as_args(float32["command"]), "--dtype") == "float32"
     assert flag(args, "--max-model-len") == "2048"
     assert re.fullmatch(r"\d+", env_of(cpu)["VLLM_CPU_KVCACHE_SPACE"]), "whole GiB only"
     assert cpu["build"]["dockerfile"] == "Dockerfile.vllm-cpu"

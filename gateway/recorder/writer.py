@@ -410,8 +410,8 @@ class RecordWriter:
         `submit` sees records pile up (`_relieve_at` records or a quarter of the queue's bytes queued, the queue full,
         or two batches queued with many calls in flight), then takes the loop over from the end of the writer's batch
         until less than a batch waits, nothing has spilled and few calls are in flight, and hands it back; on `close`
-        it drains the queue. At nice 19 the writer took c=1's added p99 from +2.3 to +0.9 ms, and on a saturated core
-        got 9 µs a request against the 57 it needs (bench/README.md): the relief writes then."""
+        it drains the queue. At nice 19 the writer took c=1's added p99 from +2.3 to +0.9 ms on a 2-core AMD EPYC, and
+        on a saturated core got 9 µs a request against the 57 it needs (bench/README.md): the relief writes then."""
         name_os_thread()
         while True:
             self._backlog.wait()

@@ -144,7 +144,8 @@ class Settings(BaseSettings):
         le=19,
         description="How much lower the writer's OS priority is than the event loop's (its thread's, on Linux, and its "
         "process's with writer_process): the event loop, woken by a call, then takes the core from a writer writing a "
-        "batch (19 took the added p99 at c=1 from +2.3 to +0.9 ms, bench/README.md). While records pile up, a relief "
+        "batch (on a 2-core AMD EPYC, 19 took the added p99 at c=1 from +2.3 to +0.9 ms, bench/README.md). "
+        "While records pile up, a relief "
         "thread at the process's priority writes instead (not with writer_process). 0: one writer thread, no relief.",
     )
     writer_slice_us: int = Field(

@@ -51,10 +51,11 @@ def encode_logprobs(values: Sequence[float] | None) -> bytes | None:
 
 def _pack(typecode: str, values: Sequence[int] | Sequence[float]) -> bytes:
     """Packed by `struct`, not `array`: 13-29 ns an id against 41-50 from 71 ids up (bench/README.md, "Packing token
-    ids"), and every record's ids are packed on the event loop (its write-ahead log line) and again by the writer, on
-    a coding agent's every call a prompt of tens of thousands of ids. Whatever struct refuses (an id outside int32, a
-    logprob past float32, not a number, not a sequence) goes through `array`, which packs or refuses it as it always
-    has: a logprob past float32 as an infinity, a bad id with the OverflowError or TypeError the spool expects."""
+    ids"), and every record's ids are packed on the event loop for its write-ahead log line (the writer stores those
+    bytes), on a coding agent's every call a prompt of tens of thousands of ids. Whatever struct refuses (an id outside
+    int32, a logprob past float32, not a number, not a sequence) goes through `array`, which packs or refuses it as it
+    always has: a logprob past float32 as an infinity, a bad id with the OverflowError or TypeError the spool
+    expects."""
     try:
         return struct.pack(f"<{len(values)}{typecode}", *values)
     except (struct.error, TypeError, OverflowError):

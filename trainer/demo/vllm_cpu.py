@@ -369,7 +369,7 @@ class VllmServer:
             "--port", str(self.port),
             "--max-model-len", str(self.max_model_len),
             "--dtype", self.dtype,
-            "--enforce-eager",  # ~25 s to healthy instead of ~105 s
+            "--enforce-eager",  # no compile warm-up at start, which took the time to healthy to ~4x
             "--enable-lora",
             "--max-lora-rank", str(self.max_lora_rank),
             "--max-loras", str(self.max_loras),
