@@ -62,6 +62,7 @@ def build_state(settings: Settings) -> GatewayState:
         slice_s=settings.writer_slice_us / 1e6,
         pause_s=settings.writer_pause_us / 1e6,
         nice=settings.writer_nice,
+        idle=settings.writer_idle,
         # (read by the writer thread once started, after `proxy` below exists)
         calls_in_flight=lambda: sum(replica.in_flight for replica in proxy.replicas.all),
         quiet_for=lambda: time.monotonic() - proxy.replicas.touched,

@@ -129,6 +129,7 @@ class RecordWriter:
         calls_in_flight: Callable[[], int] = lambda: 0,
         quiet_for: Callable[[], float] = lambda: 0.0,
         nice: int = 0,
+        idle: bool = False,
     ) -> None:
         self._engine = engine
         # How much lower the writer thread's OS priority is than the event loop's (`lower_os_priority`). On the event
@@ -137,6 +138,8 @@ class RecordWriter:
         # milliseconds the slowest 1 % of calls lost (bench/README.md). At 19 the loop always goes first, and a
         # writer on a saturated core gets little of it: the relief thread writes then.
         self._nice = nice
+        # With `nice`, also SCHED_IDLE (`lower_os_priority`): preempted at once when the loop wakes.
+        self._idle = idle
         # The batch loop runs on one thread at a time (`Baton`): the writer thread, and with `nice` its relief, which
         # keeps the process's priority and takes the loop over while records pile up (`_relieve`): at nice 19 the
         # writer gets little of a saturated core, and the database would fall ever further behind the answers.
@@ -388,7 +391,7 @@ class RecordWriter:
 
     def _run(self) -> None:
         name_os_thread()
-        lower_os_priority(self._nice)
+        lower_os_priority(self._nice, self._idle)
         if self._process is not None:
             try:
                 self._process.start()

@@ -148,6 +148,13 @@ class Settings(BaseSettings):
         "While records pile up, a relief "
         "thread at the process's priority writes instead (not with writer_process). 0: one writer thread, no relief.",
     )
+    writer_idle: bool = Field(
+        True,
+        description="With writer_nice above 0, the writer thread also runs under Linux's SCHED_IDLE policy, so the "
+        "event loop, woken by a call, takes the core from it at once (a nice-19 thread may finish its slice first: on "
+        "a 6.18 kernel this took the added p99 at c=1 from +1.3 to +0.8 ms, bench/README.md). Not the relief, nor a "
+        "writer process.",
+    )
     writer_slice_us: int = Field(
         50,
         ge=0,

@@ -19,11 +19,13 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, select
 
+from gateway.app import build_state
 from gateway.recorder import threads
 from gateway.recorder import writer as writer_module
 from gateway.recorder.spool import Syncer
 from gateway.recorder.spool_lines import packed_arrays, read_spool_line, read_spool_record, spool_line
 from gateway.recorder.writer import RecordWriter
+from gateway.runs.settings import Settings
 from gateway.store import db
 from gateway.store.arrays import PackedArrays, decode_logprobs, pack_arrays
 from gateway.store.call_record import CallRecord
@@ -155,6 +157,54 @@ def test_writer_nice_lowers_the_writer_thread_alone(engine: Engine, spool_dir: P
     finally:
         writer.close()
     assert not writer._relief.is_alive()  # close wakes it to stop
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is set only on Linux")
+@pytest.mark.parametrize("idle", [True, False])
+def test_writer_idle_puts_the_lowered_writer_thread_alone_under_sched_idle(
+    engine: Engine, spool_dir: Path, idle: bool
+) -> None:
+    """TRAJGATE_WRITER_IDLE: the lowered writer thread also runs under SCHED_IDLE, which the kernel preempts as soon as
+    the event loop wakes; the event loop's thread and the relief keep the normal policy, and the writer still writes."""
+    writer = RecordWriter(engine, spool_dir, nice=7, idle=idle, **FAST)
+    writer.start()
+    try:
+        records = _written(writer, 20)
+        assert writer._thread is not None and writer._thread.native_id is not None
+        assert writer._relief is not None and writer._relief.native_id is not None
+        assert os.sched_getscheduler(writer._thread.native_id) == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
+        assert os.sched_getscheduler(writer._relief.native_id) == os.SCHED_OTHER
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # this thread, the event loop's in the gateway
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    finally:
+        writer.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is set only on Linux")
+def test_a_writer_at_the_loops_priority_is_not_made_idle() -> None:
+    """`idle` goes with a lowered writer: at nice 0 (one writer thread, no relief) it would be the only writer, and a
+    saturated core would starve it."""
+    seen: list[int] = []
+
+    def run() -> None:
+        threads.lower_os_priority(0, idle=True)
+        seen.append(os.sched_getscheduler(0))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert seen == [os.SCHED_OTHER]
+
+
+def test_the_gateway_makes_its_lowered_writer_idle_by_default(tmp_path: Path) -> None:
+    """The setting reaches the writer the gateway builds: on by default, off with TRAJGATE_WRITER_IDLE=false."""
+    for given, expected in (({}, True), ({"writer_idle": False}, False)):
+        settings = Settings(database_url="sqlite:///:memory:", spool_dir=tmp_path / str(expected), **given)
+        state = build_state(settings)
+        try:
+            assert state.writer._idle is expected and state.writer._nice == 19
+        finally:
+            state.engine.dispose()
 
 
 class _HeldFirstWrite:
@@ -687,6 +737,7 @@ from pathlib import Path
 from gateway.store.db import make_engine
 from gateway.recorder.spool_lines import read_spool_line
 from gateway.recorder.writer import RecordWriter
+from gateway.runs.settings import Settings
 writer = RecordWriter(make_engine("sqlite://"), Path(sys.argv[1]), queue_size=int(sys.argv[2]))
 for line in sys.stdin.buffer:
     writer.submit(read_spool_line(line))
