@@ -142,11 +142,14 @@ def _children_of(pid: int) -> list[int]:
     return out
 
 
-def pin_postgres(cluster: PgCluster, cpus: str) -> None:
-    """Pin the postmaster (new backends inherit it) and the processes it already forked."""
+def pin_postgres(cluster: PgCluster, cpus: str, idle: bool = False) -> None:
+    """Pin the postmaster (new backends inherit it) and the processes it already forked; with `idle`, also put them
+    under SCHED_IDLE (inherited the same way), so that any other task on their core preempts them when it wakes."""
     pid = int((cluster.data / "postmaster.pid").read_text().splitlines()[0])
     for target in [pid, *_children_of(pid)]:
         subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(target)], capture_output=True, check=False)
+        if idle:
+            os.sched_setscheduler(target, os.SCHED_IDLE, os.sched_param(0))
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
@@ -751,6 +754,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the gateway with TRAJGATE_WRITER_NICE=N: its writer thread (and process) N lower in "
                              "OS priority than the event loop (default: the gateway's, 19, with its relief thread; 0: "
                              "one writer thread at the event loop's priority)")
+    parser.add_argument("--postgres-idle", action="store_true",
+                        help="run Postgres under SCHED_IDLE on the upstream's core, so the fake upstream (vLLM's "
+                             "stand-in) is never kept waiting by the database's work on the gateway's batches; by "
+                             "default they share the core at one priority, as two services on one small machine")
     parser.add_argument("--gateway-env", action="append", default=[], metavar="TRAJGATE_NAME=VALUE",
                         help="a setting for the gateway (repeatable), e.g. TRAJGATE_WRITER_BATCH_SIZE=32: the "
                              "gateway otherwise gets none of this shell's TRAJGATE_ variables, only the benchmark's")
@@ -819,7 +826,7 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
     clusters.append(cluster)
     cluster.start()
     if two_cpus:
-        pin_postgres(cluster, str(UPSTREAM_CPU))
+        pin_postgres(cluster, str(UPSTREAM_CPU), idle=args.postgres_idle)
     url = cluster.url()
     from gateway.store import db
 
@@ -867,6 +874,7 @@ def _run(args: argparse.Namespace, plan: Plan, workdir: Path, procs: Processes, 
         return 1
     print(f"trajgate serve up in {time.monotonic() - t0:.1f}s (pid {gateway.pid}, CPU {GATEWAY_CPU}); "
           f"client on CPU {GATEWAY_CPU}; upstream and postgres on CPU {UPSTREAM_CPU}"
+          + ("; postgres under SCHED_IDLE" if args.postgres_idle else "")
           + (f"; writer nice {args.writer_nice}" if args.writer_nice is not None else ""), flush=True)
     if args.writer_process:
         deadline = time.monotonic() + 20

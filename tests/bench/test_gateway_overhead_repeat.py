@@ -6,12 +6,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from bench import gateway_overhead
+from tests.support.waiting import wait_until
 
 
 def run_result(c1_p99: float, c64: float, s1_p99: float, s64: float, cpu: float, cpu_stream: float,
@@ -102,3 +108,23 @@ def test_a_gateway_setting_that_is_not_trajgate_name_value_is_refused_before_any
         with pytest.raises(SystemExit) as exited:
             gateway_overhead.main(["--gateway-env", bad])
         assert exited.value.code == 2 and "expected TRAJGATE_NAME=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE and taskset are Linux's")
+@pytest.mark.parametrize("idle", [True, False])
+def test_postgres_idle_puts_the_postmaster_and_its_children_under_sched_idle(tmp_path: Path, idle: bool) -> None:
+    """--postgres-idle: the postmaster and what it already forked run under SCHED_IDLE (new backends inherit it);
+    without it they keep the normal policy."""
+    postmaster = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+    try:
+        wait_until(lambda: gateway_overhead._children_of(postmaster.pid), 10, "the sleep child")
+        (tmp_path / "postmaster.pid").write_text(f"{postmaster.pid}\n{tmp_path}\n")
+        gateway_overhead.pin_postgres(SimpleNamespace(data=tmp_path), "0", idle=idle)  # type: ignore[arg-type]
+        expected = os.SCHED_IDLE if idle else os.SCHED_OTHER
+        targets = [postmaster.pid, *gateway_overhead._children_of(postmaster.pid)]
+        assert len(targets) == 2 and all(os.sched_getscheduler(pid) == expected for pid in targets)
+    finally:
+        for pid in gateway_overhead._children_of(postmaster.pid):
+            os.kill(pid, signal.SIGKILL)
+        postmaster.kill()
+        postmaster.wait()
