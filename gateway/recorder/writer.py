@@ -391,7 +391,9 @@ class RecordWriter:
 
     def _run(self) -> None:
         name_os_thread()
-        lower_os_priority(self._nice, self._idle)
+        # Not SCHED_IDLE with a writer process: this thread then feeds it with no relief, and an idle thread would get
+        # next to nothing of a saturated core.
+        lower_os_priority(self._nice, self._idle and self._process is None)
         if self._process is not None:
             try:
                 self._process.start()

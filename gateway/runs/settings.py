@@ -152,8 +152,8 @@ class Settings(BaseSettings):
         True,
         description="With writer_nice above 0, the writer thread also runs under Linux's SCHED_IDLE policy, so the "
         "event loop, woken by a call, takes the core from it at once (a nice-19 thread may finish its slice first: on "
-        "a 6.18 kernel this took the added p99 at c=1 from +1.3 to +0.8 ms, bench/README.md). Not the relief, nor a "
-        "writer process.",
+        "a 6.18 kernel this took the added p99 at c=1 from +1.3 to +0.8 ms, bench/README.md). Not the relief, nor with "
+        "writer_process (the thread that feeds it has no relief).",
     )
     writer_slice_us: int = Field(
         50,

@@ -180,6 +180,28 @@ def test_writer_idle_puts_the_lowered_writer_thread_alone_under_sched_idle(
         writer.close()
 
 
+def test_a_writer_feeding_a_writer_process_is_not_made_idle(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a writer process the writer thread only feeds it, and has no relief: SCHED_IDLE would leave it next to
+    nothing of a saturated core, so it is only reniced."""
+    lowered: list[tuple[int, bool]] = []
+    monkeypatch.setattr(writer_module, "lower_os_priority", lambda nice, idle=False: lowered.append((nice, idle)))
+
+    class Process:
+        def start(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    writer = RecordWriter(engine, spool_dir, nice=19, idle=True, process=Process(), **FAST)  # type: ignore[arg-type]
+    writer.start()
+    wait_until(lambda: lowered, 10, "the writer thread's start")
+    writer.close()
+    assert lowered == [(19, False)]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is set only on Linux")
 def test_a_writer_at_the_loops_priority_is_not_made_idle() -> None:
     """`idle` goes with a lowered writer: at nice 0 (one writer thread, no relief) it would be the only writer, and a
