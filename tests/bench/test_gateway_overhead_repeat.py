@@ -110,7 +110,7 @@ def test_a_gateway_setting_that_is_not_trajgate_name_value_is_refused_before_any
         assert exited.value.code == 2 and "expected TRAJGATE_NAME=VALUE" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE and taskset are Linux's")
+@pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE, sched_getscheduler and taskset exist only on Linux")
 @pytest.mark.parametrize("idle", [True, False])
 def test_postgres_idle_puts_the_postmaster_and_its_children_under_sched_idle(tmp_path: Path, idle: bool) -> None:
     """--postgres-idle: the postmaster and what it already forked run under SCHED_IDLE (new backends inherit it);

@@ -36,6 +36,9 @@ from tests.support.pgcluster import PgCluster, free_port
 from tests.support.waiting import wait_until
 
 FAST = {"flush_interval_s": 0.01, "retry_interval_s": 0.1}
+# SCHED_IDLE and sched_getscheduler exist only on Linux; elsewhere the writer keeps its priority, and off-Linux tests
+# below check that nothing is changed there.
+LINUX_ONLY = pytest.mark.skipif(sys.platform != "linux", reason="SCHED_IDLE exists only on Linux")
 
 
 @pytest.fixture
@@ -159,7 +162,7 @@ def test_writer_nice_lowers_the_writer_thread_alone(engine: Engine, spool_dir: P
     assert not writer._relief.is_alive()  # close wakes it to stop
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is set only on Linux")
+@LINUX_ONLY
 @pytest.mark.parametrize("idle", [True, False])
 def test_writer_idle_puts_the_lowered_writer_thread_alone_under_sched_idle(
     engine: Engine, spool_dir: Path, idle: bool
@@ -202,7 +205,7 @@ def test_a_writer_feeding_a_writer_process_is_not_made_idle(
     assert lowered == [(19, False)]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own scheduling policy is set only on Linux")
+@LINUX_ONLY
 def test_a_writer_at_the_loops_priority_is_not_made_idle() -> None:
     """`idle` goes with a lowered writer: at nice 0 (one writer thread, no relief) it would be the only writer, and a
     saturated core would starve it."""
@@ -354,11 +357,12 @@ def test_off_linux_the_writer_keeps_its_priority_and_says_so(
 ) -> None:
     """Elsewhere setpriority takes a process id, which a thread id would name: nothing is reniced, and the log says
     why the setting has no effect."""
-    calls: list[tuple[int, int, int]] = []
+    calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(threads.sys, "platform", "darwin")
     monkeypatch.setattr(threads.os, "setpriority", lambda *args: calls.append(args))
+    monkeypatch.setattr(threads.os, "sched_setscheduler", lambda *args: calls.append(args), raising=False)
     with caplog.at_level(logging.WARNING, logger="trajgate.threads"):
-        threads.lower_os_priority(19)
+        threads.lower_os_priority(19, idle=True)
     assert calls == [] and "only on Linux" in caplog.text
 
 
