@@ -35,7 +35,14 @@ from typing import NamedTuple
 from sqlalchemy import Engine
 
 from gateway.recorder.spool import Segment, Spool, Syncer
-from gateway.recorder.spool_lines import is_record_error, packed_arrays, reason, spool_line
+from gateway.recorder.spool_lines import (
+    is_record_error,
+    packed_arrays,
+    read_spool_line,
+    read_spool_record,
+    reason,
+    spool_line,
+)
 from gateway.recorder.threads import Baton, lower_os_priority, name_os_thread
 from gateway.recorder.writer_process import WriterProcess
 from gateway.store.arrays import PackedArrays
@@ -96,13 +103,36 @@ QUIET_S = 0.1
 MIN_PAUSE_S = 0.000_001
 
 class _Entry(NamedTuple):
-    """A record on its way to the database, and where the log holds it."""
+    """A record on its way to the database, and where the log holds it.
 
-    record: CallRecord
+    Once its line is made, an entry waiting in the queue holds the line (bytes) and not the record, which the writer
+    thread reads back from the line when it takes the batch (`_records`), as replay does. A record's dicts and id lists
+    are a dozen objects the cyclic garbage collector tracks: while thousands waited behind a writer that gets the core
+    only when the event loop leaves it, each young collection on the loop's thread walked them all (4-13 ms at c=1 on
+    bench/gateway_overhead.py) and older ones walked them again. Bytes are not tracked."""
+
+    record: CallRecord | None  # None: the line holds it
     segment: Segment | None  # None: not logged
     offset: int  # of its line in the segment
     line: bytes | None  # None: it could not be made
-    packed: PackedArrays | None  # its arrays, packed for the line and handed to write_calls; None: not packed
+    # its arrays, packed for the line and handed to write_calls; None: not packed, or read back with the line
+    packed: PackedArrays | None
+
+
+def _records(batch: Sequence[_Entry]) -> tuple[list[CallRecord], list[PackedArrays | None]]:
+    """The batch's records and packed arrays, read back from their lines where the entries hold only those."""
+    records: list[CallRecord] = []
+    packed: list[PackedArrays | None] = []
+    for entry in batch:
+        if entry.record is not None:
+            records.append(entry.record)
+            packed.append(entry.packed)
+        else:
+            assert entry.line is not None  # an entry without a record is one whose line was made
+            record, arrays = read_spool_record(entry.line)
+            records.append(record)
+            packed.append(arrays)
+    return records, packed
 
 
 class RecordWriter:
@@ -255,6 +285,9 @@ class RecordWriter:
             log.error("cannot log call %s: %s", record.id, exc)
             self._count(WriterCounters(records_unlogged=1))
             return _Entry(record, None, 0, None, None)
+        # The line stands for the record from here on (`_Entry`), except for a writer process: the thread feeding it
+        # sends lines and would read records back only to set one aside.
+        kept, kept_packed = (record, packed) if self._process is not None else (None, None)
         try:
             segment, offset = self._spool.append(line, 1)
         except Exception as exc:  # OSError (EMFILE, a full disk) or anything else: the call is answered regardless
@@ -262,9 +295,9 @@ class RecordWriter:
                 self._log_failing = True
                 log.error("spool append failed; records are kept in memory only until it works again: %s", exc)
             self._count(WriterCounters(records_unlogged=1, spool_errors=1))
-            return _Entry(record, None, 0, line, packed)
+            return _Entry(kept, None, 0, line, kept_packed)
         self._log_failing = False
-        return _Entry(record, segment, offset, line, packed)
+        return _Entry(kept, segment, offset, line, kept_packed)
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -444,9 +477,8 @@ class RecordWriter:
             if batch:
                 self._inflight = batch
                 with giving_way(self._slice_s, self._pause):
-                    written = self.db_up and self._write(
-                        [entry.record for entry in batch], [entry.line for entry in batch], [e.packed for e in batch]
-                    )
+                    records, packed = _records(batch)
+                    written = self.db_up and self._write(records, [entry.line for entry in batch], packed)
                 if written:
                     self._committed(batch)
                 else:
@@ -657,8 +689,13 @@ class RecordWriter:
         for entry in entries:
             if entry.segment is not None:
                 continue
+            if entry.record is None:  # its line holds it (`_Entry`): read back only to be held if the log fails
+                assert entry.line is not None
+                lines.append(entry.line)
+                kept.append(read_spool_line(entry.line))
+                continue
             try:
-                lines.append(spool_line(entry.record, entry.packed))
+                lines.append(entry.line if entry.line is not None else spool_line(entry.record, entry.packed))
                 kept.append(entry.record)
             except Exception as exc:  # what could not be serialised for the log cannot be kept on disk either
                 log.error("cannot spool call %s: %s", entry.record.id, exc)

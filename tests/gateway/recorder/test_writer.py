@@ -4,6 +4,8 @@ and `submit` never waits on the database."""
 from __future__ import annotations
 
 import asyncio
+import copy
+import gc
 import logging
 import math
 import os
@@ -27,7 +29,7 @@ from gateway.recorder.spool_lines import packed_arrays, read_spool_line, read_sp
 from gateway.recorder.writer import RecordWriter
 from gateway.runs.settings import Settings
 from gateway.store import db
-from gateway.store.arrays import PackedArrays, decode_logprobs, pack_arrays
+from gateway.store.arrays import PackedArrays, decode_ids, decode_logprobs, pack_arrays
 from gateway.store.call_record import CallRecord
 from gateway.store.models import Call
 from gateway.store.records import count_calls, write_calls
@@ -419,6 +421,42 @@ async def test_database_outage_loses_nothing_and_never_blocks_submit(tmp_path: P
         writer.close()
         engine.dispose()
         cluster.destroy()
+
+
+def _live_call_records() -> int:
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, CallRecord))
+
+
+def test_queued_records_wait_as_their_lines_and_are_stored_whole(engine: Engine, spool_dir: Path) -> None:
+    """A record waiting in the queue is its spool line, not a CallRecord with its dicts and lists: nothing for the
+    cyclic garbage collector to walk on the event loop's thread while the writer lags. What the writer reads back
+    from the line is what the database gets, field for field."""
+    writer = RecordWriter(engine, spool_dir, **FAST)
+    request = {"logit_bias": {"50256": -100}, "messages": [{"role": "user", "content": "é"}]}
+    usage = {"prompt_tokens": 8, "completion_tokens": 4}
+    expected = [
+        make_record(f"whole-{i}", 0, seed=i, request=request, usage=usage, latency_ms=1.25 + i) for i in range(40)
+    ]
+    before = _live_call_records()
+    for record in expected:  # not started: every record waits in the queue
+        writer.submit(copy.deepcopy(record))
+    assert writer.stats().queue_depth == len(expected)
+    assert _live_call_records() == before  # the copies are gone: the queue holds no record object
+    writer.start()
+    try:
+        assert writer.flush(20)
+        with engine.connect() as conn:
+            rows = {row.id: row for row in conn.execute(select(Call))}
+        for record in expected:
+            row = rows[record.id]
+            assert (row.request, row.response, row.usage, row.latency_ms) == (
+                record.request, record.response, record.usage, record.latency_ms
+            )
+            assert decode_ids(row.prompt_token_ids) == record.prompt_token_ids  # each its own root: stored whole
+            assert decode_ids(row.completion_token_ids) == record.completion_token_ids
+            assert decode_logprobs(row.completion_logprobs) == record.completion_logprobs
+    finally:
+        writer.close()
 
 
 def test_full_queue_spills_to_the_spool_and_arrives_later(engine: Engine, spool_dir: Path) -> None:
