@@ -1,4 +1,4 @@
-"""The hot path: receive -> attribute -> forward -> stream back -> enqueue the record.
+"""The hot path: receive -> attribute -> admit -> forward -> relay -> record (enqueue the record for the writer).
 
 Written as a raw ASGI handler (no framework routing or validation on the way) because it sits in front of
 every model call; everything it records goes to the writer's queue and it never awaits the database. `serve` is the
