@@ -124,6 +124,9 @@ INVALID = [
 
 def test_invalid_rewards_are_422(gateway: RunningGateway, upstream: FakeUpstream) -> None:
     make_calls(gateway, upstream, ["bad-a"], group="g-bad", size=1)
+    # A refused reward is refused before it waits for the writer, and the group read below does not wait: without
+    # this the call may still be queued behind the lowered writer on a busy machine, and the group not found yet.
+    gateway.flush()
     for body, needle in INVALID:
         response = httpx.post(f"{gateway.base_url}/trajectories/bad-a/reward", content=body)
         error = assert_openai_error(response, 422)
