@@ -108,7 +108,7 @@ class _Entry(NamedTuple):
     Once its line is made, an entry waiting in the queue holds the line (bytes) and not the record, which the writer
     thread reads back from the line when it takes the batch (`_records`), as replay does. A record's dicts and id lists
     are a dozen objects the cyclic garbage collector tracks: while thousands waited behind a writer that gets the core
-    only when the event loop leaves it, each young collection on the loop's thread walked them all (4-13 ms at c=1 on
+    only when the event loop leaves it, each young collection on the loop's thread walked them all (3-13 ms at c=1 on
     bench/gateway_overhead.py) and older ones walked them again. Bytes are not tracked."""
 
     record: CallRecord | None  # None: the line holds it
