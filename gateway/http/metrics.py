@@ -90,7 +90,7 @@ class _WriterCollector(Collector):
         )
         yield CounterMetricFamily(
             "trajgate_writer_relief_turns",
-            "Times a backlog had the writer's loop taken over by its normal-priority thread (TRAJGATE_WRITER_NICE > 0)",
+            "Times a backlog or a waiter had the writer's loop taken over by its normal-priority thread (TRAJGATE_WRITER_NICE > 0)",
             stats["relief_turns"],
         )
 

@@ -73,7 +73,7 @@ class WriterCounters:
     spool_errors: int = 0
     sync_errors: int = 0
     write_errors: int = 0
-    relief_turns: int = 0  # times a backlog had the normal-priority thread take the loop over (RecordWriter._relieve)
+    relief_turns: int = 0  # times a backlog or a waiter had the normal-priority thread take the loop over (_relieve)
 
     def add(self, other: WriterCounters) -> None:
         """Add `other`'s counts to these (the caller holds the writer's lock)."""
@@ -117,6 +117,15 @@ class _Entry(NamedTuple):
     line: bytes | None  # None: it could not be made
     # its arrays, packed for the line and handed to write_calls; None: not packed, or read back with the line
     packed: PackedArrays | None
+
+
+class _Queue(queue.Queue[_Entry]):
+    """The writer's queue, which can also be waited on without taking anything (`RecordWriter._await_batch`)."""
+
+    def wait_for_any(self, timeout_s: float) -> bool:
+        """Whether an entry is queued, waiting up to `timeout_s` for one."""
+        with self.not_empty:
+            return bool(self.not_empty.wait_for(self._qsize, timeout_s))
 
 
 def _records(batch: Sequence[_Entry]) -> tuple[list[CallRecord], list[PackedArrays | None]]:
@@ -175,7 +184,7 @@ class RecordWriter:
         # writer gets little of a saturated core, and the database would fall ever further behind the answers.
         self._baton = Baton()
         self._relief: threading.Thread | None = None
-        self._backlog = threading.Event()  # set by `submit` when records pile up, and by `close`
+        self._backlog = threading.Event()  # set by `submit` when records pile up, by a waiter (`_lift`), by `close`
         # How the writer thread shares the event loop's core: it pauses for up to `pause_s` after each `slice_s` of
         # writing a batch from the queue (gateway.store.courtesy, `_pause`); a slice of 0 never pauses.
         self._slice_s = slice_s
@@ -185,7 +194,7 @@ class RecordWriter:
         self._process = process  # where batches are written; None: on the writer thread itself
         self._spool = Spool(Path(spool_dir), segment_bytes, sync_each=fsync_interval_s == 0, fsync=fsync)
         self._syncer = Syncer(self._sync, fsync_interval_s) if fsync_interval_s > 0 else None
-        self._queue: queue.Queue[_Entry] = queue.Queue(maxsize=queue_size)
+        self._queue: _Queue = _Queue(maxsize=queue_size)
         # The queue is also bounded by its records' spool lines' bytes: a count alone lets agents' long prompts (a
         # 30k-token prompt is ~1 MB as Python ints, ~5x its line) fill gigabytes before anything spills.
         self._queue_bytes = queue_bytes
@@ -207,6 +216,7 @@ class RecordWriter:
         self._closed = False
         self._submitted = 0
         self._settled = 0  # taken off the hot path: written, dropped to the log, rejected or lost
+        self._lift_until = 0  # the relief keeps the loop until this many are settled: someone waits for them (`_lift`)
         self._inflight: Sequence[_Entry] = ()
         # Records the log could not take (EMFILE, a full disk) and the database could not either: kept in memory and
         # retried from the writer thread, because a failing disk says nothing about the records themselves.
@@ -320,6 +330,8 @@ class RecordWriter:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             target = self._submitted
+            if not self._flushed_locked(target):
+                self._lift(target)
             while not self._flushed_locked(target):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -332,6 +344,8 @@ class RecordWriter:
         calls' records cannot take every database thread from the reads queued behind them."""
         with self._cond:
             target = self._submitted
+            if not self._flushed_locked(target):
+                self._lift(target)
         deadline = time.monotonic() + timeout_s
         delay = 0.001
         while True:
@@ -356,6 +370,16 @@ class RecordWriter:
 
     def _flushed_locked(self, target: int) -> bool:
         return self._settled >= target and not self._held and not (self.db_up and self._spool.pending)
+
+    def _lift(self, target: int) -> None:
+        """Someone waits for the records submitted before `target` (a reward for its trajectory's calls): a lowered
+        writer's relief writes them at the process's priority. Without it, a writer under SCHED_IDLE on a core that
+        other processes keep busy (a vLLM on the same machine, a client) got so little of it that five records took
+        1.4-2.4 s to store beside one busy process and 4.9-7.2 s beside three (a 2-core AMD EPYC): a reward waits 5 s
+        for them, then answers 404 for a trajectory that was just answered. Called under `_cond`."""
+        self._lift_until = max(self._lift_until, target)
+        if self._relief is not None:
+            self._backlog.set()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop accepting (later submits only go to the log), drain the queue, replay the log once more if the
@@ -436,8 +460,9 @@ class RecordWriter:
             self._replay_spool()
         going = True
         while going:
+            self._await_batch()  # out of the turn: a relief claiming the loop meanwhile gets it at once
             with self._baton.turn():
-                going = self._step()
+                going = self._step(gather=False)
         with self._baton.turn():
             if self.db_up:
                 self._replay_spool()
@@ -446,9 +471,9 @@ class RecordWriter:
     def _relieve(self) -> None:
         """The relief of a writer thread running at a lower OS priority: it keeps the process's priority, sleeps until
         `submit` sees records pile up (`_relieve_at` records or a quarter of the queue's bytes queued, the queue full,
-        or two batches queued with many calls in flight), then takes the loop over from the end of the writer's batch
-        until less than a batch waits, nothing has spilled and few calls are in flight, and hands it back; on `close`
-        it drains the queue. At nice 19 the writer took c=1's added p99 from +2.3 to +0.9 ms on a 2-core AMD EPYC, and
+        or two batches queued with many calls in flight) or someone waits for records (`_lift`), then takes the loop
+        over from the end of the writer's batch until less than a batch waits, nothing has spilled, few calls are in
+        flight and nobody waits, and hands it back; on `close` it drains the queue. At nice 19 the writer took c=1's added p99 from +2.3 to +0.9 ms on a 2-core AMD EPYC, and
         on a saturated core got 9 µs a request against the 57 it needs (bench/README.md): the relief writes then."""
         name_os_thread()
         while True:
@@ -456,23 +481,39 @@ class RecordWriter:
             with self._baton.claim():
                 if not self._stopping.is_set():
                     self._count(WriterCounters(relief_turns=1))
-                while self._stopping.is_set() or self._behind_still():
-                    if not self._step():  # stopping, and the queue is empty
-                        break
-                self._backlog.clear()
+                self._relief_turn()
             if self._stopping.is_set():
                 return
 
+    def _relief_turn(self) -> None:
+        """Write while behind (or, closing, until the queue is empty). The backlog event is cleared only once the
+        relief has caught up, then looked at once more: a waiter or a backlog that set it between the last look and the
+        clear would otherwise wait on the lowered writer."""
+        while True:
+            while self._stopping.is_set() or self._behind_still():
+                if not self._step():  # stopping, and the queue is empty
+                    return
+            self._backlog.clear()
+            if not self._behind_still():
+                return
+
     def _behind_still(self) -> bool:
-        """Whether the relief keeps the loop: a batch or more waits, records spilled, or many calls are in flight."""
+        """Whether the relief keeps the loop: a batch or more waits, records spilled, many calls are in flight, or
+        someone waits for records not yet settled (`_lift`)."""
         return (
-            self._queue.qsize() >= self._batch_size or self._spilling or self._calls_in_flight() > FEW_CALLS_IN_FLIGHT
+            self._queue.qsize() >= self._batch_size
+            or self._spilling
+            or self._calls_in_flight() > FEW_CALLS_IN_FLIGHT
+            or self._awaited()
         )
 
-    def _step(self) -> bool:
+    def _step(self, gather: bool = True) -> bool:
         """One turn of the batch loop: the next batch written (or dropped to the log while the database is down), the
-        log rotated and replayed when due. False once the writer is stopping and the queue is empty."""
+        log rotated and replayed when due. False once the writer is stopping and the queue is empty. Without `gather`,
+        the batch is what waits now: the writer thread gathered it out of its turn (`_await_batch`)."""
         try:
+            if gather:
+                self._await_batch()
             batch = self._next_batch()
             if batch:
                 self._inflight = batch
@@ -514,28 +555,44 @@ class RecordWriter:
         behind = min(1.0, self._queue.qsize() / self._batch_size)
         return max(MIN_PAUSE_S, self._pause_s * (1.0 - behind))
 
+    def _await_batch(self) -> None:
+        """Wait, taking nothing, until a batch is worth taking: a batch's worth queued, the flush interval passed since
+        the first record came, someone waiting for records (`_awaited`: five records a waiter waited for were stored
+        in 4-13 ms where gathering took 55-60), or the writer stopping; a flush interval at most when nothing comes (the turn then
+        rotates and replays the log when due). The queue is looked at a few times per flush interval, not at each
+        record: every wake-up takes the GIL from the event loop for a moment (two context switches when both share a
+        core), and under load that happened once per answered call.
+
+        The writer thread waits out of its turn, so a relief claiming the loop meanwhile (a waiter, a backlog) gets it
+        at once and writes these very records. A writer under SCHED_IDLE that took them first and waited in its turn
+        had to get the core back after each wait before the turn could end: beside three busy processes on its core,
+        five records a waiter had claimed the loop for still took 2.7-6.9 s (a 2-core AMD EPYC)."""
+        if not self._queue.wait_for_any(self._flush_interval_s):
+            return
+        deadline = time.monotonic() + self._flush_interval_s
+        while self._queue.qsize() < self._batch_size and not self._stopping.is_set() and not self._awaited():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._stopping.wait(min(remaining, self._flush_interval_s / _DRAINS_PER_FLUSH))
+
+    def _awaited(self) -> bool:
+        """Whether someone waits for records not yet settled (`_lift`): then a batch is written as it stands, not
+        gathered for the rest of the flush interval."""
+        return self._settled < self._lift_until
+
     def _next_batch(self) -> list[_Entry]:
+        """Held records when their retry is due, else up to a batch of what is queued now."""
         if self._held and not self._stopping.is_set() and time.monotonic() >= self._next_held_retry:
             return [_Entry(record, None, 0, None, None) for record in self._take_held(self._batch_size)]
-        try:
-            batch = [self._queue.get(timeout=self._flush_interval_s)]
-        except queue.Empty:
-            return []
-        # The rest of the batch is gathered by draining the queue a few times per flush interval, not by waking up
-        # for each record: every wake-up takes the GIL from the event loop for a moment (two context switches when
-        # both share a core), and under load that happened once per answered call.
-        deadline = time.monotonic() + self._flush_interval_s
-        while True:
-            while len(batch) < self._batch_size:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            remaining = deadline - time.monotonic()
-            if len(batch) >= self._batch_size or remaining <= 0 or self._stopping.is_set():
-                self._dequeued(batch)
-                return batch
-            self._stopping.wait(min(remaining, self._flush_interval_s / _DRAINS_PER_FLUSH))
+        batch: list[_Entry] = []
+        while len(batch) < self._batch_size:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        self._dequeued(batch)
+        return batch
 
     def _take_held(self, limit: int) -> list[CallRecord]:
         records: list[CallRecord] = []

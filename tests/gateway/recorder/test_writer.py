@@ -151,14 +151,18 @@ def test_writer_nice_lowers_the_writer_thread_alone(engine: Engine, spool_dir: P
     writer = RecordWriter(engine, spool_dir, nice=7, **FAST)
     writer.start()
     try:
-        records = _written(writer, 20)
+        records = _records(20)
+        for record in records:
+            writer.submit(record)
+        # Watched, not waited for with flush: a waiter has the relief write (the waiter tests below).
+        wait_until(lambda: writer.counters.records_written == 20, 20, "the lowered writer writing the records")
         assert writer._thread is not None and writer._thread.native_id is not None
         assert os.getpriority(os.PRIO_PROCESS, writer._thread.native_id) == min(19, base + 7)
         assert os.getpriority(os.PRIO_PROCESS, 0) == base  # this thread, the event loop's in the gateway
         assert writer._relief is not None and writer._relief.native_id is not None
         assert os.getpriority(os.PRIO_PROCESS, writer._relief.native_id) == base  # the relief keeps the process's
         assert sorted(_ids(engine)) == sorted(r.id for r in records)
-        assert writer.counters.relief_turns == 0  # 20 records are no backlog
+        assert writer.counters.relief_turns == 0  # 20 records are no backlog, and nobody waited
     finally:
         writer.close()
     assert not writer._relief.is_alive()  # close wakes it to stop
@@ -278,6 +282,43 @@ def test_a_backlog_hands_the_lowered_writer_s_loop_to_its_relief(
         assert writer.counters.relief_turns == 1 and writer.counters.records_spooled == 0
         assert held.writers[:2] == ["trajgate-writer", "trajgate-relief"]  # the relief wrote the next batch
         assert writer.counters.records_written == 30 and sorted(_ids(engine)) == sorted(r.id for r in records)
+    finally:
+        go_on.set()
+        writer.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a lowered writer and its relief exist only on Linux")
+@pytest.mark.parametrize("waiter", ["flush", "settled"])
+def test_a_waiter_hands_the_lowered_writer_s_loop_to_its_relief(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch, waiter: str
+) -> None:
+    """A few records are no backlog, but someone waiting for them (a reward for its trajectory's calls) has the relief
+    claim the loop at the end of the lowered writer's batch and write them: a writer on a core other processes keep
+    busy would have the reward wait seconds, then answer 404 for a trajectory just answered."""
+    writer = RecordWriter(engine, spool_dir, nice=19, queue_size=40, batch_size=4, **FAST)
+    held = _HeldFirstWrite(writer, monkeypatch)
+    writer.start()
+    records = _records(7)  # fewer than `_relieve_at` (10) and than a batch behind the held one: no backlog
+    go_on = held.go_on
+    try:
+        writer.submit(records[0])
+        assert held.in_batch.wait(10)
+        for record in records[1:]:
+            writer.submit(record)
+        time.sleep(0.2)
+        assert not writer._baton.claimed and writer.counters.relief_turns == 0  # nobody waits yet
+        done: list[bool] = []
+        wait = (lambda: writer.flush(20)) if waiter == "flush" else (lambda: asyncio.run(writer.settled(20)))
+        waiting = threading.Thread(target=lambda: done.append(wait()))
+        waiting.start()
+        wait_until(lambda: writer._baton.claimed, 10, "the relief claiming the loop for the waiter")
+        go_on.set()
+        waiting.join(20)
+        assert done == [True]
+        assert writer.counters.relief_turns == 1
+        assert held.writers[0] == "trajgate-writer" and set(held.writers[1:]) == {"trajgate-relief"}
+        assert writer.counters.records_written == 7 and sorted(_ids(engine)) == sorted(r.id for r in records)
+        wait_until(lambda: not writer._baton.claimed, 10, "the relief handing the loop back once nobody waits")
     finally:
         go_on.set()
         writer.close()
