@@ -1,7 +1,9 @@
 """The hot path: receive -> attribute -> admit -> forward -> relay -> record (enqueue the record for the writer).
 
 Written as a raw ASGI handler (no framework routing or validation on the way) because it sits in front of
-every model call; everything it records goes to the writer's queue and it never awaits the database. `serve` is the
+every model call; everything it records goes to the writer's queue, and it awaits the database only in the bounded cases
+docs/design.md lists: a group this process has not seen admitted, a token_in turn whose predecessor is not in this
+process's memory, a Responses `previous_response_id` not in memory. `serve` is the
 one path every model call takes once its request is parsed, the APIs translated at the edge included; it answers
 through the call's `Answer` (gateway/proxy/exchange.py), in dicts, so only the chat client's answer is serialised.
 """

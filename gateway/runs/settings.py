@@ -145,8 +145,10 @@ class Settings(BaseSettings):
         description="How much lower the writer's OS priority is than the event loop's (its thread's, on Linux, and its "
         "process's with writer_process): the event loop, woken by a call, then takes the core from a writer writing a "
         "batch (on a 2-core AMD EPYC, 19 took the added p99 at c=1 from +2.3 to +0.9 ms, bench/README.md). "
-        "While records pile up, a relief "
-        "thread at the process's priority writes instead (not with writer_process). 0: one writer thread, no relief.",
+        "While records pile up or a reward waits for them, a relief "
+        "thread at the process's priority writes instead (not with writer_process). 0: one writer thread, no relief; "
+        "the setting for a machine whose cores other processes keep busy (vLLM CPU beside the gateway), where a lowered "
+        "writer preempted holding the GIL stalls the event loop (bench/README.md, writer_starved.py).",
     )
     writer_idle: bool = Field(
         True,

@@ -453,6 +453,10 @@ def demo_env(database_url: str, vllm: VllmServer, served: str, weights: Path, wo
         "TRAJGATE_SPOOL_DIR": str(workdir / "spool"),
         "TRAJGATE_AGENT_KEYS": agent_keys,
         "TRAJGATE_ADMIN_KEY": admin_key,
+        # vLLM CPU and the trainer keep every core busy beside the gateway: a lowered writer would get next to none
+        # of them and stall the event loop while preempted with the GIL (bench/README.md, "The writer on a busy
+        # machine"). The user's own setting wins.
+        "TRAJGATE_WRITER_NICE": os.environ.get("TRAJGATE_WRITER_NICE", "0"),
         "PYTHONUNBUFFERED": "1",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # the trainer's weight-loading bars, relayed line by line
     }

@@ -325,6 +325,38 @@ def test_a_waiter_hands_the_lowered_writer_s_loop_to_its_relief(
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="a lowered writer and its relief exist only on Linux")
+def test_the_lowered_writer_gathers_its_batch_out_of_its_turn(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the lowered writer gathers a batch (a long flush interval here) it holds neither the records nor the
+    loop: a waiter's relief claims the loop at once and writes them itself. A writer that took them first would keep
+    the claim waiting until it got the core back, seconds on a core other processes keep busy."""
+    writer = RecordWriter(engine, spool_dir, nice=19, batch_size=4, flush_interval_s=5.0, retry_interval_s=0.1)
+    writers: list[str] = []
+    write = writer._write
+
+    def named_write(
+        records: Sequence[CallRecord], lines: Sequence[bytes | None], packed: Sequence[PackedArrays | None]
+    ) -> bool:
+        writers.append(threading.current_thread().name)
+        return write(records, lines, packed)
+
+    monkeypatch.setattr(writer, "_write", named_write)
+    writer.start()
+    try:
+        time.sleep(0.2)  # past the start-up replay: the writer waits for records
+        records = _records(2)  # fewer than a batch: the writer would gather them for up to 5 s
+        for record in records:
+            writer.submit(record)
+        time.sleep(0.2)
+        assert writer.flush(10)
+        assert writers == ["trajgate-relief"] and writer.counters.relief_turns == 1  # not after the writer's gathering
+        assert sorted(_ids(engine)) == sorted(r.id for r in records)
+    finally:
+        writer.close()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a lowered writer and its relief exist only on Linux")
 def test_closing_a_lowered_writer_drains_its_queue_on_the_relief(
     engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -331,3 +331,15 @@ def test_the_demos_vllm_has_a_slot_per_kept_adapter_and_the_trainer_is_told(tmp_
     assert set(TASKS["tools"].vllm_args) <= set(two.extra_args)  # the tool parser, harmless to trivia
     env = demo_env("sqlite:///x.db", two, "m", tmp_path, tmp_path)
     assert env["TRAJGATE_VLLM_MAX_LORAS"] == "6" and env["TRAJGATE_UPSTREAM_URL"] == two.base_url
+
+
+def test_the_demos_gateway_writes_at_its_own_priority_unless_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM CPU and the trainer keep every core busy beside the demo's gateway, where a lowered writer stalls the event
+    loop (bench/writer_starved.py): the demo's gateway writes at its own priority, unless the user set one."""
+    server = vllm_server(tmp_path, "m", [TASKS["trivia"]], keep_adapters=2, cpus=[0])
+    monkeypatch.delenv("TRAJGATE_WRITER_NICE", raising=False)
+    assert demo_env("sqlite:///x.db", server, "m", tmp_path, tmp_path)["TRAJGATE_WRITER_NICE"] == "0"
+    monkeypatch.setenv("TRAJGATE_WRITER_NICE", "7")
+    assert demo_env("sqlite:///x.db", server, "m", tmp_path, tmp_path)["TRAJGATE_WRITER_NICE"] == "7"
