@@ -245,8 +245,16 @@ class _HeldFirstWrite:
     def __init__(self, writer: RecordWriter, monkeypatch: pytest.MonkeyPatch) -> None:
         self.in_batch, self.go_on = threading.Event(), threading.Event()
         self.writers: list[str] = []
+        self._writer = writer
         self._write = writer._write
         monkeypatch.setattr(writer, "_write", self.write)
+
+    def submit_behind_the_first(self, records: Sequence[CallRecord]) -> None:
+        """Submit the first record, and the rest once the writer holds it in its write."""
+        self._writer.submit(records[0])
+        assert self.in_batch.wait(10)
+        for record in records[1:]:
+            self._writer.submit(record)
 
     def write(
         self, records: Sequence[CallRecord], lines: Sequence[bytes | None], packed: Sequence[PackedArrays | None]
@@ -271,10 +279,7 @@ def test_a_backlog_hands_the_lowered_writer_s_loop_to_its_relief(
     records = _records(30)
     go_on = held.go_on
     try:
-        writer.submit(records[0])
-        assert held.in_batch.wait(10)
-        for record in records[1:]:
-            writer.submit(record)
+        held.submit_behind_the_first(records)
         wait_until(lambda: writer._baton.claimed, 10, "the relief claiming the loop")
         assert writer.stats().queue_depth == 29 and writer.counters.records_written == 0
         go_on.set()
@@ -301,10 +306,7 @@ def test_a_waiter_hands_the_lowered_writer_s_loop_to_its_relief(
     records = _records(7)  # fewer than `_relieve_at` (10) and than a batch behind the held one: no backlog
     go_on = held.go_on
     try:
-        writer.submit(records[0])
-        assert held.in_batch.wait(10)
-        for record in records[1:]:
-            writer.submit(record)
+        held.submit_behind_the_first(records)
         time.sleep(0.2)
         assert not writer._baton.claimed and writer.counters.relief_turns == 0  # nobody waits yet
         done: list[bool] = []
@@ -368,10 +370,7 @@ def test_closing_a_lowered_writer_drains_its_queue_on_the_relief(
     records = _records(9)  # fewer than `_relieve_at`: no backlog
     go_on, writers = held.go_on, held.writers
     try:
-        writer.submit(records[0])
-        assert held.in_batch.wait(10)
-        for record in records[1:]:
-            writer.submit(record)
+        held.submit_behind_the_first(records)
         closing = threading.Thread(target=writer.close)
         closing.start()
         wait_until(lambda: writer._baton.claimed, 10, "the relief claiming the loop to drain it")
