@@ -473,8 +473,9 @@ class RecordWriter:
         `submit` sees records pile up (`_relieve_at` records or a quarter of the queue's bytes queued, the queue full,
         or two batches queued with many calls in flight) or someone waits for records (`_lift`), then takes the loop
         over from the end of the writer's batch until less than a batch waits, nothing has spilled, few calls are in
-        flight and nobody waits, and hands it back; on `close` it drains the queue. At nice 19 the writer took c=1's added p99 from +2.3 to +0.9 ms on a 2-core AMD EPYC, and
-        on a saturated core got 9 µs a request against the 57 it needs (bench/README.md): the relief writes then."""
+        flight and nobody waits, and hands it back; on `close` it drains the queue. At nice 19 the writer took c=1's
+        added p99 from +2.3 to +0.9 ms on a 2-core AMD EPYC, and on a saturated core got 9 µs a request against the 57
+        it needs (bench/README.md): the relief writes then."""
         name_os_thread()
         while True:
             self._backlog.wait()
@@ -558,10 +559,10 @@ class RecordWriter:
     def _await_batch(self) -> None:
         """Wait, taking nothing, until a batch is worth taking: a batch's worth queued, the flush interval passed since
         the first record came, someone waiting for records (`_awaited`: five records a waiter waited for were stored
-        in 4-13 ms where gathering took 55-60), or the writer stopping; a flush interval at most when nothing comes (the turn then
-        rotates and replays the log when due). The queue is looked at a few times per flush interval, not at each
-        record: every wake-up takes the GIL from the event loop for a moment (two context switches when both share a
-        core), and under load that happened once per answered call.
+        in 4-13 ms where gathering took 55-60), or the writer stopping; a flush interval at most when nothing comes
+        (the turn then rotates and replays the log when due). The queue is looked at a few times per flush interval,
+        not at each record: every wake-up takes the GIL from the event loop for a moment (two context switches when
+        both share a core), and under load that happened once per answered call.
 
         The writer thread waits out of its turn, so a relief claiming the loop meanwhile (a waiter, a backlog) gets it
         at once and writes these very records. A writer under SCHED_IDLE that took them first and waited in its turn
