@@ -335,7 +335,8 @@ def test_the_lowered_writer_gathers_its_batch_out_of_its_turn(
     the claim waiting until it got the core back, seconds on a core other processes keep busy."""
     writer = RecordWriter(engine, spool_dir, nice=19, batch_size=4, flush_interval_s=5.0, retry_interval_s=0.1)
     writers: list[str] = []
-    write = writer._write
+    write, wait_for_any, stopping_wait = writer._write, writer._queue.wait_for_any, writer._stopping.wait
+    waiting, gathering = threading.Event(), threading.Event()
 
     def named_write(
         records: Sequence[CallRecord], lines: Sequence[bytes | None], packed: Sequence[PackedArrays | None]
@@ -343,14 +344,24 @@ def test_the_lowered_writer_gathers_its_batch_out_of_its_turn(
         writers.append(threading.current_thread().name)
         return write(records, lines, packed)
 
+    def waits_for_records(timeout_s: float) -> bool:
+        waiting.set()  # past the start-up replay
+        return wait_for_any(timeout_s)
+
+    def gathers(timeout: float | None = None) -> bool:
+        gathering.set()  # it has seen the records and waits for more
+        return stopping_wait(timeout)
+
     monkeypatch.setattr(writer, "_write", named_write)
+    monkeypatch.setattr(writer._queue, "wait_for_any", waits_for_records)
+    monkeypatch.setattr(writer._stopping, "wait", gathers)
     writer.start()
     try:
-        time.sleep(0.2)  # past the start-up replay: the writer waits for records
-        records = _records(2)  # fewer than a batch: the writer would gather them for up to 5 s
+        assert waiting.wait(10)
+        records = _records(2)  # fewer than a batch: the writer would gather them for up to 5 s, looking every 0.5
         for record in records:
             writer.submit(record)
-        time.sleep(0.2)
+        assert gathering.wait(10)
         assert writer.flush(10)
         assert writers == ["trajgate-relief"] and writer.counters.relief_turns == 1  # not after the writer's gathering
         assert sorted(_ids(engine)) == sorted(r.id for r in records)
