@@ -92,7 +92,7 @@ def build_state(settings: Settings) -> GatewayState:
     messages = MessagesApi(proxy)
     peers = Peers(
         engine, writer, metrics, settings.peer_poll_s, settings.peer_alive_s, settings.peer_wait_s,
-        lambda: policy_router.read_at,
+        settings.writer_wait_s, lambda: policy_router.read_at,
     )  # fmt: skip
     proxy.token_in.peers = peers
     return GatewayState(

@@ -30,8 +30,6 @@ from gateway.store.rewards import RewardsRejected
 log = logging.getLogger("trajgate.judge")
 router = APIRouter(dependencies=[Depends(require_admin)])
 
-FLUSH_TIMEOUT_S = 5.0
-
 
 def judgement_body(outcome: GroupJudgement) -> dict[str, Any]:
     judgement = outcome.judgement
@@ -75,7 +73,7 @@ async def judge_now(group_id: str, request: Request) -> Response:
     if not isinstance(overrides, dict):
         raise GatewayError(422, "body: expected a JSON object of judge settings (or no body)", code="invalid_value")
     gw = gateway_state(request)
-    await gw.peers.settled(FLUSH_TIMEOUT_S)  # the group's last calls may still be queued, here or elsewhere
+    await gw.peers.settled()  # the group's last calls may still be queued, here or elsewhere
     group = await asyncio.to_thread(load_group, gw.engine, group_id)
     if group is None or not group.trajectories:
         message = f"no group {group_id!r}: no call of this group has been recorded"

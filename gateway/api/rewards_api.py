@@ -34,9 +34,6 @@ from gateway.store.rewards import RewardItem, RewardResult, RewardsRejected, clo
 
 router = APIRouter(dependencies=[Depends(require_agent)])
 
-# Longest a reward waits for this gateway's queued records to reach the database before it goes ahead anyway
-# (other gateways' writers: TRAJGATE_PEER_WAIT_S).
-FLUSH_TIMEOUT_S = 5.0
 _STATUS = {"not_found": 404, "conflict": 409}
 
 
@@ -71,7 +68,7 @@ def _result(result: RewardResult) -> dict[str, Any]:
 
 async def _store(request: Request, items: Sequence[RewardItem]) -> list[RewardResult]:
     gw = gateway_state(request)
-    await gw.peers.settled(FLUSH_TIMEOUT_S)
+    await gw.peers.settled()
     return await asyncio.to_thread(store_rewards, gw.engine, items, agent_runs(request))
 
 
@@ -139,7 +136,7 @@ async def close(group_id: str, request: Request) -> dict[str, Any]:
     """Declare the group complete: ready once every trajectory it has is rewarded, whatever its expected size."""
     check_id(group_id, "group id")
     gw = gateway_state(request)
-    await gw.peers.settled(FLUSH_TIMEOUT_S)
+    await gw.peers.settled()
     state = await asyncio.to_thread(close_group, gw.engine, group_id, agent_runs(request))
     if state is None:
         message = f"no group {group_id!r}: no call of this group has been recorded"

@@ -96,7 +96,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_: Request, exc: GatewayError) -> Response:
-        return Response(exc.body(), status_code=exc.status, media_type="application/json")
+        return Response(exc.body(), status_code=exc.status, media_type="application/json", headers=exc.headers())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:

@@ -15,6 +15,7 @@ class GatewayError(Exception):
         type_: str = "invalid_request_error",
         code: str | int | None = None,
         param: str | None = None,
+        retry_after_s: int | None = None,
     ):
         # code and param are vLLM's own (an int code, the offending field) when its client error is passed through
         super().__init__(message)
@@ -23,6 +24,10 @@ class GatewayError(Exception):
         self.type = type_
         self.code = code
         self.param = param
+        self.retry_after_s = retry_after_s  # sent as Retry-After: the request may succeed when retried after it
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"retry-after": str(self.retry_after_s)}
 
     def body(self) -> bytes:
         return error_body(self.message, self.type, self.code, self.param)

@@ -53,8 +53,7 @@ class Refused(GatewayError):
     """429 in the OpenAI error shape, with the seconds after which a retry may find room."""
 
     def __init__(self, message: str, code: str, retry_after_s: int) -> None:
-        super().__init__(429, message, "rate_limit_error", code)
-        self.retry_after_s = retry_after_s
+        super().__init__(429, message, "rate_limit_error", code, retry_after_s=retry_after_s)
 
 
 @dataclass(eq=False)

@@ -26,7 +26,7 @@ from gateway.http.errors import GatewayError
 from gateway.http.metrics import GatewayMetrics
 from gateway.http.sse import DONE_PAYLOAD
 from gateway.proxy import capture, sampling
-from gateway.proxy.admit import Admission, Refused
+from gateway.proxy.admit import Admission
 from gateway.proxy.asgi_io import ChatAnswer, relay_until_done, send_bytes
 from gateway.proxy.attribution import PathPrefix, attribute, check_bound, check_run, split_api_key
 from gateway.proxy.exchange import Answer, Caller, Exchange
@@ -204,8 +204,7 @@ class Proxy:
         """Answer a call refused before it was forwarded (nothing is recorded: nothing was generated)."""
         self.metrics.count_request(endpoint, error.status)
         headers = [(b"x-request-id", request_id.encode())]
-        if isinstance(error, Refused):
-            headers.append((b"retry-after", str(error.retry_after_s).encode()))
+        headers += [(name.encode(), value.encode()) for name, value in error.headers().items()]
         await answer.error(error, headers)
 
     async def _forward(self, call: Exchange, path: str, payload: bytes) -> None:

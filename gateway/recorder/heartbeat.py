@@ -58,6 +58,7 @@ class Peers:
         poll_s: float,
         alive_s: float,
         wait_s: float,
+        writer_wait_s: float,
         routes_read_at: Callable[[], float | None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -69,6 +70,7 @@ class Peers:
         self._poll_s = poll_s
         self._alive_s = alive_s
         self._wait_s = wait_s
+        self._writer_wait_s = writer_wait_s
         self._routes_read_at = routes_read_at
         # A beat's moment and the writer's mark taken right after it: published once the mark is reached.
         self._pending: tuple[int, int] | None = None
@@ -128,11 +130,23 @@ class Peers:
             log.warning("cannot remove this gateway from gateway_peers (%s): others wait for it until it is "
                         "silent for %.0f s", type(exc).__name__, self._alive_s)  # fmt: skip
 
-    async def settled(self, local_timeout_s: float) -> None:
+    async def settled(self) -> None:
         """Wait until every call answered before now, by this gateway or any other live one, is in the database,
-        at most `local_timeout_s` for this gateway's writer and `TRAJGATE_PEER_WAIT_S` for the others'. Raises a
-        503 GatewayError when another live gateway has not caught up by then."""
-        await asyncio.gather(self._writer.settled(local_timeout_s), self._others_caught_up())
+        at most `TRAJGATE_WRITER_WAIT_S` for this gateway's writer and `TRAJGATE_PEER_WAIT_S` for the others'.
+        Raises a 503 GatewayError when one of them has not caught up by then: the request would otherwise find a
+        trajectory unknown (a 404 for one just answered) or make its group ready without its last call."""
+        await asyncio.gather(self._own_caught_up(), self._others_caught_up())
+
+    async def _own_caught_up(self) -> None:
+        if await self._writer.settled(self._writer_wait_s):
+            return
+        message = (
+            f"this gateway has not yet stored the calls it answered before this request ({self._writer_wait_s:g} s, "
+            "TRAJGATE_WRITER_WAIT_S): nothing was stored; retry later"
+        )
+        log.warning("refused a request after %.1f s waiting for this gateway's writer (TRAJGATE_WRITER_WAIT_S)",
+                    self._writer_wait_s)  # fmt: skip
+        raise GatewayError(503, message, "server_error", "calls_not_written", retry_after_s=1)
 
     async def others_written(self, wait_s: float) -> bool:
         """Whether, within `wait_s`, every other live gateway (if any) wrote every call it answered before now
@@ -154,7 +168,7 @@ class Peers:
                 f"gateway(s) {', '.join(behind)} have not yet written the calls they answered before this request "
                 f"({self._wait_s:g} s, TRAJGATE_PEER_WAIT_S): nothing was stored; retry later"
             )
-            raise GatewayError(503, message, "server_error", "gateways_behind")
+            raise GatewayError(503, message, "server_error", "gateways_behind", retry_after_s=1)
 
 
 async def others_caught_up(engine: Engine, own_id: str, poll_s: float, alive_s: float, wait_s: float) -> list[str]:

@@ -375,8 +375,8 @@ class RecordWriter:
         """Someone waits for the records submitted before `target` (a reward for its trajectory's calls): a lowered
         writer's relief writes them at the process's priority. Without it, a writer under SCHED_IDLE on a core that
         other processes keep busy (a vLLM on the same machine, a client) got so little of it that five records took
-        1.4-2.4 s to store beside one busy process and 4.9-7.2 s beside three (a 2-core AMD EPYC): a reward waits 5 s
-        for them, then answers 404 for a trajectory that was just answered. Called under `_cond`."""
+        1.4-2.4 s to store beside one busy process and 4.9-7.2 s beside three (a 2-core AMD EPYC), while a reward
+        then waited 5 s for them and answered 404 for a trajectory that was just answered. Called under `_cond`."""
         self._lift_until = max(self._lift_until, target)
         if self._relief is not None:
             self._backlog.set()

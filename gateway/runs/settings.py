@@ -219,6 +219,14 @@ class Settings(BaseSettings):
         description="Longest a reward, close or judge request waits for other gateways to write the calls they "
         "answered before it arrived (then a 503, nothing stored); 0 does not wait for them.",
     )
+    writer_wait_s: float = Field(
+        30.0,
+        gt=0,
+        le=600,
+        description="Longest a reward, close or judge request waits for this gateway's own writer to store the "
+        "calls it answered before the request arrived (then a 503 calls_not_written with Retry-After, nothing "
+        "stored: a group is never made ready without a call its agent was already answered).",
+    )
     db_threads: int = Field(
         32,
         ge=1,

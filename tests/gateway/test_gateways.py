@@ -251,8 +251,10 @@ def test_who_is_waited_for(upstream: FakeUpstream, pg_url: str, tmp_path: Path) 
             assert _timeouts(gw) == 0  # the dead gateway was not waited for
             with engine.begin() as conn:
                 conn.execute(insert(GatewayPeer).values(gateway_id="stuck", started_at=now, seen_at=now + 3600))
-            refused = assert_openai_error(reward(gw, "p-0", 0.5), 503)  # waited 0.5 s for "stuck", then refused
+            response = reward(gw, "p-0", 0.5)
+            refused = assert_openai_error(response, 503)  # waited 0.5 s for "stuck", then refused
             assert refused["code"] == "gateways_behind" and "stuck" in refused["message"]
+            assert response.headers["retry-after"] == "1"
             assert group(gw, "g-peers")["trajectories"][0]["reward"] == 1.0  # nothing stored
             closed = httpx.post(f"{gw.base_url}/groups/g-peers/close", timeout=30)
             assert_openai_error(closed, 503)

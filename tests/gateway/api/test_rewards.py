@@ -272,6 +272,37 @@ def test_reward_overtaking_the_last_call(
     assert [t["calls"] for t in group(gateway, "g-overtake-2")["trajectories"]] == [2]
 
 
+def test_a_reward_whose_calls_are_not_yet_stored_is_503_and_stores_nothing(
+    gateway_settings: dict[str, object], upstream: FakeUpstream, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past TRAJGATE_WRITER_WAIT_S a reward (or close) is refused with a 503 the client retries, and nothing is
+    stored. Going ahead would answer 404 for a trajectory the agent was just answered, or, as for `w-two` here,
+    make its group ready without its last call: the trainer would train on half a trajectory."""
+    gate = hold_the_writer(monkeypatch)
+    gate.set()
+    with running_gateway(**{**gateway_settings, "writer_wait_s": 0.3}) as gw:
+        make_calls(gw, upstream, ["w-two"], group="g-unwritten-2", size=1)
+        gw.flush()
+        gate.clear()
+        make_calls(gw, upstream, ["w-new"], group="g-unwritten-1", size=1)
+        make_calls(gw, upstream, ["w-two"], group="g-unwritten-2", size=1)  # its last call, held unwritten
+        for trajectory in ("w-new", "w-two"):
+            refused = reward(gw, trajectory, 1.0)
+            error = assert_openai_error(refused, 503)
+            assert error["code"] == "calls_not_written" and "TRAJGATE_WRITER_WAIT_S" in error["message"]
+            assert refused.headers["retry-after"] == "1"
+        closed = httpx.post(f"{gw.base_url}/groups/g-unwritten-2/close", timeout=30)
+        assert assert_openai_error(closed, 503)["code"] == "calls_not_written"
+        view = group(gw, "g-unwritten-2")
+        assert (view["state"], view["rewarded"]) == ("open", 0)  # nothing was stored
+        assert [t["calls"] for t in view["trajectories"]] == [1]
+        gate.set()
+        retried = reward(gw, "w-two", 1.0)
+        assert retried.status_code == 200 and retried.json()["group_ready"] is True, retried.text
+        assert [t["calls"] for t in group(gw, "g-unwritten-2")["trajectories"]] == [2]
+        assert reward(gw, "w-new", 0.5).status_code == 200
+
+
 async def test_rewards_waiting_for_records_leave_reads_answering(
     gateway_settings: dict[str, object], upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -60,7 +60,10 @@ def test_the_gateway_forgets_once_per_alive_window(
     monkeypatch.setattr(heartbeat.store, "beat", beat)
     writer = RecordWriter(engine, tmp_path / "spool")
     try:
-        peers = Peers(engine, writer, GatewayMetrics(), poll_s=0.1, alive_s=10.0, wait_s=1.0, clock=lambda: clock[0])
+        peers = Peers(
+            engine, writer, GatewayMetrics(), poll_s=0.1, alive_s=10.0, wait_s=1.0, writer_wait_s=1.0,
+            clock=lambda: clock[0],
+        )  # fmt: skip
         for step in (0.0, 0.1, 5.0, 9.9, 10.0, 10.1, 25.0):
             clock[0] = 1000.0 + step
             asyncio.run(peers.beat())
