@@ -195,8 +195,9 @@ class RecordWriter:
         self._spool = Spool(Path(spool_dir), segment_bytes, sync_each=fsync_interval_s == 0, fsync=fsync)
         self._syncer = Syncer(self._sync, fsync_interval_s) if fsync_interval_s > 0 else None
         self._queue: _Queue = _Queue(maxsize=queue_size)
-        # The queue is also bounded by its records' spool lines' bytes: a count alone lets agents' long prompts (a
-        # 30k-token prompt is ~1 MB as Python ints, ~5x its line) fill gigabytes before anything spills.
+        # The queue is also bounded by its records' spool lines' bytes, which is what it holds (`_Entry`): a count
+        # alone lets agents' long prompts fill gigabytes before anything spills (a writer process's entries also keep
+        # the record: a 30k-token prompt is ~1 MB as Python ints, ~5x its line).
         self._queue_bytes = queue_bytes
         self._queued_bytes = 0  # under `_cond`
         self._batch_size = batch_size

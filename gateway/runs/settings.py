@@ -130,7 +130,8 @@ class Settings(BaseSettings):
     writer_queue_bytes: int = Field(
         128 * 1024 * 1024,
         ge=1,
-        description="Bytes of spool lines held in memory (about a fifth of what the records take) before spilling.",
+        description="Bytes of spool lines held in memory before spilling (with a writer process the queue also holds the "
+        "records, about 5x their lines).",
     )
     writer_process: bool = Field(
         False,
