@@ -57,10 +57,10 @@ mypy: $(STAMP)
 test: test-fast test-e2e
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not e2e"
+	$(PY) -m pytest -m "not e2e" --durations=15
 
 test-e2e: $(STAMP) vllm-setup
-	$(PY) -m pytest -m e2e tests/e2e
+	$(PY) -m pytest -m e2e tests/e2e --durations=0
 
 vllm-setup: $(STAMP)
 	$(PY) -m trainer.demo.vllm_cpu setup
