@@ -139,8 +139,8 @@ class RunConfig(BaseModel):
     # Admission at the gateway (gateway/proxy/admit.py): a train-mode call that starts a group is admitted only while
     # the run's admitted, not yet trained groups fit what the trainer can consume before their policy is more than
     # max_staleness versions old: in flight < (max_staleness + 1 - steps committed but not yet served - 1 while a step
-    # trains) x groups_per_step. "wait": the call waits up to admission_timeout_s for room; "reject": 429 with Retry-After at
-    # once; "off": no bound (groups past max_staleness are dropped by the trainer instead).
+    # trains) x groups_per_step. "wait": the call waits up to admission_timeout_s for room; "reject": 429 with
+    # Retry-After at once; "off": no bound (groups past max_staleness are dropped by the trainer instead).
     admission: Literal["wait", "reject", "off"] = "wait"
     admission_timeout_s: Finite = Field(300.0, gt=0, le=3600)
     # A step committed but not served yet admits no new group at all (instead of max_staleness x groups_per_step),
