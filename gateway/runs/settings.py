@@ -130,8 +130,8 @@ class Settings(BaseSettings):
     writer_queue_bytes: int = Field(
         128 * 1024 * 1024,
         ge=1,
-        description="Bytes of spool lines held in memory before spilling (with a writer process the queue also holds the "
-        "records, about 5x their lines).",
+        description="Bytes of spool lines held in memory before spilling (the first 512 queued records, and with a "
+        "writer process all, are held as records too, about 5x their lines).",
     )
     writer_process: bool = Field(
         False,

@@ -510,10 +510,13 @@ def _live_call_records() -> int:
     return sum(1 for obj in gc.get_objects() if isinstance(obj, CallRecord))
 
 
-def test_queued_records_wait_as_their_lines_and_are_stored_whole(engine: Engine, spool_dir: Path) -> None:
-    """A record waiting in the queue is its spool line, not a CallRecord with its dicts and lists: nothing for the
-    cyclic garbage collector to walk on the event loop's thread while the writer lags. What the writer reads back
-    from the line is what the database gets, field for field."""
+def test_queued_records_past_a_bound_wait_as_their_lines_and_all_are_stored_whole(
+    engine: Engine, spool_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past KEEP_RECORDS_BELOW queued, a record waits as its spool line, not a CallRecord with its dicts and lists:
+    nothing more for the cyclic garbage collector to walk on the event loop's thread while the writer lags. What the
+    writer reads back from a line, and what it was handed whole, is what the database gets, field for field."""
+    monkeypatch.setattr(writer_module, "KEEP_RECORDS_BELOW", 10)
     writer = RecordWriter(engine, spool_dir, **FAST)
     request = {"logit_bias": {"50256": -100}, "messages": [{"role": "user", "content": "é"}]}
     usage = {"prompt_tokens": 8, "completion_tokens": 4}
@@ -524,7 +527,7 @@ def test_queued_records_wait_as_their_lines_and_are_stored_whole(engine: Engine,
     for record in expected:  # not started: every record waits in the queue
         writer.submit(copy.deepcopy(record))
     assert writer.stats().queue_depth == len(expected)
-    assert _live_call_records() == before  # the copies are gone: the queue holds no record object
+    assert _live_call_records() == before + 10  # the first ten copies are kept, the other thirty are gone
     writer.start()
     try:
         assert writer.flush(20)
