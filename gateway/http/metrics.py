@@ -257,7 +257,15 @@ class GatewayMetrics:
         )
         self.peer_wait_timeouts = Counter(
             "trajgate_peer_wait_timeouts",
-            "Reward, close or judge requests that went ahead before some other gateway had caught up",
+            "Reward, close or judge requests refused (503 gateways_behind) because another gateway had not written "
+            "the calls it answered before them within TRAJGATE_PEER_WAIT_S",
+            registry=self.registry,
+        )
+        # This gateway's own writer (gateway/recorder/heartbeat.py, `Peers._own_caught_up`).
+        self.writer_wait_timeouts = Counter(
+            "trajgate_writer_wait_timeouts",
+            "Reward, close or judge requests refused (503 calls_not_written) because this gateway's writer had not "
+            "stored the calls answered before them within TRAJGATE_WRITER_WAIT_S",
             registry=self.registry,
         )
 

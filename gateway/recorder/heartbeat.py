@@ -140,6 +140,7 @@ class Peers:
     async def _own_caught_up(self) -> None:
         if await self._writer.settled(self._writer_wait_s):
             return
+        self._metrics.writer_wait_timeouts.inc()
         message = (
             f"this gateway has not yet stored the calls it answered before this request ({self._writer_wait_s:g} s, "
             "TRAJGATE_WRITER_WAIT_S): nothing was stored; retry later"

@@ -293,6 +293,7 @@ def test_a_reward_whose_calls_are_not_yet_stored_is_503_and_stores_nothing(
             assert refused.headers["retry-after"] == "1"
         closed = httpx.post(f"{gw.base_url}/groups/g-unwritten-2/close", timeout=30)
         assert assert_openai_error(closed, 503)["code"] == "calls_not_written"
+        assert gw.app.state.metrics.writer_wait_timeouts._value.get() == 3  # on /metrics: two rewards, one close
         view = group(gw, "g-unwritten-2")
         assert (view["state"], view["rewarded"]) == ("open", 0)  # nothing was stored
         assert [t["calls"] for t in view["trajectories"]] == [1]
