@@ -45,6 +45,8 @@ log = logging.getLogger("trajgate.peers")
 
 # Rows of gateways silent for this many alive-windows are deleted (one killed without removing its own).
 FORGET_AFTER_ALIVE = 100
+# A request refused because some writer is behind says when to retry: the wait it already made bounds the backlog.
+RETRY_AFTER_S = 1
 
 
 class Peers:
@@ -147,7 +149,7 @@ class Peers:
         )
         log.warning("refused a request after %.1f s waiting for this gateway's writer (TRAJGATE_WRITER_WAIT_S)",
                     self._writer_wait_s)  # fmt: skip
-        raise GatewayError(503, message, "server_error", "calls_not_written", retry_after_s=1)
+        raise GatewayError(503, message, "server_error", "calls_not_written", retry_after_s=RETRY_AFTER_S)
 
     async def others_written(self, wait_s: float) -> bool:
         """Whether, within `wait_s`, every other live gateway (if any) wrote every call it answered before now
@@ -169,7 +171,7 @@ class Peers:
                 f"gateway(s) {', '.join(behind)} have not yet written the calls they answered before this request "
                 f"({self._wait_s:g} s, TRAJGATE_PEER_WAIT_S): nothing was stored; retry later"
             )
-            raise GatewayError(503, message, "server_error", "gateways_behind", retry_after_s=1)
+            raise GatewayError(503, message, "server_error", "gateways_behind", retry_after_s=RETRY_AFTER_S)
 
 
 async def others_caught_up(engine: Engine, own_id: str, poll_s: float, alive_s: float, wait_s: float) -> list[str]:
