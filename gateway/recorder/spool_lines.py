@@ -20,7 +20,6 @@ from gateway.store.arrays import PackedArrays, decode_ids, decode_logprobs, enco
 from gateway.store.call_record import CallRecord
 
 _FIELDS = tuple(f.name for f in fields(CallRecord))
-_FIELD_SET = frozenset(_FIELDS)
 
 
 class WriteFailed(Exception):
@@ -93,11 +92,12 @@ def read_spool_record(line: bytes) -> tuple[CallRecord, PackedArrays | None]:
             packed.append(blob)
         elif value is None:
             packed.append(None)
-    # A line this version wrote has every field and no other (the writer thread reads every record back from its line,
-    # gateway.recorder.writer). Fields added to CallRecord after a line was spooled read as None, so an upgrade can
-    # replay an older spool.
-    values: dict[str, Any] = data if data.keys() == _FIELD_SET else {name: data.get(name) for name in _FIELDS}
-    return CallRecord(**values), PackedArrays(*packed) if len(packed) == len(_PACKED) else None
+    # By position, not `CallRecord(**data)`: the keys orjson makes are not the interned strings of the parameters'
+    # names, and CPython then matches each keyword by comparing it with every name (13 µs of the 40 a read-back cost
+    # on a 2-core Intel Xeon, against 4 by position). Fields added to CallRecord after a line was spooled read as
+    # None, so an upgrade can replay an older spool.
+    values: list[Any] = [data.get(name) for name in _FIELDS]
+    return CallRecord(*values), PackedArrays(*packed) if len(packed) == len(_PACKED) else None
 
 
 def reason(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from sqlalchemy import Engine, select
 
@@ -82,6 +83,35 @@ def test_spool_line_round_trips_exactly() -> None:
     assert read_spool_line(spool_line(int_keys)).request == {"logit_bias": {"50256": -100}}
     unpackable = make_record(prompt_token_ids=[2**40])  # kept as JSON, so the store can refuse it and keep it aside
     assert read_spool_line(spool_line(unpackable)).prompt_token_ids == [2**40]
+
+
+def test_every_field_of_a_spool_line_reads_back_into_its_own_place_and_an_older_line_reads_as_none() -> None:
+    """The record is rebuilt from its line by position: each field, set to a value no other field has, must land in
+    its own place; a line spooled before the token_in fields existed reads them as None."""
+    record = make_record(
+        group_size=7,
+        ttft_ms=3.25,
+        idempotency_key="key-1",
+        error="error-1",
+        untrainable_reason="reason-1",
+        history_key="history-1",
+        segment_reason="segment-1",
+        predecessor_seq=11,
+        predecessor_choice=13,
+        retry_count=17,
+    )
+    assert read_spool_line(spool_line(record)) == record
+    older = orjson.loads(spool_line(record))
+    for name in ("history_key", "segment_reason", "predecessor_seq", "predecessor_choice"):
+        del older[name]
+    back = read_spool_line(orjson.dumps(older))
+    assert (back.history_key, back.segment_reason, back.predecessor_seq, back.predecessor_choice) == (None,) * 4
+    assert (back.id, back.retry_count, back.idempotency_key, back.created_at) == (
+        record.id,
+        17,
+        "key-1",
+        record.created_at,
+    )
 
 
 def test_a_spool_line_carries_the_packed_arrays_its_row_stores() -> None:
