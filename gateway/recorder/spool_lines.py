@@ -93,9 +93,9 @@ def read_spool_record(line: bytes) -> tuple[CallRecord, PackedArrays | None]:
         elif value is None:
             packed.append(None)
     # By position, not `CallRecord(**data)`: the keys orjson makes are not the interned strings of the parameters'
-    # names, and CPython then matches each keyword by comparing it with every name (13 µs of the 40 a read-back cost
-    # on a 2-core Intel Xeon, against 4 by position). Fields added to CallRecord after a line was spooled read as
-    # None, so an upgrade can replay an older spool.
+    # names, and CPython then matches each keyword by comparing it with every name (a read-back cost ~10 µs more on
+    # a 2-core Intel Xeon, bench/README.md). Fields added to CallRecord after a line was spooled read as None, so an
+    # upgrade can replay an older spool.
     values: list[Any] = [data.get(name) for name in _FIELDS]
     return CallRecord(*values), PackedArrays(*packed) if len(packed) == len(_PACKED) else None
 
