@@ -128,8 +128,9 @@ def single(batch: int, count: int) -> Iterator[list[CallRecord]]:
     for _ in range(count):
         out = []
         for _ in range(batch):
-            trajectory = f"gen-{uuid.uuid4().hex}"
-            out.append(_record(rng, trajectory, trajectory, 0, question, [rng.randrange(50_000) for _ in range(30)]))
+            trajectory = f"tg-{uuid.uuid4().hex}"
+            record = _record(rng, trajectory, trajectory, 0, question, [rng.randrange(50_000) for _ in range(30)])
+            out.append(replace(record, generated_trajectory=True))
         yield out
 
 
@@ -151,10 +152,11 @@ def gateway_call(batch: int, count: int) -> Iterator[list[CallRecord]]:
     for _ in range(count):
         out = []
         for _ in range(batch):
-            trajectory = f"gen-{uuid.uuid4().hex}"
+            trajectory = f"tg-{uuid.uuid4().hex}"
             record = _record(rng, trajectory, trajectory, 0, request["messages"], list(choice.prompt_token_ids or ()))
             out.append(replace(
-                record, request=orjson.loads(orjson.dumps(request)), response=slim_response(recorded),
+                record, generated_trajectory=True, request=orjson.loads(orjson.dumps(request)),
+                response=slim_response(recorded),
                 completion_token_ids=list(completion), completion_logprobs=list(logprobs), usage=dict(usage),
             ))
         yield out

@@ -451,6 +451,7 @@ class Proxy:
                     segment_reason=call.segment_reason,
                     predecessor_seq=call.predecessor[0] if call.predecessor else None,
                     predecessor_choice=call.predecessor[1] if call.predecessor else None,
+                    generated_trajectory=call.attribution.generated,
                 )
             )
 

@@ -239,7 +239,7 @@ class RecordWriter:
         self.db_up = True
         self.counters = WriterCounters()  # changed only under `_cond`
         # Owned here, handed to every batch: the newest call per trajectory this process wrote (gateway.store.records).
-        self._lineage = LineageCache()
+        self.lineage = LineageCache()
 
     # --- the hot path -------------------------------------------------------------------------------------------
 
@@ -696,7 +696,7 @@ class RecordWriter:
         self, records: Sequence[CallRecord], lines: Sequence[bytes | None], packed: Sequence[PackedArrays | None]
     ) -> None:
         if self._process is None:
-            write_calls(self._engine, records, self._lineage, packed)
+            write_calls(self._engine, records, self.lineage, packed)
             return
         # Lines the hot path made are sent as they are; a record held in memory or replayed without one gets its own.
         self._process.write([spool_line(record) if line is None else line for record, line in zip(records, lines)])

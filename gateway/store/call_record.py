@@ -48,4 +48,8 @@ class CallRecord:
     segment_reason: str | None = None
     predecessor_seq: int | None = None
     predecessor_choice: int | None = None
+    # The gateway made the trajectory id up (the call carried none): no later call is expected to continue it, so the
+    # writer keeps nothing of it for one (its lineage cache, the request's message digests). A client that reuses the
+    # id from the response's X-Trajectory-Id still gets a correct lineage, from the stored row.
+    generated_trajectory: bool = False
 

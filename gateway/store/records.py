@@ -564,7 +564,7 @@ def write_calls(
         return
     for record in calls:
         give_way()
-        if record.choice_index == 0:
+        if record.choice_index == 0 and not record.generated_trajectory:
             predecessor = _predecessor_of(record, digests[record.id])
             cache.remember(record.trajectory_id, predecessor, record.id, packed_by_id[record.id])
 
@@ -738,6 +738,11 @@ class LineageCache:
         self._entries: OrderedDict[str, dict[bytes | None, _Entry]] = OrderedDict()
         self._lock = threading.Lock()
 
+    def __contains__(self, trajectory_id: object) -> bool:
+        """Whether it holds any call of the trajectory (a generated one's it never does)."""
+        with self._lock:
+            return trajectory_id in self._entries
+
     def get(self, trajectory_id: str, seq: int, call_id: str) -> Predecessor | None:
         with self._lock:
             agents = self._entries.get(trajectory_id) or {}
@@ -856,7 +861,8 @@ def _lineages(
         record = by_trajectory[trajectory_id][0]
         kept[trajectory_id].append(record)
         firsts[(trajectory_id, record.seq)] = (record.seq, record.retry_count)
-        digests[record.id] = message_digests(record.request, key_order)
+        # Only the lineage cache reads a first call's digests, and it keeps nothing of a generated trajectory.
+        digests[record.id] = None if record.generated_trajectory else message_digests(record.request, key_order)
         packed[record.id] = given.get(id(record)) or _packed(record)
         # What classify and _in_tree give a call with nothing before it, built at once: a first call, a root, its own
         # tree key (one NamedTuple and a few calls, where classify and _in_tree took 15 µs: ~8 % of its record).

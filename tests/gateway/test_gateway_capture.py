@@ -204,6 +204,8 @@ def test_eval_mode_and_generated_ids(gateway: RunningGateway, upstream: FakeUpst
     gateway.flush()
     assert stored_calls(db_url, "te")[0]["group"]["mode"] == "eval"
     assert stored_calls(db_url, fresh)[0]["group"]["expected_size"] == 1
+    # No later call is expected in a generated trajectory: the writer's lineage cache keeps nothing of it.
+    assert "te" in gateway.app.state.writer.lineage and fresh not in gateway.app.state.writer.lineage
 
 
 def test_conversation_turns_are_ordered(gateway: RunningGateway, upstream: FakeUpstream, db_url: str) -> None:

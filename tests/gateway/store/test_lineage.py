@@ -5,6 +5,7 @@ full prompt back exactly, on both backends. The tool conversation is the one rec
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -160,6 +161,34 @@ def test_linear_storage_round_trips_exactly(engine: Engine, batching: str) -> No
     assert view is not None
     assert [c["prompt_tokens"] for c in view["calls"]] == [len(p or []) for p in full]
     assert [c["merge_reason"] for c in view["calls"]] == [r.merge_reason for r in rows]
+
+
+def test_the_writer_keeps_nothing_of_a_generated_trajectory_and_a_client_that_reuses_its_id_still_extends_it(
+    engine: Engine,
+) -> None:
+    """A call that carried no trajectory id got one made up: no later call is expected, so the lineage cache keeps
+    nothing of it (an attributed first call is kept). A client that reuses the id from the response header still gets
+    the lineage it would have had, its predecessor read back from the stored row."""
+    generated = [replace(call, trajectory_id="tg-1", group_id="tg-1") for call in conversation()]
+    generated[0] = replace(generated[0], generated_trajectory=True)
+    cache = LineageCache()
+    write_calls(engine, generated[:1], cache)
+    assert "tg-1" not in cache
+    for call in generated[1:]:
+        write_calls(engine, [call], cache)
+    attributed = conversation()
+    write_calls(engine, attributed[:1], cache)
+    assert "traj-1" in cache and cache.get("traj-1", attributed[0].seq, attributed[0].id) is not None
+    for call in attributed[1:]:
+        write_calls(engine, [call], cache)
+    assert _stored(engine, "tg-1") == _stored(engine, "traj-1")
+    assert [r.merge_reason for r in _stored(engine, "tg-1")] == ["first_call", "extends", "extends", "extends"]
+    with engine.connect() as conn:
+        shared = {
+            t: list(conn.execute(select(Call.messages_prefix_len).where(Call.trajectory_id == t).order_by(Call.seq)))
+            for t in ("tg-1", "traj-1")
+        }
+    assert shared["tg-1"] == shared["traj-1"] and [n for (n,) in shared["tg-1"]][1:] != [0, 0, 0]
 
 
 def test_the_run_view_counts_reasons_over_the_runs_calls(engine: Engine) -> None:
