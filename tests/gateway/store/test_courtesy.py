@@ -14,6 +14,7 @@ import pytest
 from sqlalchemy import Engine
 
 from gateway.recorder import writer as writer_module
+from gateway.recorder.spool_lines import spool_line
 from gateway.recorder.writer import FEW_CALLS_IN_FLIGHT, MIN_PAUSE_S, QUIET_S, RecordWriter
 from gateway.store import courtesy
 from gateway.store import records as records_module
@@ -115,6 +116,19 @@ def test_writing_a_batch_passes_a_yield_point_for_each_record(engine: Engine, cl
     assert count_calls(engine) == 40
     # settling and lineage, the rows and the cache: at least three passes over the batch
     assert len(clock.pauses) >= 3 * len(records)
+
+
+def test_reading_a_batch_back_from_its_lines_passes_a_yield_point_for_each_line(clock: Clock) -> None:
+    """Records past the queue's bound wait as their log lines; a batch of them read back is ~5 ms of the writer's CPU,
+    so each line read back is a slice of its own (a record still held is not read)."""
+    records = [make_record(f"t{i}", 0, group_id=f"g{i}") for i in range(6)]
+    entries = [writer_module._Entry(None, None, 0, spool_line(r), None) for r in records[:5]]
+    entries.append(writer_module._Entry(records[5], None, 0, spool_line(records[5]), None))
+    clock.ticking = True
+    with courtesy.giving_way(0.5, lambda: 0.0001):
+        back, _ = writer_module._records(entries)
+    assert back == records
+    assert len(clock.pauses) == 5
 
 
 def test_the_batch_document_is_dumped_a_row_at_a_time(clock: Clock) -> None:
